@@ -1,0 +1,1 @@
+"""kvtether SDK: session stamping for openai clients, the wire contract, client-side TTFT, recording."""

@@ -1,0 +1,1 @@
+"""kvtether simulator: a vLLM-compatible prefill/decode engine simulator (embedded backend and test oracle)."""
