@@ -1,0 +1,26 @@
+"""The `kvtether` command: each sub-command lives in its own module with a `register(app)` function."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="kvtether",
+    help="Session-pinned, token-verified KV reuse for multi-turn agents on vLLM prefill/decode clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+# Filled in as the command modules land; every name here must import.
+_COMMAND_MODULES: tuple[str, ...] = ()
+
+for _name in _COMMAND_MODULES:
+    importlib.import_module(f"kvtether.cli.{_name}").register(app)
+
+
+@app.callback()
+def _root() -> None:
+    """kvtether: sim, serve, demo, replay, up, sessions."""
