@@ -1,10 +1,21 @@
-"""Named simulator set-ups: a model shape on a hardware configuration plus engine limits."""
+"""Named simulator set-ups: a model shape on a hardware configuration plus engine limits.
+
+Every number below is either copied from a public model config / data sheet (the source is named next to
+it) or marked ASSUMPTION. Derived numbers (parameter counts, KV bytes per token) are computed from the
+config values by the small functions here, so a test can hold them against the formula. Each preset has
+exactly one free factor, `Hardware.efficiency`, chosen a priori (the reason is written next to it), never
+fitted to a benchmark point.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvtether.sim.cost import CostModel, Hardware, ModelShape
+
+GB = 1e9
+TFLOPS = 1e12
+GBIT = 1e9 / 8  # bytes/s in one Gb/s
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +27,7 @@ class Preset:
     max_num_batched_tokens: int  # token budget of one engine step (chunked prefill)
     max_num_seqs: int  # running requests per node
     block_size: int = 16
+    sources: tuple[str, ...] = ()  # where the model and hardware numbers come from
 
 
 class UnknownPreset(KeyError):
@@ -26,6 +38,47 @@ class UnknownPreset(KeyError):
     def __str__(self) -> str:
         return f"unknown preset {self.name!r}; known: {', '.join(sorted(PRESETS))}"
 
+
+# --- formulas from config.json fields ------------------------------------------------------------------
+
+
+def gqa_kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: float) -> float:
+    """K and V, every layer, every KV head: 2 * layers * kv_heads * head_dim * bytes.
+
+    With tensor parallelism up to n_kv_heads ranks the heads are split, not copied, so the node total is
+    the same as one GPU's would be (assumes tp <= n_kv_heads, true for the presets here).
+    """
+    return 2.0 * n_layers * n_kv_heads * head_dim * dtype_bytes
+
+
+def gqa_layer_params(hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, intermediate: int) -> float:
+    """Weights of one GQA + SwiGLU decoder layer (q, k, v, o projections; gate, up, down); norms ignored."""
+    attention = hidden * n_heads * head_dim * 2 + hidden * n_kv_heads * head_dim * 2
+    mlp = 3 * hidden * intermediate
+    return float(attention + mlp)
+
+
+# vLLM's FP8 MLA cache for DeepSeek sparse attention ("fp8_ds_mla"): 512 FP8 latent values, 4 FP32 scales
+# (16 B) and the 64-dim RoPE key in BF16 (128 B) = 656 B per token per layer. Source: vllm-project/vllm,
+# vllm/v1/attention/backends/mla/flashmla_sparse.py, FlashMLASparseBackend.get_kv_cache_shape ("custom
+# storage format is 656 bytes").
+FP8_DS_MLA_BYTES = 656
+# DSA indexer key cache: index_head_dim FP8 values + one FP32 scale per 128 = 128 + 4 = 132 B per token per
+# layer. Source: vllm-project/vllm, vllm/model_executor/models/deepseek_v2.py, Indexer:
+# DeepseekV32IndexerCache(head_dim=head_dim + head_dim // quant_block_size * 4).
+DSA_INDEXER_BYTES = 128 + 128 // 128 * 4
+
+
+def mla_dsa_kv_bytes_per_token(n_layers: int, tp: int) -> float:
+    """GLM-5 / DeepSeek-V3.2 with an FP8 KV cache: (656 + 132) B per layer per token on EVERY TP rank.
+
+    MLA has one latent "KV head", which tensor parallelism cannot split: each of the `tp` ranks keeps a
+    full copy, and each rank pulls its own copy in a NIXL transfer, so the node total is tp times a GPU's.
+    """
+    return float(n_layers * (FP8_DS_MLA_BYTES + DSA_INDEXER_BYTES) * tp)
+
+
+# --- toy -----------------------------------------------------------------------------------------------
 
 # A tiny CPU-friendly model (the shape of the 2-layer test model of docs/vllm-cpu.md) on one CPU
 # socket. Efficiency 0.3: eager PyTorch on CPU reaches a fraction of peak.
@@ -41,7 +94,7 @@ TOY = Preset(
             n_heads=4,
             qk_head_dim=32,
             v_head_dim=32,
-            kv_bytes_per_token=2 * 2 * 2 * 32 * 2,
+            kv_bytes_per_token=gqa_kv_bytes_per_token(n_layers=2, n_kv_heads=2, head_dim=32, dtype_bytes=2),
         ),
         hardware=Hardware(
             name="cpu",
@@ -57,9 +110,222 @@ TOY = Preset(
     kv_capacity_tokens=262_144,
     max_num_batched_tokens=8192,
     max_num_seqs=64,
+    sources=("ASSUMPTION: shape of the 2-layer test model of docs/vllm-cpu.md; CPU figures are rough",),
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (TOY,)}
+# --- hardware ------------------------------------------------------------------------------------------
+
+# NVIDIA H100 SXM5 / H200 SXM data sheets: dense (no 2:4 sparsity) BF16 989 TFLOPS, FP8 1979 TFLOPS per GPU
+# (the data sheets print the sparse 1979 / 3958); HBM3 3.35 TB/s and 80 GB (H100), HBM3e 4.8 TB/s and 141 GB
+# (H200). Dense figures as tabulated in e.g. https://itkb.uw.cz/2026/06/nvidia-h200-vs-b300-precisions-cores.html
+# and https://lzwjava.github.io/nvidia-h200-gpu-specs-en (which notes the data-sheet figures include sparsity).
+H100_BF16 = 989 * TFLOPS
+H200_BF16 = 989 * TFLOPS
+H200_FP8 = 1979 * TFLOPS
+H100_HBM, H100_HBM_BYTES = 3.35e12, 80 * GB
+H200_HBM, H200_HBM_BYTES = 4.8e12, 141 * GB
+# The vLLM blog's nodes: 16 x 200 Gb/s EFA per 8 x H200 node = 3.2 Tb/s = 400 GB/s (docs/vllm-pd-protocol.md §4).
+EFA_16X200 = 16 * 200 * GBIT
+# ASSUMPTION: one 400 Gb/s NIC for a single-H100 node (the usual 1 NIC per GPU of an HGX H100).
+NIC_400G = 400 * GBIT
+# ASSUMPTION: 1 ms per NIXL transfer (notification and completion poll; the side-channel handshake is made
+# once per peer and cached), and 2 ms of scheduler / input-prep / launch time per engine step at TP8 (1 ms at
+# TP1) with CUDA graphs. Both are small beside the sweep's prefill times and are not tuned.
+XFER_LATENCY = 1e-3
+STEP_OVERHEAD_TP8 = 2e-3
+STEP_OVERHEAD_TP1 = 1e-3
+# vLLM's defaults for the OpenAI server on >= 70 GiB GPUs (vllm/engine/arg_utils.py): 8192 batched tokens per
+# step, 1024 sequences; GPU memory utilization 0.9 (see CostModel.kv_capacity_tokens).
+MAX_BATCHED = 8192
+MAX_SEQS = 1024
+
+# --- Llama-3.1-8B on 1 x H100 ---------------------------------------------------------------------------
+
+# meta-llama/Llama-3.1-8B config.json: hidden 4096, 32 layers, 32 heads, 8 KV heads, head_dim 128,
+# intermediate 14336, vocab 128256, untied embeddings, BF16 (e.g. huggingface.co/NbAiLab/nb-llama-3.1-8B,
+# a verbatim copy of the base config).
+_L8_LAYER = gqa_layer_params(hidden=4096, n_heads=32, n_kv_heads=8, head_dim=128, intermediate=14336)
+_L8_VOCAB = 128256 * 4096
+LLAMA_8B = ModelShape(
+    name="Llama-3.1-8B",
+    active_params=32 * _L8_LAYER + _L8_VOCAB,  # layers + lm_head (the embedding lookup costs no FLOPs)
+    weight_bytes=2.0 * (32 * _L8_LAYER + 2 * _L8_VOCAB),  # BF16; 8.03e9 parameters
+    n_layers=32,
+    n_heads=32,
+    qk_head_dim=128,
+    v_head_dim=128,
+    kv_bytes_per_token=gqa_kv_bytes_per_token(n_layers=32, n_kv_heads=8, head_dim=128, dtype_bytes=2),
+)
+LLAMA_8B_H100 = Preset(
+    name="llama-3.1-8b-h100",
+    description="Llama-3.1-8B (BF16) on one H100 SXM, BF16 KV cache, one 400 Gb/s NIC",
+    cost=CostModel(
+        model=LLAMA_8B,
+        hardware=Hardware(
+            name="1xH100-SXM",
+            n_gpus=1,
+            peak_flops=H100_BF16,
+            hbm_bandwidth=H100_HBM,
+            # Efficiency 0.5 (a priori): an 8B model on one GPU has no TP collectives, and FlashAttention-3
+            # plus cuBLAS BF16 GEMMs of this size run at roughly half of the dense peak in vLLM prefill.
+            efficiency=0.5,
+            link_bandwidth=NIC_400G,
+            link_latency=XFER_LATENCY,
+            step_overhead=STEP_OVERHEAD_TP1,
+            hbm_capacity=H100_HBM_BYTES,
+        ),
+    ),
+    kv_capacity_tokens=0,  # filled in below from the memory budget
+    max_num_batched_tokens=MAX_BATCHED,
+    max_num_seqs=MAX_SEQS,
+    sources=(
+        "model: meta-llama/Llama-3.1-8B config.json",
+        "hardware: NVIDIA H100 SXM data sheet (dense BF16 989 TFLOPS, 3.35 TB/s, 80 GB)",
+        "ASSUMPTION: 1 x 400 Gb/s NIC; efficiency 0.5",
+    ),
+)
+
+# --- Qwen3-32B on 8 x H200, TP8 --------------------------------------------------------------------------
+
+# Qwen/Qwen3-32B config.json: hidden 5120, 64 layers, 64 heads, 8 KV heads, head_dim 128, intermediate 25600,
+# vocab 151936, untied embeddings, BF16 (copies: huggingface.co/ronnywebdevs1/d-m-1 config.json;
+# gitcode.com/Ascend/MindSpeed-RL configs/model/qwen3_32b.yaml). 31.2e9 non-embedding parameters, 32.8e9 total.
+_Q32_LAYER = gqa_layer_params(hidden=5120, n_heads=64, n_kv_heads=8, head_dim=128, intermediate=25600)
+_Q32_VOCAB = 151936 * 5120
+QWEN3_32B = ModelShape(
+    name="Qwen3-32B",
+    active_params=64 * _Q32_LAYER + _Q32_VOCAB,
+    weight_bytes=2.0 * (64 * _Q32_LAYER + 2 * _Q32_VOCAB),
+    n_layers=64,
+    n_heads=64,
+    qk_head_dim=128,
+    v_head_dim=128,
+    # 8 KV heads over TP8: one head per rank, split not copied: 256 KiB per token per node.
+    kv_bytes_per_token=gqa_kv_bytes_per_token(n_layers=64, n_kv_heads=8, head_dim=128, dtype_bytes=2),
+)
+QWEN3_32B_H200_TP8 = Preset(
+    name="qwen3-32b-h200-tp8",
+    description="Qwen3-32B (BF16) on 8 x H200 TP8, BF16 KV cache, 16 x 200 Gb/s EFA (the vLLM blog's set-up)",
+    cost=CostModel(
+        model=QWEN3_32B,
+        hardware=Hardware(
+            name="8xH200-TP8-EFA",
+            n_gpus=8,
+            peak_flops=H200_BF16,
+            hbm_bandwidth=H200_HBM,
+            # Efficiency 0.4 (a priori): BF16 GEMMs split 8 ways (5120 x 3200 per rank for the MLP) plus two
+            # NVLink all-reduces per layer keep TP8 prefill of a 32B model well under the single-GPU ~0.5.
+            efficiency=0.4,
+            link_bandwidth=EFA_16X200,
+            link_latency=XFER_LATENCY,
+            step_overhead=STEP_OVERHEAD_TP8,
+            hbm_capacity=H200_HBM_BYTES,
+        ),
+    ),
+    kv_capacity_tokens=0,
+    max_num_batched_tokens=MAX_BATCHED,
+    max_num_seqs=MAX_SEQS,
+    sources=(
+        "model: Qwen/Qwen3-32B config.json",
+        "hardware: NVIDIA H200 SXM data sheet (dense BF16 989 TFLOPS, 4.8 TB/s, 141 GB); 16 x 200 Gb/s EFA",
+        "ASSUMPTION: efficiency 0.4",
+    ),
+)
+
+# --- GLM-5-FP8 on 8 x H200, TP8 --------------------------------------------------------------------------
+
+# zai-org/GLM-5 (model_type glm_moe_dsa; transformers GlmMoeDsaConfig; NVIDIA NeMo AutoModel GlmMoeDsaConfig
+# defaults, docs.nvidia.com/nemo/automodel/.../glm_moe_dsa/config): hidden 6144, 78 layers (3 dense + 75
+# MoE), 64 heads, MLA with q_lora_rank 2048, kv_lora_rank 512, qk_nope_head_dim 192, qk_rope_head_dim 64,
+# v_head_dim 256; dense intermediate 12288; 256 routed experts (top-8) + 1 shared, moe_intermediate 2048;
+# vocab 154880; DSA indexer with index_n_heads 32, index_head_dim 128, index_topk 2048. The GLM-5 README
+# (github.com/zai-org/GLM-5): 744B parameters, 40B active, DeepSeek Sparse Attention. The -FP8 checkpoint
+# stores the linear layers in FP8 (1 byte per parameter).
+_G5_H, _G5_HEADS = 6144, 64
+_G5_ATTN = (
+    _G5_H * 2048  # q_a
+    + 2048 * _G5_HEADS * (192 + 64)  # q_b
+    + _G5_H * (512 + 64)  # kv_a (latent + rope key)
+    + 512 * _G5_HEADS * (192 + 256)  # kv_b (up-projection to per-head nope key and value)
+    + _G5_HEADS * 256 * _G5_H  # o
+    + 2048 * 32 * 128  # indexer q
+    + _G5_H * 128  # indexer k
+    + _G5_H * 32  # indexer head weights
+)
+_G5_EXPERT = 3 * _G5_H * 2048
+_G5_ROUTED = 75 * 256 * _G5_EXPERT
+_G5_VOCAB = 154880 * _G5_H
+_G5_TOTAL = 78 * _G5_ATTN + 3 * 3 * _G5_H * 12288 + 75 * _G5_EXPERT + _G5_ROUTED + 2 * _G5_VOCAB  # ~744e9
+GLM5_FP8 = ModelShape(
+    name="GLM-5-FP8",
+    active_params=float(_G5_TOTAL - _G5_ROUTED * (1 - 8 / 256) - _G5_VOCAB),  # ~41e9 (README: 40B)
+    weight_bytes=float(_G5_TOTAL + 2 * _G5_VOCAB),  # FP8 linears; embedding and lm_head kept in BF16
+    n_layers=78,
+    n_heads=_G5_HEADS,
+    # ASSUMPTION: vLLM's sparse FlashMLA runs prefill and decode in the absorbed form, so each of the 64 heads
+    # scores a 576-dim latent key (512 + 64 rope) and sums a 512-dim latent value, over the top-2048 keys.
+    qk_head_dim=512 + 64,
+    v_head_dim=512,
+    kv_bytes_per_token=mla_dsa_kv_bytes_per_token(n_layers=78, tp=8),
+    attention_window=2048,
+    indexer_dim=32 * 128,
+    indexer_bytes_per_token=float(78 * DSA_INDEXER_BYTES * 8),
+    n_experts=256,
+    experts_per_token=8,
+    expert_weight_bytes=float(_G5_ROUTED),
+)
+GLM5_FP8_H200_TP8 = Preset(
+    name="glm-5-fp8-h200-tp8",
+    description="GLM-5-FP8 (744B MoE, 40B active, MLA + DSA) on 8 x H200 TP8, FP8 KV cache, 16 x 200 Gb/s EFA",
+    cost=CostModel(
+        model=GLM5_FP8,
+        hardware=Hardware(
+            name="8xH200-TP8-EFA-fp8",
+            n_gpus=8,
+            peak_flops=H200_FP8,
+            hbm_bandwidth=H200_HBM,
+            # Efficiency 0.25 (a priori): TP8 splits each 2048-wide expert into 256-wide slices, so the FP8
+            # block-scaled grouped GEMMs are small and far from peak, on top of the TP all-reduces and the MoE
+            # routing / permutation; the sparse MLA and indexer kernels are young.
+            efficiency=0.25,
+            link_bandwidth=EFA_16X200,
+            link_latency=XFER_LATENCY,
+            step_overhead=STEP_OVERHEAD_TP8,
+            hbm_capacity=H200_HBM_BYTES,
+        ),
+    ),
+    kv_capacity_tokens=0,
+    max_num_batched_tokens=MAX_BATCHED,
+    max_num_seqs=MAX_SEQS,
+    block_size=64,  # vLLM's sparse FlashMLA backend only supports 64-token blocks
+    sources=(
+        "model: zai-org/GLM-5 config (GlmMoeDsaConfig) and README (744B / 40B active, DSA)",
+        "kv: vLLM fp8_ds_mla 656 B + DSA indexer 132 B per token per layer, replicated on each TP rank",
+        "hardware: NVIDIA H200 SXM data sheet (dense FP8 1979 TFLOPS, 4.8 TB/s, 141 GB); 16 x 200 Gb/s EFA",
+        "ASSUMPTION: efficiency 0.25; absorbed-MLA attention FLOPs; FP8 KV cache (--kv-cache-dtype fp8)",
+    ),
+)
+
+
+def _sized(preset: Preset) -> Preset:
+    """The preset with its KV capacity computed from HBM, weights and bytes per token (vLLM's budget)."""
+    return Preset(
+        name=preset.name,
+        description=preset.description,
+        cost=preset.cost,
+        kv_capacity_tokens=preset.cost.kv_capacity_tokens(),
+        max_num_batched_tokens=preset.max_num_batched_tokens,
+        max_num_seqs=preset.max_num_seqs,
+        block_size=preset.block_size,
+        sources=preset.sources,
+    )
+
+
+LLAMA_8B_H100 = _sized(LLAMA_8B_H100)
+QWEN3_32B_H200_TP8 = _sized(QWEN3_32B_H200_TP8)
+GLM5_FP8_H200_TP8 = _sized(GLM5_FP8_H200_TP8)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (TOY, LLAMA_8B_H100, QWEN3_32B_H200_TP8, GLM5_FP8_H200_TP8)}
 
 
 def get_preset(name: str) -> Preset:
