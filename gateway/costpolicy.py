@@ -1,0 +1,548 @@
+"""Cost-based per-turn placement (pure): which of three ways to run a turn is cheapest, and why.
+
+Options for a turn of a session pinned to decode node D (vLLM P/D with ``bidirectional_kv_xfer``):
+
+- ``decode_local``: send the whole request to D. D's prefix cache already holds the history (the handle's
+  blocks, or what an earlier local turn left), so D prefills only the uncached suffix — but it does so in
+  the same engine steps as the decode batch already running there, stalling those requests (interference).
+  On vLLM such a turn returns **no handle**: its KV stays in D's prefix cache, evictable.
+- ``pull``: P receives D's (verified, possibly truncated) handle, reads the reused tokens' KV from D, computes
+  the suffix, then D reads back only what its prefix cache lacks (≈ the suffix) and decodes. Leaves a fresh
+  handle on D.
+- ``cold``: P computes the whole prompt, D reads what it lacks. Leaves a fresh handle. The only option when
+  the pinned D is dead (then on another D, which lacks everything).
+
+Estimated TTFT of each (all terms from an :class:`EstimatorSnapshot`, learned online):
+
+    local = queue_D(waiting_D) + max(prefill_D(n_local | cached), ceil(n_local/chunk)·tpot_D(running_D+1))
+    pull  = queue_P(waiting_P+running_P) + transfer(D→P, reuse) + prefill_P(prompt−reuse | reuse)
+            + transfer(P→D, prompt−cached_D) + queue_D(waiting_D) + tpot_D(running_D+1)
+    cold  = queue_P(...) + prefill_P(prompt−cached_P | cached_P) + transfer(P→D, prompt−cached_D)
+            + queue_D(waiting_D) + tpot_D(running_D+1)
+
+Score = TTFT + interference + horizon (the policy minimises the score, reports both):
+
+- interference (local only) = ``interference_weight`` × running_D × stall, stall = max(0, marginal prefill
+  compute − steps·tpot_D(running_D)): every request decoding on D is delayed by the part of the local
+  prefill that does not hide under its memory-bound decode steps. P's queue is FIFO, so work sent to P does
+  not delay requests already there; that asymmetry is why only D's batch is charged.
+- horizon = ``horizon_discount`` × E[best score of the next turn | what this option leaves behind], recursively
+  for ``horizon_turns`` turns, with the same loads and a typical next suffix. After pull/cold D holds a fresh
+  handle (next turn may pull); after decode_local it holds none and its prefix cache may be evicted (likely
+  once D's KV usage passes ``evict_kv_usage_knee``), so the next turn can only go local or cold. This is what
+  stops the policy from greedily running a turn locally when the session would then be stuck with large
+  local prefills on a busy D or a cold prefill of the whole history.
+
+Hard limits (an option over a limit is infeasible; "soft" ones can still be forced when nothing else is
+possible, e.g. every P is dead): ``max_local_suffix_tokens``; the TPOT budget (running requests' mean
+inter-token time over their next ``tpot_window_tokens`` tokens, local prefill stall included); pull needs a
+valid handle on a live pinned D, reuse ≥ vLLM's ``kv_recompute_threshold``, a bidirectional P, and enough
+handle lifetime left to outlast P's queue.
+
+No I/O, no clock: the shell gathers the facts and the snapshot, executes the decision, records ``reason``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal, Protocol, get_args
+
+from kvtether.gateway.estimates import EstimatorSnapshot
+
+Option = Literal["decode_local", "pull", "cold"]
+OPTIONS: tuple[Option, ...] = ("decode_local", "pull", "cold")  # also the tie-break order
+PolicyMode = Literal["auto", "pull", "reference", "no-pull"]
+POLICY_MODES: tuple[PolicyMode, ...] = get_args(PolicyMode)
+MAX_HORIZON_TURNS = 3  # the look-ahead tree grows ~3^h; deeper adds cost, not insight (loads change anyway)
+
+
+def parse_mode(text: str) -> PolicyMode:
+    for m in POLICY_MODES:
+        if text == m:
+            return m
+    raise ValueError(f"unknown placement policy {text!r}; known: {', '.join(POLICY_MODES)}")
+
+
+class NodeLike(Protocol):
+    """What the policy reads of a node; the shell's ``placement.NodeLoad`` fits as is."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def running(self) -> float: ...
+    @property
+    def waiting(self) -> float: ...
+    @property
+    def kv_usage(self) -> float: ...
+    @property
+    def bidirectional(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    """A node's load from its ``/metrics`` (``vllm:num_requests_running``/``_waiting``, ``kv_cache_usage_perc``)."""
+
+    url: str
+    healthy: bool = True
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0  # 0..1
+    bidirectional: bool = True  # prefill only: started with bidirectional_kv_xfer, may receive a handle
+
+
+@dataclass(frozen=True, slots=True)
+class TurnFacts:
+    """What the shell knows about this turn before placing it. Token counts are of the rendered prompt."""
+
+    prompt_tokens: int
+    suffix_tokens: int  # new tokens this turn adds to the session's history (prompt − previous prompt+output)
+    reuse_tokens: int = 0  # verified by the guard against D's held sequence (already truncated); 0 if none
+    handle_valid: bool = False  # a handle is held for the pinned D and not expired by the gateway's TTL
+    handle_age_s: float = 0.0  # since D returned the handle (the engine frees it at decoder_kv_blocks_ttl)
+    decode_cached_tokens: int = 0  # estimated prefix-cache hit on the pinned D without a handle
+    expected_output_tokens: int = 256  # for the look-ahead: the next turn's history grows by this
+    prefill_cached_tokens: int = 0  # P's own prefix-cache hit (e.g. a shared system prompt); 0 if unknown
+    next_suffix_tokens: int | None = None  # typical suffix of the session's next turn; None: this turn's
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1:
+            raise ValueError("prompt_tokens must be >= 1")
+        for name in ("suffix_tokens", "reuse_tokens", "decode_cached_tokens", "expected_output_tokens",
+                     "prefill_cached_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.next_suffix_tokens is not None and self.next_suffix_tokens < 0:
+            raise ValueError("next_suffix_tokens must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyKnobs:
+    mode: PolicyMode = "auto"
+    # Decode-local never runs a suffix longer than this (Dynamo's conditional disaggregation has the same
+    # knob). 2048 ≈ one chunked-prefill step on vLLM: beyond it the running batch stalls for several steps.
+    max_local_suffix_tokens: int = 2048
+    # Running requests on D must keep a mean inter-token time under this over their next window of tokens,
+    # local prefill stall included; a typical interactive TPOT objective.
+    tpot_budget_s: float = 0.100
+    tpot_window_tokens: int = 16
+    # Seconds of this turn's TTFT that one second of delay on *each* running request of D is worth. 1 would
+    # count a token's delay like a first token's; lower, because users notice a mid-stream hiccup less.
+    interference_weight: float = 0.5
+    # Look-ahead: turns considered after this one, and the weight of each (the session may end, loads change).
+    horizon_turns: int = 1
+    horizon_discount: float = 0.7
+    # vLLM's kv_recompute_threshold: P recomputes rather than pulls fewer tokens, so "pull" would be cold.
+    recompute_threshold_tokens: int = 64
+    # The gateway's handle TTL (below the engine's decoder_kv_blocks_ttl, 480 s) and the margin within
+    # which P declines a read near expiry (vLLM ≤ 0.28: 5 s): a pull must start before age + margin > ttl.
+    handle_ttl_s: float = 450.0
+    handle_margin_s: float = 5.0
+    block_size: int = 16  # prefix caching hits whole blocks only
+    chunk_tokens: int = 2048  # vLLM's max_num_batched_tokens: the local prefill is spread over these steps
+    # Look-ahead: above this KV usage of D, a decode-local turn's history (no handle, only prefix cache)
+    # may be evicted before the next turn; the probability rises linearly to 1 at full usage.
+    evict_kv_usage_knee: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.mode not in POLICY_MODES:
+            raise ValueError(f"unknown mode {self.mode!r}")
+        if not 0 <= self.horizon_turns <= MAX_HORIZON_TURNS:
+            raise ValueError(f"horizon_turns must be in [0, {MAX_HORIZON_TURNS}]")
+        if not 0.0 <= self.horizon_discount <= 1.0:
+            raise ValueError("horizon_discount must be in [0, 1]")
+        if self.interference_weight < 0 or self.tpot_budget_s <= 0 or self.tpot_window_tokens < 1:
+            raise ValueError("interference_weight >= 0, tpot_budget_s > 0, tpot_window_tokens >= 1")
+        if self.max_local_suffix_tokens < 0 or self.recompute_threshold_tokens < 0:
+            raise ValueError("token limits must be >= 0")
+        if not 0.0 <= self.evict_kv_usage_knee < 1.0:
+            raise ValueError("evict_kv_usage_knee must be in [0, 1)")
+        if self.block_size < 1 or self.chunk_tokens < 1:
+            raise ValueError("block_size and chunk_tokens must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class OptionEstimate:
+    """One option as the policy saw it. Not feasible: ``why_not`` says why; a soft rejection (over a limit)
+    keeps its estimates, a hard one (impossible) has an infinite ``ttft_s``."""
+
+    option: Option
+    feasible: bool
+    why_not: str = ""
+    soft: bool = False  # rejected by a limit only: may be forced when nothing else is possible
+    ttft_s: float = math.inf
+    interference_s: float = 0.0
+    horizon_s: float = 0.0
+    prefill_url: str | None = None
+    decode_url: str | None = None
+    reuse_tokens: int = 0  # tokens pulled from D (pull only)
+    computed_tokens: int = 0  # tokens prefilled
+    moved_tokens: int = 0  # tokens whose KV crosses the network (both directions)
+
+    @property
+    def score_s(self) -> float:
+        return self.ttft_s + self.interference_s + self.horizon_s
+
+
+@dataclass(frozen=True, slots=True)
+class CostDecision:
+    option: Option
+    reason: str  # short, human-readable, with the estimates: log it and put it on the turn's span
+    estimates_s: dict[str, float]  # estimated TTFT of each feasible option
+    prefill_url: str | None  # None for decode_local
+    decode_url: str
+    reuse_tokens: int = 0  # pull: send the handle truncated to this many tokens
+    policy: PolicyMode = "auto"
+    scores_s: dict[str, float] = field(default_factory=dict)  # TTFT + interference + horizon, feasible ones
+    options: tuple[OptionEstimate, ...] = ()
+    forced: bool = False  # chosen although over a limit: nothing else was possible
+    greedy_option: Option | None = None  # what the choice would be without the look-ahead (auto only)
+
+    def trace_attributes(self) -> dict[str, str | float | int | bool]:
+        """Flat attributes for a span or a JSONL trace record (names without the telemetry prefix)."""
+        out: dict[str, str | float | int | bool] = {
+            "option": self.option,
+            "policy": self.policy,
+            "reason": self.reason,
+            "decode_url": self.decode_url,
+            "reuse_tokens": self.reuse_tokens,
+            "forced": self.forced,
+        }
+        if self.prefill_url is not None:
+            out["prefill_url"] = self.prefill_url
+        if self.greedy_option is not None:
+            out["greedy_option"] = self.greedy_option
+        for o in self.options:
+            if o.feasible:
+                out[f"ttft_est_s.{o.option}"] = round(o.ttft_s, 6)
+                out[f"score_s.{o.option}"] = round(o.score_s, 6)
+            else:
+                out[f"rejected.{o.option}"] = o.why_not
+        return out
+
+
+class NoFeasibleOption(Exception):
+    """No option can run the turn (no healthy decode node, or neither a prefill node nor the pinned D)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-option estimates (no look-ahead).
+
+
+@dataclass(frozen=True, slots=True)
+class _Cluster:
+    prefills: tuple[NodeLike, ...]  # healthy, not excluded
+    decodes: tuple[NodeLike, ...]  # healthy, not excluded
+    est: EstimatorSnapshot
+    knobs: PolicyKnobs
+    # Look-ahead memo, per call of choose: after pull and after cold the next turn is the same situation.
+    memo: dict[tuple[TurnFacts, str | None, int], float] = field(default_factory=dict)
+
+    def decode(self, url: str | None) -> NodeLike | None:
+        return next((d for d in self.decodes if d.url == url), None) if url is not None else None
+
+
+def _floor_block(tokens: int, block: int) -> int:
+    return max(0, tokens // block * block)
+
+
+def _p_queue_s(c: _Cluster, p: NodeLike) -> float:
+    # A P node's running requests are prefills still computing: a new one waits behind them as behind the
+    # waiting ones (chunked prefill shares steps, which costs the same total time).
+    return c.est.queue_s(p.url, p.waiting + p.running)
+
+
+def _d_leg_s(c: _Cluster, d: NodeLike) -> float:
+    """D's part of a P/D turn after the KV arrived: its queue, then one decode step produces the first token."""
+    return c.est.queue_s(d.url, d.waiting) + c.est.tpot_s(d.url, d.running + 1)
+
+
+def _d_cached(turn: TurnFacts, c: _Cluster) -> int:
+    """Tokens of the prompt the pinned D's prefix cache holds: the handle's blocks (verified), or the estimate."""
+    held = max(turn.decode_cached_tokens, turn.reuse_tokens if turn.handle_valid else 0)
+    # vLLM recomputes at least the last prompt token, and hits whole blocks only.
+    return _floor_block(min(held, turn.prompt_tokens - 1), c.knobs.block_size)
+
+
+def _local(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
+    d = c.decode(pinned)
+    if d is None:
+        why = "no pinned decode node" if pinned is None else f"pinned decode {pinned} is down"
+        return OptionEstimate("decode_local", False, why)
+    cached = _d_cached(turn, c)
+    n = turn.prompt_tokens - cached
+    compute = c.est.prefill_s(d.url, n, cached)
+    # Chunked prefill: each of its steps also decodes the running batch, so it cannot beat that step time.
+    steps = math.ceil(n / c.knobs.chunk_tokens)
+    ttft = c.est.queue_s(d.url, d.waiting) + max(compute, steps * c.est.tpot_s(d.url, d.running + 1))
+    # What the running requests lose: a decode step is memory-bound (weights + KV read), so prefill compute
+    # up to one step time per step rides along for free (roofline: a step costs max(compute, memory)); the
+    # rest, and not the per-request launch overhead, which the step pays anyway, stalls every one of them.
+    marginal = c.est.prefill_s(d.url, n, cached, overhead=False)
+    stall = max(0.0, marginal - steps * c.est.tpot_s(d.url, d.running)) if d.running > 0 else 0.0
+    interference = c.knobs.interference_weight * d.running * stall
+    base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0)
+    if n > c.knobs.max_local_suffix_tokens:
+        return replace(base, feasible=False, soft=True,
+                       why_not=f"local suffix {n} tok > max_local_suffix_tokens {c.knobs.max_local_suffix_tokens}")
+    if d.running > 0:
+        tpot = c.est.tpot_s(d.url, d.running) + stall / c.knobs.tpot_window_tokens
+        if tpot > c.knobs.tpot_budget_s:
+            why = f"TPOT of D's {d.running:g} running {tpot:.3f}s > budget {c.knobs.tpot_budget_s:.3f}s"
+            return replace(base, feasible=False, soft=True, why_not=why)
+    return base
+
+
+def _pd(option: Option, turn: TurnFacts, p: NodeLike, d: NodeLike, holder: str | None, reuse: int,
+        d_cached: int, c: _Cluster) -> OptionEstimate:
+    """A P/D turn on the given nodes: P pulls `reuse` tokens from `holder` (0: cold), D lacks the rest."""
+    p_cached = 0
+    if reuse == 0:
+        p_cached = _floor_block(min(turn.prefill_cached_tokens, turn.prompt_tokens - 1), c.knobs.block_size)
+    context = max(reuse, p_cached)
+    computed = turn.prompt_tokens - context
+    read = c.est.transfer_s(holder, p.url, reuse) if holder is not None and reuse > 0 else 0.0
+    back_tokens = turn.prompt_tokens - d_cached
+    ttft = (_p_queue_s(c, p) + read + c.est.prefill_s(p.url, computed, context)
+            + c.est.transfer_s(p.url, d.url, back_tokens) + _d_leg_s(c, d))
+    return OptionEstimate(option, True, "", False, ttft, 0.0, 0.0, p.url, d.url, reuse, computed, reuse + back_tokens)
+
+
+def _best(cands: Iterable[OptionEstimate]) -> OptionEstimate | None:
+    return min(cands, key=lambda o: (o.ttft_s, o.prefill_url or ""), default=None)
+
+
+def _pull(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
+    def no(why: str) -> OptionEstimate:
+        return OptionEstimate("pull", False, why)
+
+    if not turn.handle_valid:
+        return no("no valid handle")
+    d = c.decode(pinned)
+    if d is None:
+        return no("the handle's decode node is down")
+    reuse = min(turn.reuse_tokens, turn.prompt_tokens - 1)  # P computes at least the last token
+    if reuse < max(1, c.knobs.recompute_threshold_tokens):
+        return no(f"verified reuse {reuse} tok < threshold {c.knobs.recompute_threshold_tokens}")
+    ps = [p for p in c.prefills if p.bidirectional]
+    if not ps:
+        return no("no healthy bidirectional prefill node")
+    best = _best(_pd("pull", turn, p, d, d.url, reuse, _d_cached(turn, c), c) for p in ps)
+    assert best is not None
+    p_url = best.prefill_url or ""
+    # P reads after its queue: the handle must still be alive (with the engine's decline margin) by then.
+    reads_at = turn.handle_age_s + _p_queue_s(c, next(p for p in ps if p.url == p_url))
+    if reads_at + c.knobs.handle_margin_s >= c.knobs.handle_ttl_s:
+        return no(f"handle expires: age {turn.handle_age_s:.0f}s + queue, ttl {c.knobs.handle_ttl_s:.0f}s")
+    return best
+
+
+def _cold(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
+    if not c.prefills:
+        return OptionEstimate("cold", False, "no healthy prefill node")
+    d = c.decode(pinned)
+    d_cached = _d_cached(turn, c) if d is not None else 0
+    if d is None:
+        # Re-pin on the decode node that would serve a first token soonest.
+        d = min(c.decodes, key=lambda n: (_d_leg_s(c, n), n.url), default=None)
+        if d is None:
+            return OptionEstimate("cold", False, "no healthy decode node")
+    best = _best(_pd("cold", turn, p, d, None, 0, d_cached, c) for p in c.prefills)
+    assert best is not None
+    return best
+
+
+def _immediate(turn: TurnFacts, pinned: str | None, c: _Cluster) -> tuple[OptionEstimate, ...]:
+    return (_local(turn, pinned, c), _pull(turn, pinned, c), _cold(turn, pinned, c))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Look-ahead.
+
+
+def _after(turn: TurnFacts, o: OptionEstimate, c: _Cluster) -> list[tuple[float, TurnFacts, str | None]]:
+    """The next turn(s) as this option leaves the session: (probability, facts, pinned decode)."""
+    suffix = turn.suffix_tokens if turn.next_suffix_tokens is None else turn.next_suffix_tokens
+    out_toks = turn.expected_output_tokens
+    held = turn.prompt_tokens + out_toks - 1  # the last sampled token's KV is never computed
+    nxt = TurnFacts(
+        prompt_tokens=turn.prompt_tokens + out_toks + suffix,
+        suffix_tokens=suffix,
+        reuse_tokens=held,
+        handle_valid=True,
+        handle_age_s=0.0,
+        decode_cached_tokens=held,
+        expected_output_tokens=out_toks,
+        prefill_cached_tokens=turn.prefill_cached_tokens,
+        next_suffix_tokens=suffix,
+    )
+    if o.option != "decode_local":
+        return [(1.0, nxt, o.decode_url)]
+    # No handle; the history sits in D's prefix cache, which is evicted more likely the fuller D is.
+    # vLLM's KV usage counts blocks of running requests; cached-but-free blocks are evicted (LRU) only when
+    # that usage leaves no free block, so the risk is ~0 below a knee and rises to 1 as usage nears full.
+    d = c.decode(o.decode_url)
+    usage = d.kv_usage if d is not None else 1.0
+    knee = c.knobs.evict_kv_usage_knee
+    p_keep = 1.0 - min(1.0, max(0.0, (usage - knee) / (1.0 - knee)))
+    hit = replace(nxt, reuse_tokens=0, handle_valid=False)
+    miss = replace(hit, decode_cached_tokens=0)
+    return [(p, t, o.decode_url) for p, t in ((p_keep, hit), (1.0 - p_keep, miss)) if p > 0.0]
+
+
+def _scored(turn: TurnFacts, pinned: str | None, c: _Cluster, depth: int) -> tuple[OptionEstimate, ...]:
+    """Options with their horizon term: discount × E[value of the next turn], `depth` turns deep."""
+    opts = _immediate(turn, pinned, c)
+    if depth <= 0 or c.knobs.horizon_discount == 0.0:
+        return opts
+    out = []
+    for o in opts:
+        if not o.feasible:
+            out.append(o)
+            continue
+        future = sum(p * _value(t, pin, c, depth - 1) for p, t, pin in _after(turn, o, c))
+        out.append(replace(o, horizon_s=c.knobs.horizon_discount * future))
+    return tuple(out)
+
+
+def _value(turn: TurnFacts, pinned: str | None, c: _Cluster, depth: int) -> float:
+    """The best score of a turn (auto policy), forcing a soft-rejected option if nothing else is possible."""
+    key = (turn, pinned, depth)
+    if key not in c.memo:
+        opts = _scored(turn, pinned, c, depth)
+        feasible = [o.score_s for o in opts if o.feasible]
+        soft = [o.ttft_s + o.interference_s for o in opts if o.soft]
+        c.memo[key] = min(feasible) if feasible else min(soft, default=math.inf)
+    return c.memo[key]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The decision.
+
+
+def choose(
+    turn: TurnFacts,
+    pinned_decode: str | None,
+    prefills: Sequence[NodeLike],
+    decodes: Sequence[NodeLike],
+    estimates: EstimatorSnapshot,
+    knobs: PolicyKnobs | None = None,
+    *,
+    exclude: frozenset[str] = frozenset(),
+    round_robin: int = 0,
+) -> CostDecision:
+    """Place one turn. `pinned_decode` holds the session's history (and its handle, if `turn.handle_valid`).
+
+    `exclude`: nodes that just failed this turn (retry). `round_robin`: the shell's counter, used only by
+    the ``reference`` mode. Raises :class:`NoFeasibleOption` when no node can serve the turn.
+    """
+    knobs = knobs or PolicyKnobs()
+    c = _Cluster(
+        tuple(p for p in prefills if p.healthy and p.url not in exclude),
+        tuple(d for d in decodes if d.healthy and d.url not in exclude),
+        estimates,
+        knobs,
+    )
+    if not c.decodes:
+        raise NoFeasibleOption("no healthy decode node")
+    if knobs.mode == "reference":
+        return _reference(turn, pinned_decode, c, round_robin)
+
+    opts = _scored(turn, pinned_decode, c, knobs.horizon_turns if knobs.mode == "auto" else 0)
+    by = {o.option: o for o in opts}
+    feasible = [o for o in opts if o.feasible]
+    greedy: Option | None = None
+    forced = False
+    if knobs.mode == "auto":
+        pick = min(feasible, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
+        if pick is not None and knobs.horizon_turns > 0:
+            greedy = min(feasible, key=lambda o: (o.ttft_s + o.interference_s, OPTIONS.index(o.option))).option
+    elif knobs.mode == "pull":
+        pick = next((by[o] for o in ("pull", "cold") if by[o].feasible), None)
+    else:  # no-pull: classic disaggregation
+        pick = by["cold"] if by["cold"].feasible else None
+    if pick is None:
+        # Every P is down (or the only way left is over a limit): run it locally rather than fail the turn.
+        local = by["decode_local"]
+        if not (local.feasible or local.soft):
+            raise NoFeasibleOption("; ".join(f"{o.option}: {o.why_not}" for o in opts))
+        pick, forced = local, True
+    assert pick.decode_url is not None
+    return CostDecision(
+        option=pick.option,
+        reason=_reason(knobs.mode, pick, opts, turn, c, forced, greedy),
+        estimates_s={o.option: round(o.ttft_s, 6) for o in opts if o.feasible},
+        prefill_url=pick.prefill_url,
+        decode_url=pick.decode_url,
+        reuse_tokens=pick.reuse_tokens if pick.option == "pull" else 0,
+        policy=knobs.mode,
+        scores_s={o.option: round(o.score_s, 6) for o in opts if o.feasible},
+        options=opts,
+        forced=forced,
+        greedy_option=greedy,
+    )
+
+
+def _reference(turn: TurnFacts, pinned: str | None, c: _Cluster, rr: int) -> CostDecision:
+    """vLLM's reference proxy: round-robin P and D, the conversation's handle attached whenever held."""
+    if not c.prefills:
+        raise NoFeasibleOption("no healthy prefill node")
+    p, d = c.prefills[rr % len(c.prefills)], c.decodes[rr % len(c.decodes)]
+    holder = c.decode(pinned)
+    reuse = min(turn.reuse_tokens, turn.prompt_tokens - 1)
+    d_cached = _d_cached(turn, c) if d.url == pinned else 0  # a different D lacks the whole history
+    if turn.handle_valid and holder is not None and p.bidirectional and reuse > 0:
+        pick = _pd("pull", turn, p, d, holder.url, reuse, d_cached, c)
+        why = "round-robin, conversation handle attached"
+    else:
+        pick = _pd("cold", turn, p, d, None, 0, d_cached, c)
+        why = "round-robin, no usable handle"
+    return CostDecision(
+        option=pick.option,
+        reason=f"reference -> {pick.option}: {why}, est {pick.ttft_s:.3f}s (suffix {turn.suffix_tokens} tok, "
+        f"reuse {pick.reuse_tokens} tok)",
+        estimates_s={pick.option: round(pick.ttft_s, 6)},
+        prefill_url=p.url,
+        decode_url=d.url,
+        reuse_tokens=pick.reuse_tokens,
+        policy="reference",
+        scores_s={pick.option: round(pick.score_s, 6)},
+        options=(pick,),
+    )
+
+
+def _reason(mode: PolicyMode, pick: OptionEstimate, opts: Sequence[OptionEstimate], turn: TurnFacts,
+            c: _Cluster, forced: bool, greedy: Option | None) -> str:
+    """E.g. ``auto -> pull: pull 0.210s < decode_local 0.260s < cold 0.900s [ttft …] (suffix …; …)``."""
+    feasible = sorted((o for o in opts if o.feasible), key=lambda o: (o.score_s, OPTIONS.index(o.option)))
+    head = f"{mode} -> {pick.option}" + (" (forced)" if forced else "") + ": "
+    head += " < ".join(f"{o.option} {o.score_s:.3f}s" for o in feasible) or "no option within limits"
+    detail = []
+    if any(o.interference_s or o.horizon_s for o in feasible):
+        detail.append("ttft " + ", ".join(f"{o.option} {o.ttft_s:.3f}s" for o in feasible))
+        detail += [f"{o.option} interference {o.interference_s:.3f}s" for o in feasible if o.interference_s]
+        detail.append("next turn " + ", ".join(f"{o.option} {o.horizon_s:.3f}s" for o in feasible))
+    if greedy is not None and greedy != pick.option:
+        detail.append(f"horizon: {pick.option} over greedy {greedy}")
+    facts = [f"suffix {turn.suffix_tokens} tok", f"reuse {turn.reuse_tokens if turn.handle_valid else 0} tok"]
+    d = c.decode(pick.decode_url)
+    if d is not None:
+        facts.append(f"D {d.running:g} running/{d.waiting:g} waiting")
+    # The P this turn uses, or (decode_local) the one the best P/D option would have used: its queue is
+    # often why the turn stayed on D.
+    p_url = pick.prefill_url or next((o.prefill_url for o in feasible if o.prefill_url), None)
+    p = next((n for n in c.prefills if n.url == p_url), None)
+    if p is not None:
+        facts.append(f"P {p.running:g} running/{p.waiting:g} waiting")
+    facts += [f"{o.option} n/a: {o.why_not}" for o in opts if not o.feasible]
+    out = head
+    if detail:
+        out += " [" + "; ".join(detail) + "]"
+    return out + " (" + "; ".join(facts) + ")"

@@ -1,0 +1,406 @@
+"""The cost-based placement policy (pure) and its online estimates, over tables of situations."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+from kvtether.gateway.costpolicy import (
+    CostDecision,
+    NodeState,
+    NoFeasibleOption,
+    PolicyKnobs,
+    TurnFacts,
+    choose,
+    parse_mode,
+)
+from kvtether.gateway.estimates import (
+    Estimator,
+    EstimatorSeeds,
+    EstimatorSnapshot,
+    LearningParams,
+    link_key,
+)
+
+D0, D1 = "http://d0", "http://d1"
+P0, P1 = "http://p0", "http://p1"
+SEEDS = EstimatorSeeds()
+SNAP = EstimatorSnapshot(SEEDS)
+
+
+def history_turn(prompt: int, suffix: int, **kw: Any) -> TurnFacts:
+    """A follow-up turn whose whole history (prompt − suffix) is verified against D's handle."""
+    args: dict[str, Any] = {
+        "reuse_tokens": prompt - suffix,
+        "handle_valid": True,
+        "handle_age_s": 10.0,
+        "decode_cached_tokens": prompt - suffix,
+    }
+    args.update(kw)
+    return TurnFacts(prompt, suffix, **args)
+
+
+def p(url: str = P0, **kw: Any) -> NodeState:
+    return NodeState(url, **kw)
+
+
+def d(url: str = D0, **kw: Any) -> NodeState:
+    return NodeState(url, **kw)
+
+
+@dataclass(frozen=True)
+class Case:
+    turn: TurnFacts
+    option: str
+    words: tuple[str, ...] = ()  # must all appear in the reason
+    prefills: tuple[NodeState, ...] = (p(P0), p(P1))
+    decodes: tuple[NodeState, ...] = (d(D0), d(D1))
+    knobs: PolicyKnobs = field(default_factory=PolicyKnobs)
+    pinned: str | None = D0
+    decode_url: str = D0
+    reuse: int | None = None  # expected reuse_tokens of the decision, when it matters
+    forced: bool = False
+
+
+CASES = {
+    "idle-decode-short-suffix": Case(history_turn(8000, 200), "decode_local", ("suffix 200 tok", "pull", "cold")),
+    "idle-decode-long-suffix-valid-handle": Case(
+        history_turn(12000, 6000), "pull", ("max_local_suffix_tokens",), reuse=6000),
+    "busy-decode-medium-suffix": Case(
+        history_turn(12000, 1000), "pull", ("interference", "D 32 running"), decodes=(d(D0, running=32), d(D1))),
+    "busy-decode-tight-tpot-budget": Case(
+        history_turn(12000, 600), "pull", ("TPOT",), decodes=(d(D0, running=48), d(D1)),
+        knobs=PolicyKnobs(tpot_budget_s=0.022, interference_weight=0.0)),
+    "first-turn-no-handle-no-cache": Case(
+        TurnFacts(3000, 3000), "cold", ("no valid handle", "no pinned decode node"), pinned=None, decode_url=D0),
+    "no-handle-short-cached-suffix": Case(
+        TurnFacts(8000, 200, decode_cached_tokens=7800), "decode_local", ("pull n/a: no valid handle",)),
+    "no-handle-long-suffix": Case(TurnFacts(9000, 3000, decode_cached_tokens=6000), "cold", ("no valid handle",)),
+    "expired-handle-by-age": Case(
+        history_turn(12000, 4000, handle_age_s=447.0), "cold", ("handle expires",)),
+    "expired-handle-dropped-short-suffix": Case(
+        history_turn(8000, 300, handle_valid=False, reuse_tokens=0), "decode_local", ("no valid handle",)),
+    "truncated-handle-partial-reuse": Case(
+        history_turn(12000, 500, reuse_tokens=5000, decode_cached_tokens=5000), "pull",
+        ("reuse 5000 tok", "max_local_suffix_tokens"), reuse=5000),
+    "truncated-handle-below-threshold": Case(
+        history_turn(12000, 500, reuse_tokens=40, decode_cached_tokens=40), "cold", ("threshold 64",)),
+    "dead-pinned-decode": Case(
+        history_turn(8000, 200), "cold", ("pinned decode http://d0 is down", "down"),
+        decodes=(d(D0, healthy=False), d(D1)), decode_url=D1),
+    "dead-pinned-decode-picks-least-loaded": Case(
+        history_turn(8000, 200), "cold", (), decodes=(d(D0, healthy=False), d(D1, waiting=5), d("http://d2")),
+        decode_url="http://d2"),
+    "prefill-saturated-short-suffix-busyish-decode": Case(
+        history_turn(8000, 300), "decode_local", ("P 4 running/20 waiting",),
+        prefills=(p(P0, running=4, waiting=20), p(P1, running=4, waiting=25)), decodes=(d(D0, running=8), d(D1))),
+    "busy-decode-short-suffix-idle-prefill": Case(
+        history_turn(12000, 1200), "pull", ("interference",), decodes=(d(D0, running=16), d(D1))),
+    "least-loaded-prefill-for-pull": Case(
+        history_turn(12000, 6000), "pull", ("P 0 running/1 waiting",),
+        prefills=(p(P0, running=2, waiting=6), p(P1, waiting=1))),
+    "no-bidirectional-prefill": Case(
+        history_turn(12000, 6000), "cold", ("no healthy bidirectional prefill node",),
+        prefills=(p(P0, bidirectional=False),)),
+    "every-prefill-dead-forces-local": Case(
+        history_turn(12000, 6000), "decode_local", ("forced", "no healthy prefill node"),
+        prefills=(p(P0, healthy=False),), forced=True),
+    "pull-policy-short-suffix": Case(
+        history_turn(8000, 200), "pull", ("pull -> pull",), knobs=PolicyKnobs(mode="pull"), reuse=7800),
+    "pull-policy-without-handle": Case(
+        TurnFacts(8000, 200, decode_cached_tokens=7800), "cold", (), knobs=PolicyKnobs(mode="pull")),
+    "no-pull-policy": Case(history_turn(8000, 200), "cold", ("no-pull -> cold",), knobs=PolicyKnobs(mode="no-pull")),
+    "reference-policy-attaches-handle": Case(
+        history_turn(8000, 200), "pull", ("reference", "round-robin"), knobs=PolicyKnobs(mode="reference"),
+        reuse=7800),
+    "reference-policy-no-handle": Case(
+        TurnFacts(8000, 200), "cold", ("round-robin, no usable handle",), knobs=PolicyKnobs(mode="reference")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_choose_situations(case: Case) -> None:
+    dec = choose(case.turn, case.pinned, case.prefills, case.decodes, SNAP, case.knobs)
+    assert dec.option == case.option, dec.reason
+    assert dec.decode_url == case.decode_url, dec.reason
+    assert dec.forced is case.forced
+    for w in case.words:
+        assert w in dec.reason, (w, dec.reason)
+    assert dec.reason.split(": ", 1)[0].endswith(dec.option) or "(forced)" in dec.reason
+    if case.reuse is not None:
+        assert dec.reuse_tokens == case.reuse
+    if dec.option == "decode_local":
+        assert dec.prefill_url is None and dec.reuse_tokens == 0
+    else:
+        assert dec.prefill_url is not None
+    if dec.option != "pull":
+        assert dec.reuse_tokens == 0
+    # Every feasible estimate is a positive, finite number and appears in the reason.
+    assert dec.option in dec.estimates_s or dec.forced
+    for name, secs in dec.estimates_s.items():
+        assert 0 < secs < math.inf
+        assert name in dec.reason
+
+
+def test_horizon_changes_a_borderline_decision() -> None:
+    # This turn's suffix is small enough to run locally on a moderately busy D, but the session's turns
+    # typically add 3000 tokens (tool results): after a local turn there is no handle, so the next turn
+    # would have to recompute the whole history cold. Looking one turn ahead keeps the handle alive.
+    turn = history_turn(20000, 700, next_suffix_tokens=3000)
+    decodes = (d(D0), d(D1))
+    greedy = choose(turn, D0, (p(P0),), decodes, SNAP, PolicyKnobs(horizon_turns=0))
+    ahead = choose(turn, D0, (p(P0),), decodes, SNAP, PolicyKnobs(horizon_turns=1))
+    assert greedy.option == "decode_local", greedy.reason
+    assert ahead.option == "pull", ahead.reason
+    assert ahead.greedy_option == "decode_local"
+    assert "horizon: pull over greedy decode_local" in ahead.reason
+    assert "next turn" in ahead.reason
+    # A session whose next suffix is small again does not need the handle: local stays.
+    calm = choose(replace(turn, next_suffix_tokens=200), D0, (p(P0),), decodes, SNAP, PolicyKnobs())
+    assert calm.option == "decode_local", calm.reason
+
+
+def test_horizon_accounts_for_eviction_risk_on_full_decode() -> None:
+    # Same short turn; on a D whose KV is nearly full, the history a local turn leaves in the prefix cache
+    # is likely gone by the next turn, so the look-ahead costs a local turn more than on an empty D.
+    turn = history_turn(20000, 400)
+    empty = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.2),), SNAP)
+    full = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP)
+    assert full.scores_s["decode_local"] > empty.scores_s["decode_local"]
+    assert full.scores_s["pull"] == pytest.approx(empty.scores_s["pull"])
+
+
+def test_deeper_horizon_is_bounded_and_consistent() -> None:
+    turn = history_turn(20000, 700, next_suffix_tokens=3000)
+    for h in range(4):
+        dec = choose(turn, D0, (p(P0),), (d(D0, running=4),), SNAP, PolicyKnobs(horizon_turns=h))
+        assert dec.option in ("decode_local", "pull")
+        assert all(math.isfinite(v) for v in dec.scores_s.values())
+    with pytest.raises(ValueError):
+        PolicyKnobs(horizon_turns=4)
+
+
+def test_no_healthy_decode_raises() -> None:
+    with pytest.raises(NoFeasibleOption):
+        choose(history_turn(8000, 200), D0, (p(P0),), (d(D0, healthy=False),), SNAP)
+
+
+def test_no_prefill_and_dead_pinned_decode_raises() -> None:
+    with pytest.raises(NoFeasibleOption):
+        choose(history_turn(8000, 200), D0, (p(P0, healthy=False),), (d(D0, healthy=False), d(D1)), SNAP)
+
+
+def test_exclude_treats_a_failed_node_as_dead() -> None:
+    dec = choose(history_turn(8000, 200), D0, (p(P0), p(P1)), (d(D0), d(D1)), SNAP, exclude=frozenset({D0}))
+    assert dec.option == "cold" and dec.decode_url == D1
+    dec = choose(history_turn(12000, 6000), D0, (p(P0), p(P1)), (d(D0),), SNAP, exclude=frozenset({P0}))
+    assert dec.prefill_url == P1
+
+
+def test_reference_policy_round_robins() -> None:
+    knobs = PolicyKnobs(mode="reference")
+    picks = {
+        (dec.prefill_url, dec.decode_url)
+        for rr in range(4)
+        for dec in [choose(TurnFacts(500, 500), None, (p(P0), p(P1)), (d(D0), d(D1)), SNAP, knobs, round_robin=rr)]
+    }
+    assert picks == {(P0, D0), (P1, D1)}
+
+
+def test_trace_attributes_are_flat_primitives() -> None:
+    dec = choose(history_turn(12000, 6000), D0, (p(P0),), (d(D0),), SNAP)
+    attrs = dec.trace_attributes()
+    assert attrs["option"] == "pull" and attrs["policy"] == "auto"
+    assert "ttft_est_s.pull" in attrs and "rejected.decode_local" in attrs
+    assert all(isinstance(v, str | int | float | bool) for v in attrs.values())
+
+
+def test_decision_is_deterministic_and_pure() -> None:
+    args = (history_turn(9000, 900), D0, (p(P0), p(P1)), (d(D0, running=6), d(D1)), SNAP, PolicyKnobs())
+    first: CostDecision = choose(*args)
+    assert all(choose(*args) == first for _ in range(3))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"prompt_tokens": 0, "suffix_tokens": 0}, {"prompt_tokens": 10, "suffix_tokens": -1},
+     {"prompt_tokens": 10, "suffix_tokens": 1, "reuse_tokens": -5}],
+    ids=["empty-prompt", "negative-suffix", "negative-reuse"],
+)
+def test_turn_facts_validation(kw: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        TurnFacts(**kw)
+
+
+def test_parse_mode() -> None:
+    assert parse_mode("no-pull") == "no-pull"
+    with pytest.raises(ValueError, match="auto"):
+        parse_mode("fastest")
+
+
+def test_learned_slow_decode_prefill_moves_short_suffix_to_pull() -> None:
+    # D turns out 8× slower at prefill than the seed says (e.g. a smaller GPU): its local turns got costly.
+    est = Estimator()
+    for i in range(30):
+        tokens, ctx = 200 + 37 * i, 8000
+        secs = (SEEDS.prefill_overhead_s + SEEDS.prefill_s_per_token * tokens
+                + SEEDS.prefill_s_per_pair * tokens * (ctx + tokens / 2))
+        est.observe_prefill(D0, tokens, ctx, 8 * secs, now=float(i))
+        est.observe_prefill(P0, tokens, ctx, secs, now=float(i))  # P is as fast as the seed says
+    turn, ps, ds = history_turn(8000, 600), (p(P0),), (d(D0),)
+    assert choose(turn, D0, ps, ds, SNAP).option == "decode_local"
+    assert choose(turn, D0, ps, ds, est.snapshot(30.0)).option == "pull"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Estimates.
+
+
+def _true_prefill(tokens: int, ctx: int, a: float, b: float, c: float) -> float:
+    return a + b * tokens + c * tokens * (ctx + tokens / 2)
+
+
+def test_prefill_estimate_converges_to_a_different_shape() -> None:
+    a, b, c = 0.02, 2.5e-4, 0.6e-9  # slower dense part, faster attention, more overhead than the seed
+    est = Estimator()
+    # Suffixes from 50 to 6000 tokens (log-spread), contexts up to 30k: what an agent's turns look like.
+    sizes = [(int(50 * math.exp((i * 0.618) % 1 * math.log(120))), (i * 3571) % 30000) for i in range(200)]
+    for i, (n, ctx) in enumerate(sizes):
+        est.observe_prefill(P0, n, ctx, _true_prefill(n, ctx, a, b, c), now=float(i))
+    snap = est.snapshot(200.0)
+    for n, ctx in [(50, 0), (200, 0), (2000, 5000), (6000, 25000), (500, 20000)]:
+        assert snap.prefill_s(P0, n, ctx) == pytest.approx(_true_prefill(n, ctx, a, b, c), rel=0.1)
+
+
+def test_scale_converges_quickly_for_a_uniformly_slower_node() -> None:
+    est = Estimator()
+    for i in range(30):
+        est.observe_transfer(D0, P0, 4000, 3 * (SEEDS.transfer_latency_s + 4000 * SEEDS.transfer_s_per_token),
+                             now=float(i))
+    snap = est.snapshot(30.0)
+    seed = EstimatorSnapshot(SEEDS).transfer_s(D0, P0, 4000)
+    assert snap.transfer_s(D0, P0, 4000) == pytest.approx(3 * seed, rel=0.05)
+    # Links are symmetric: the same path either way.
+    assert snap.transfer_s(P0, D0, 4000) == snap.transfer_s(D0, P0, 4000)
+    assert link_key(D0, P0) == link_key(P0, D0)
+
+
+def test_outlier_is_clamped() -> None:
+    est = Estimator()
+    for i in range(30):
+        est.observe_tpot(D0, 16, SEEDS.tpot_base_s + 16 * SEEDS.tpot_s_per_seq, now=float(i))
+    before = est.snapshot(30.0).tpot_s(D0, 16)
+    est.observe_tpot(D0, 16, 100.0, now=30.0)  # a preemption or a GC pause: 100 s for one step
+    after = est.snapshot(30.0).tpot_s(D0, 16)
+    assert before == pytest.approx(SEEDS.tpot_base_s + 16 * SEEDS.tpot_s_per_seq, rel=0.01)
+    assert after < 1.5 * before
+
+
+def test_coefficients_stay_within_bounds() -> None:
+    params = LearningParams()
+    est = Estimator(params=params)
+    for i in range(200):
+        est.observe_queue(P0, 4, 4 * SEEDS.queue_s_per_request * 1e4, now=float(i))
+    snap = est.snapshot(200.0)
+    assert snap.queue_s(P0, 1) == pytest.approx(SEEDS.queue_s_per_request * params.theta_max)
+
+
+def test_one_sample_moves_an_estimate_only_a_little() -> None:
+    params = LearningParams()
+    est = Estimator(params=params)
+    seed = EstimatorSnapshot(SEEDS).prefill_s(P0, 1000, 0)
+    est.observe_prefill(P0, 1000, 0, 45 * seed, now=0.0)  # clamped to outlier_factor, then trusted 1/min_weight
+    got = est.snapshot(0.0).prefill_s(P0, 1000, 0)
+    # Trusted 1/min_weight at two levels (the node's fit over the cluster-wide fit, over the seed).
+    share = 1 - (1 - 1 / params.min_weight) ** 2
+    assert seed < got <= seed * (1 + (params.outlier_factor - 1) * share) * 1.001
+
+
+def test_stale_estimates_decay_toward_the_seed() -> None:
+    params = LearningParams(half_life_s=100.0)
+    est = Estimator(params=params)
+    seed = EstimatorSnapshot(SEEDS).prefill_s(P0, 1000, 1000)
+    for i in range(40):
+        est.observe_prefill(P0, 1000, 1000, 3 * seed, now=float(i))
+    fresh = est.snapshot(40.0).prefill_s(P0, 1000, 1000)
+    later = est.snapshot(40.0 + 3 * 100.0).prefill_s(P0, 1000, 1000)
+    stale = est.snapshot(40.0 + 20 * 100.0).prefill_s(P0, 1000, 1000)
+    assert fresh == pytest.approx(3 * seed, rel=0.05)
+    assert 1.5 * seed < later < 2.5 * seed  # three half-lives: weight ≈ 2.1 of min_weight 5, about half-way back
+    assert stale == pytest.approx(seed, rel=1e-3)  # long idle: back to the seed
+
+
+def test_unknown_node_uses_the_cluster_wide_fit() -> None:
+    est = Estimator()
+    seed = EstimatorSnapshot(SEEDS).prefill_s(P0, 2000, 0)
+    for i in range(30):
+        est.observe_prefill(f"http://p{i % 3}", 2000, 0, 2 * seed, now=float(i))
+    snap = est.snapshot(30.0)
+    assert snap.prefill_s("http://p-new", 2000, 0) == pytest.approx(2 * seed, rel=0.1)
+
+
+def test_memory_is_bounded() -> None:
+    params = LearningParams(max_keys=16)
+    est = Estimator(params=params)
+    for i in range(1000):
+        for k in range(4):  # enough samples for each node's own fit to be used
+            est.observe_prefill(f"http://p{i}", 500, 0, 0.1, now=float(i) + k / 10)
+            est.observe_transfer(f"http://p{i}", D0, 500, 0.01, now=float(i) + k / 10)
+    assert len(est) <= 4 * (params.max_keys + 1)
+    snap = est.snapshot(1000.0)
+    assert "*" in snap.coefficients["prefill"]
+    assert "http://p999" in snap.coefficients["prefill"] and "http://p0" not in snap.coefficients["prefill"]
+
+
+@pytest.mark.parametrize("secs", [math.nan, math.inf, -1.0, 0.0], ids=["nan", "inf", "negative", "zero"])
+def test_invalid_samples_are_ignored(secs: float) -> None:
+    est = Estimator()
+    for i in range(10):
+        est.observe_prefill(P0, 1000, 0, secs, now=float(i))
+    assert est.snapshot(10.0).prefill_s(P0, 1000, 0) == EstimatorSnapshot(SEEDS).prefill_s(P0, 1000, 0)
+
+
+def test_prefill_leg_attributes_one_unknown_at_a_time() -> None:
+    est = Estimator()
+    seed = EstimatorSnapshot(SEEDS)
+    compute = seed.prefill_s(P0, 1000, 0)
+    for i in range(20):  # queued legs: the residual over the compute estimate is queue delay
+        est.observe_prefill_leg(P0, 1000, 0, compute + 5 * 0.3, ahead=5, now=float(i))
+    snap = est.snapshot(20.0)
+    assert snap.queue_s(P0, 5) == pytest.approx(1.5, rel=0.05)
+    assert snap.prefill_s(P0, 1000, 0) == seed.prefill_s(P0, 1000, 0)
+    read = seed.transfer_s(D0, P0, 8000)
+    for i in range(20):  # pulled legs with nobody ahead: the residual is the transfer
+        est.observe_prefill_leg(P0, 200, 8000, seed.prefill_s(P0, 200, 8000) + 2 * read,
+                                pulled_tokens=8000, pulled_from=D0, now=20.0 + i)
+    assert est.snapshot(40.0).transfer_s(D0, P0, 8000) == pytest.approx(2 * read, rel=0.05)
+
+
+def test_snapshot_is_immutable_and_detached() -> None:
+    est = Estimator()
+    for i in range(10):
+        est.observe_tpot(D0, 8, 0.05, now=float(i))
+    snap = est.snapshot(10.0)
+    value = snap.tpot_s(D0, 8)
+    for i in range(10):
+        est.observe_tpot(D0, 8, 0.2, now=10.0 + i)
+    assert snap.tpot_s(D0, 8) == value
+    with pytest.raises(TypeError):
+        tpot_fits: Any = snap.coefficients["tpot"]
+        tpot_fits[D0] = (1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    "kw", [{"alpha": 0.0}, {"outlier_factor": 1.0}, {"theta_min": 2.0}, {"max_keys": 0}],
+    ids=["alpha", "outlier", "theta", "keys"],
+)
+def test_learning_params_validation(kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        LearningParams(**kw)
+
+
+def test_seed_validation() -> None:
+    with pytest.raises(ValueError):
+        EstimatorSeeds(prefill_s_per_token=0.0)
