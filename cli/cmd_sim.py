@@ -1,0 +1,108 @@
+"""``kvtether sim``: run a simulated vLLM prefill/decode cluster on local ports until Ctrl-C.
+
+With ``--json`` the first line on stdout is ``{"prefill": [...], "decode": [...], "aggregated": [...]}``
+so scripts can start it in the background and read where the nodes listen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+
+import typer
+from kvtether.sim.cluster import ClusterSpec, SimCluster
+from kvtether.sim.config import EMULATED_VERSIONS, FAILURE_POLICIES
+from kvtether.sim.presets import PRESETS, UnknownPreset, get_preset
+from rich.console import Console
+from rich.table import Table
+
+EXIT_USAGE = 2
+
+
+def _table(cluster: SimCluster) -> Table:
+    spec = cluster.spec
+    table = Table(title=f"kvtether sim — preset {spec.preset}, speed ×{spec.speed:g}, vLLM {spec.emulate}")
+    for col in ("role", "url", "engine id", "bidirectional"):
+        table.add_column(col)
+    for node in cluster.nodes:
+        table.add_row(node.cfg.role, node.url, node.cfg.engine_id[:8], "on" if node.cfg.bidirectional else "off")
+    return table
+
+
+async def _serve(spec: ClusterSpec, as_json: bool) -> None:
+    main = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    if main is not None:
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGTERM, main.cancel)
+    async with SimCluster(spec) as cluster:
+        if as_json:
+            sys.stdout.write(json.dumps(cluster.urls()) + "\n")
+            sys.stdout.flush()
+        else:
+            err = Console(stderr=True)
+            err.print(_table(cluster))
+            err.print("Ctrl-C to stop.")
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("sim")
+    def sim(
+        prefill: int = typer.Option(1, "--prefill", min=0, help="Prefill nodes."),
+        decode: int = typer.Option(1, "--decode", min=0, help="Decode nodes."),
+        aggregated: int = typer.Option(0, "--aggregated", min=0, help="Aggregated (kv_both) nodes."),
+        preset: str = typer.Option("toy", "--preset", help=f"Model/hardware preset ({', '.join(sorted(PRESETS))})."),
+        speed: float = typer.Option(1.0, "--speed", min=0.001, help="Clock speed-up (simulated s per real s)."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),
+        port: int = typer.Option(0, "--port", min=0, help="First node's port; the others follow (0: free ports)."),
+        emulate: str = typer.Option("0.33", "--emulate", help="vLLM version to emulate: 0.32 or 0.33."),
+        decode_ttl: float = typer.Option(480.0, "--decode-ttl", help="decoder_kv_blocks_ttl, simulated seconds."),
+        threshold: int = typer.Option(64, "--recompute-threshold", help="kv_recompute_threshold, tokens."),
+        failure_policy: str = typer.Option("fail", "--failure-policy", help="kv_load_failure_policy."),
+        no_bidirectional: bool = typer.Option(False, "--no-bidirectional", help="Turn bidirectional_kv_xfer off."),
+        side_channel_host: str = typer.Option("localhost", "--side-channel-host", help="remote_host advertised."),
+        as_json: bool = typer.Option(False, "--json", help="Print the node URLs as one JSON line on stdout."),
+    ) -> None:
+        """Run a simulated vLLM P/D cluster (bidirectional KV transfer) until Ctrl-C."""
+        err = Console(stderr=True)
+        try:
+            get_preset(preset)
+        except UnknownPreset as e:
+            err.print(f"error: {e}", markup=False)
+            raise typer.Exit(EXIT_USAGE) from None
+        if emulate not in EMULATED_VERSIONS:
+            err.print(f"error: --emulate must be one of {', '.join(sorted(EMULATED_VERSIONS))}", markup=False)
+            raise typer.Exit(EXIT_USAGE)
+        if failure_policy not in FAILURE_POLICIES:
+            err.print(f"error: --failure-policy must be one of {', '.join(FAILURE_POLICIES)}", markup=False)
+            raise typer.Exit(EXIT_USAGE)
+        if prefill + decode + aggregated == 0:
+            err.print("error: no nodes to run (give --prefill, --decode or --aggregated)", markup=False)
+            raise typer.Exit(EXIT_USAGE)
+        spec = ClusterSpec(
+            prefill=prefill,
+            decode=decode,
+            aggregated=aggregated,
+            preset=preset,
+            speed=speed,
+            host=host,
+            emulate=emulate,
+            bidirectional=not no_bidirectional,
+            decoder_kv_blocks_ttl=decode_ttl,
+            kv_recompute_threshold=threshold,
+            kv_load_failure_policy=failure_policy,
+            side_channel_host=side_channel_host,
+            base_port=port,
+        )
+        try:
+            asyncio.run(_serve(spec, as_json))
+        except KeyboardInterrupt:
+            pass
+        except OSError as e:
+            err.print(f"error: cannot start the cluster: {e}", markup=False)
+            raise typer.Exit(1) from None

@@ -1,0 +1,43 @@
+"""Configuration of one simulated vLLM node (the knobs of vLLM's --kv-transfer-config that matter)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+ROLES = ("prefill", "decode", "aggregated")
+EMULATED_VERSIONS = {"0.32": "0.32.0", "0.33": "0.33.0"}
+FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass(slots=True)
+class NodeConfig:
+    role: str = "aggregated"  # prefill | decode | aggregated (kv_both)
+    preset: str = "toy"
+    speed: float = 1.0  # simulated seconds per real second
+    emulate: str = "0.33"  # "0.33": handle on the streamed finish chunk; "0.32": non-streamed bodies only
+    bidirectional: bool = True  # bidirectional_kv_xfer
+    decoder_kv_blocks_ttl: float = 480.0  # simulated seconds a handle's blocks stay held (never renewed)
+    kv_lease_duration: float = 30.0  # simulated seconds a prefill holds blocks for the decode's read
+    kv_recompute_threshold: int = 64
+    kv_load_failure_policy: str = "fail"
+    side_channel_host: str = "localhost"  # remote_host advertised in kv_transfer_params
+    model_name: str = "kvtether-sim"
+    engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    max_model_len: int = 131_072
+    # Prefill declines a handle this close to its expiry (vLLM: 5 s), in simulated seconds.
+    expiry_margin: float = 5.0
+
+    def validate(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.emulate not in EMULATED_VERSIONS:
+            raise ValueError(f"emulate must be one of {sorted(EMULATED_VERSIONS)}, got {self.emulate!r}")
+        if self.kv_load_failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {FAILURE_POLICIES}")
+        if self.speed <= 0:
+            raise ValueError("speed must be > 0")
+
+    @property
+    def version(self) -> str:
+        return EMULATED_VERSIONS[self.emulate]

@@ -1,0 +1,637 @@
+"""One node's engine: scheduler (chunked prefill + batched decode), KV bookkeeping, P/D transfer legs.
+
+The step loop mirrors vLLM's v1 scheduler closely enough for timing and cache behaviour: running
+requests first, then admission from the waiting queue, one token budget per step shared by prefill
+chunks and decode tokens; each step costs ``cost.step_seconds`` of simulated time.
+
+Transfer legs follow vLLM's NIXL connector (docs/vllm-pd-protocol.md §1–3):
+
+* **prefill leg** (``do_remote_decode``): compute the prompt, hold its blocks under a lease for the
+  decode's read, answer with the prefill params. If the params carry a decode *handle*
+  (``remote_block_ids``), first read the held history from the decode node — positionally, end-trimmed,
+  with no token check, exactly the hazard real vLLM has.
+* **decode leg** (``do_remote_prefill``): read the prompt blocks the local cache lacks from the prefill
+  node, decode, and with bidirectional transfer on keep all blocks and return a handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from kvtether.sim.clock import Pacer, SimClock
+from kvtether.sim.config import NodeConfig
+from kvtether.sim.kv import GARBAGE_TOKEN, Block, BlockPool, Hold, HoldTable, block_hashes
+from kvtether.sim.metrics import NodeMetrics
+from kvtether.sim.model import ROOT_DIGEST, GenerationSpec, Model, Plan, chain
+from kvtether.sim.nixl import BlockData, KVLoadError, KVTransport, RemoteRef
+from kvtether.sim.presets import Preset
+from kvtether.sim.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("kvtether.sim.engine")
+
+LEASE_REAL_FLOOR_S = 5.0  # a prefill lease never lasts less than this many real seconds
+
+
+class Leg(Enum):
+    PLAIN = "plain"  # no kv_transfer_params: ordinary request, never a handle
+    PREFILL = "prefill"  # do_remote_decode: compute and hold for the decode's read
+    DECODE = "decode"  # do_remote_prefill: read the prompt from the prefill node, decode
+
+
+class State(Enum):
+    WAITING = "waiting"
+    LOADING = "loading"  # WAITING_FOR_REMOTE_KVS in vLLM
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    token_id: int
+
+
+@dataclass(slots=True)
+class FinishEvent:
+    reason: str  # stop | length | abort
+    kv_transfer_params: dict[str, Any] | None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class ErrorEvent:
+    status: int
+    message: str
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+@dataclass(slots=True)
+class Load:
+    """A pending read: local positions [start, end) come from the remote blocks `block_ids`."""
+
+    ref: RemoteRef
+    block_ids: list[int]
+    start: int
+    end: int
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    request_id: str
+    prompt_ids: list[int]
+    spec: GenerationSpec
+    max_tokens: int
+    kv_params: Mapping[str, Any] | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    hang: bool = False  # fault injection: park forever
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    num_computed: int = 0
+    state: State = State.WAITING
+    plan: Plan | None = None
+    cached_device: int = 0
+    cached_p2p: int = 0
+    finish_reason: str | None = None
+    detok: IncrementalDetokenizer | None = None
+    counted: bool = False  # prefix-cache stats recorded
+    remote_done: bool = False  # the remote read (or notify) happened: a re-admission recomputes locally
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def leg(self) -> Leg:
+        p = self.kv_params
+        if not isinstance(p, Mapping):
+            return Leg.PLAIN
+        if p.get("do_remote_prefill"):
+            return Leg.DECODE if p.get("remote_block_ids") else Leg.PLAIN
+        if p.get("do_remote_decode"):
+            return Leg.PREFILL
+        return Leg.PLAIN
+
+    @property
+    def carries_handle(self) -> bool:
+        """A prefill request that carries a decode node's handle (bidirectional pull)."""
+        p = self.kv_params
+        return self.leg is Leg.PREFILL and bool(p and p.get("remote_block_ids") and p.get("remote_engine_id"))
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_device + self.cached_p2p
+
+
+@dataclass(slots=True)
+class Step:
+    items: list[tuple[EngineRequest, int]] = field(default_factory=list)
+    prefill_chunks: list[tuple[int, int]] = field(default_factory=list)
+    decode_contexts: list[int] = field(default_factory=list)
+
+    def add(self, r: EngineRequest, n: int) -> None:
+        self.items.append((r, n))
+        if n == 1 and r.num_computed >= len(r.prompt_ids):
+            self.decode_contexts.append(r.num_computed)
+        else:
+            self.prefill_chunks.append((n, r.num_computed))
+
+
+def _remote_ref(p: Mapping[str, Any]) -> RemoteRef:
+    return RemoteRef(
+        host=str(p.get("remote_host") or "localhost"),
+        port=int(p.get("remote_port") or 0),
+        engine_id=str(p.get("remote_engine_id") or ""),
+        request_id=str(p.get("remote_request_id") or ""),
+    )
+
+
+def _group0(p: Mapping[str, Any]) -> list[int]:
+    ids = p.get("remote_block_ids") or []
+    if ids and isinstance(ids[0], list):
+        return [int(x) for x in ids[0]]  # one list per KV-cache group; this model has one group
+    return [int(x) for x in ids]
+
+
+class Engine:
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        preset: Preset,
+        tokenizer: Tokenizer,
+        transport: KVTransport,
+        metrics: NodeMetrics,
+        clock: SimClock,
+    ) -> None:
+        self.cfg = cfg
+        self.preset = preset
+        self.tok = tokenizer
+        self.model = Model(tokenizer)
+        self.transport = transport
+        self.metrics = metrics
+        self.clock = clock
+        self.bs = preset.block_size
+        self.pool = BlockPool(preset.kv_capacity_tokens // preset.block_size, preset.block_size)
+        self.holds = HoldTable()
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.loading: set[EngineRequest] = set()
+        self.port = 0  # set by the node once its HTTP server listens (advertised as remote_port)
+        self.slow_factor = 1.0
+        self.registration_generation = 0
+        self.steps = 0  # white-box counters for tests
+        self.step_log: deque[Step] = deque(maxlen=256)
+        self._pacer = Pacer(clock)
+        self._wakeup = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.on_step: Callable[[Step], None] | None = None
+
+    # ---- public API -------------------------------------------------------------------------
+    def submit(self, r: EngineRequest) -> None:
+        r.detok = IncrementalDetokenizer(self.tok) if r.stop else None
+        if r.hang:
+            r.state = State.LOADING
+            self.loading.add(r)
+            return
+        self.waiting.append(r)
+        if r.leg is Leg.DECODE and r.kv_params is not None:
+            self._spawn(self._heartbeat(r, _remote_ref(r.kv_params)))
+        self._update_gauges()
+        self._wakeup.set()
+
+    async def _heartbeat(self, r: EngineRequest, ref: RemoteRef) -> None:
+        """Renew the prefill's lease while this decode request waits for its turn (vLLM's heartbeats)."""
+        while r.state is State.WAITING:
+            await self.transport.heartbeat(ref)
+            await self.clock.sleep(self.cfg.kv_lease_duration / 3)
+
+    def serve_heartbeat(self, engine_id: str, request_id: str) -> bool:
+        hold = self.holds.get(request_id)
+        if hold is None or hold.kind != "lease" or (engine_id and engine_id != self.cfg.engine_id):
+            return False
+        hold.expires_at = max(hold.expires_at, self._lease_expiry())
+        return True
+
+    def _lease_expiry(self) -> float:
+        # Floor of a few real seconds: with a sped-up clock on a loaded test machine the proxy's hop
+        # from P's answer to D's request alone could outlast a 30 s simulated lease.
+        return self.clock.now() + max(self.cfg.kv_lease_duration, LEASE_REAL_FLOOR_S * self.clock.speed)
+
+    def abort(self, r: EngineRequest) -> None:
+        """Client went away: free everything, return nothing (aborted requests never leave a handle)."""
+        if r.state is State.FINISHED:
+            return
+        if r in self.waiting:
+            self.waiting.remove(r)
+        if r in self.running:
+            self.running.remove(r)
+        self.loading.discard(r)
+        r.state = State.FINISHED
+        r.finish_reason = "abort"
+        self._free(r)
+        self._update_gauges()
+
+    def serve_read(self, engine_id: str, request_id: str, block_ids: list[int]) -> list[BlockData]:
+        """A remote node reads held blocks: single use, declined when gone or about to expire."""
+        self._expire()
+        if engine_id and engine_id != self.cfg.engine_id:
+            raise KVLoadError(f"engine id {engine_id!r} is not this node ({self.cfg.engine_id})")
+        hold = self.holds.get(request_id)
+        if hold is None:
+            raise KVLoadError(f"no blocks held for request {request_id!r} (consumed or expired)")
+        margin = self.cfg.expiry_margin if hold.kind == "retained" else 0.0
+        if self.clock.now() >= hold.expires_at - margin:
+            self._drop_hold(request_id)
+            raise KVLoadError(f"blocks of {request_id!r} are about to expire")
+        held = {b.block_id for b in hold.blocks}
+        if any(b not in held for b in block_ids):
+            raise KVLoadError("requested blocks are not part of the hold")
+        data = [BlockData(content=list(self.pool.get(b).content), parent=self.pool.get(b).parent) for b in block_ids]
+        self._drop_hold(request_id)
+        return data
+
+    def serve_notify(self, engine_id: str, request_id: str) -> bool:
+        if engine_id and engine_id != self.cfg.engine_id:
+            return False
+        return self._drop_hold(request_id)
+
+    def drop_holds(self, kind: str | None = None) -> int:
+        gone = self.holds.all(kind)
+        for h in gone:
+            self._drop_hold(h.request_id)
+        return len(gone)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                self._expire()
+                step = self._schedule()
+                if not step.items:
+                    self._wakeup.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wakeup.wait(), timeout=self._idle_timeout())
+                    continue
+                seconds = self.preset.cost.step_seconds(step.prefill_chunks, step.decode_contexts)
+                await self._pacer.sleep(seconds * self.slow_factor)
+                self._apply(step)
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
+
+    async def aclose(self) -> None:
+        """Wait for the transfer tasks cancelled when the step loop stopped (no pending-task warnings)."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def _idle_timeout(self) -> float:
+        nxt = self.holds.next_expiry()
+        if nxt is None:
+            return 1.0
+        return min(1.0, max(0.001, self.clock.real(nxt - self.clock.now())))
+
+    def _schedule(self) -> Step:
+        step = Step()
+        budget = self.preset.max_num_batched_tokens
+        for r in list(self.running):
+            if budget <= 0:
+                break
+            n = min(r.num_tokens - r.num_computed, budget)
+            if n <= 0:
+                continue
+            if not self._ensure_blocks(r, r.num_computed + n):
+                self._preempt(r)
+                continue
+            step.add(r, n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.preset.max_num_seqs:
+            r = self.waiting[0]
+            if not self._admit(r):
+                break
+            self.waiting.popleft()
+            if r.state is not State.RUNNING:
+                continue  # loading from a remote node, or finished with an error
+            n = min(r.num_tokens - r.num_computed, budget)
+            if not self._ensure_blocks(r, r.num_computed + n):
+                self._preempt(r)
+                break
+            step.add(r, n)
+            budget -= n
+        self._update_gauges()
+        return step
+
+    def _ensure_blocks(self, r: EngineRequest, upto: int) -> bool:
+        need = math.ceil(upto / self.bs) - len(r.blocks)
+        if need <= 0:
+            return True
+        got = self.pool.allocate(need)
+        if got is None:
+            return False
+        r.blocks.extend(got)
+        return True
+
+    def _preempt(self, r: EngineRequest) -> None:
+        """Out of KV: recompute later (vLLM's default preemption); the plan is kept."""
+        if r in self.running:
+            self.running.remove(r)
+        self._free(r)
+        r.num_computed = 0
+        r.state = State.WAITING
+        if r not in self.waiting:
+            self.waiting.appendleft(r)
+
+    def _admit(self, r: EngineRequest) -> bool:
+        prompt = r.token_ids
+        r.hashes = block_hashes(prompt, self.bs, r.hashes)
+        # At least one token must be computed to sample, so a full hit stops one block short.
+        max_hit = (len(prompt) - 1) // self.bs
+        hits = self.pool.lookup(r.hashes[:max_hit])
+        self.pool.touch(hits)
+        r.blocks = list(hits)
+        r.num_computed = len(hits) * self.bs
+        if not r.counted:
+            # Counted once per request, like vLLM's stats (a preempted request is re-admitted later).
+            r.counted = True
+            r.cached_device = r.num_computed
+            self.metrics.prefix_queries.labels(self.metrics.model).inc(len(prompt))
+            self.metrics.prefix_hits.labels(self.metrics.model).inc(r.num_computed)
+            self.metrics.cached_by_source.labels(self.metrics.model, "device").inc(r.num_computed)
+            self.metrics.prompt_by_source.labels(self.metrics.model, "local_cache_hit").inc(r.num_computed)
+        load = self._plan_load(r)
+        if load is None:
+            r.state = State.RUNNING
+            self.running.append(r)
+            return True
+        if not self._ensure_blocks(r, load.end):
+            self._free(r)
+            return False
+        r.state = State.LOADING
+        r.remote_done = True
+        self.loading.add(r)
+        self._spawn(self._load(r, load))
+        return True
+
+    def _plan_load(self, r: EngineRequest) -> Load | None:
+        """What to read from another node, per vLLM's NIXL connector (None: compute locally)."""
+        p = r.kv_params
+        if p is None or r.remote_done:
+            return None  # a preempted request recomputes locally: the remote hold was single use
+        prompt_len = len(r.prompt_ids)
+        if r.leg is Leg.DECODE:
+            count = prompt_len - r.num_computed
+            remote_ids = _group0(p)
+        elif r.carries_handle:
+            if not self.cfg.bidirectional:
+                # Inferred vLLM hazard: a prefill without bidirectional_kv_xfer waits for a read
+                # that is never scheduled. Park the request until the client gives up.
+                r.hang = True
+                return Load(ref=_remote_ref(p), block_ids=[], start=r.num_computed, end=r.num_computed)
+            remote_tokens = int(p.get("remote_num_tokens") or 0)
+            count = min(remote_tokens, prompt_len) - r.num_computed
+            if count <= 0 or count < self.cfg.kv_recompute_threshold:
+                r.remote_done = True
+                self._spawn(self.transport.notify(_remote_ref(p)))  # lets the decode free early
+                return None
+            remote_ids = _group0(p)
+        else:
+            return None
+        ref = _remote_ref(p)
+        # The last prompt token is always computed here (it produces the first sampled token).
+        end = min(r.num_computed + max(count, 0), prompt_len - 1)
+        if end <= r.num_computed:
+            r.remote_done = True
+            self._spawn(self.transport.notify(ref))
+            return None
+        n_needed = math.ceil((r.num_computed + count) / self.bs) - r.num_computed // self.bs
+        # Positional, end-trimmed, no token check: exactly what vLLM does.
+        block_ids = remote_ids[-n_needed:] if n_needed <= len(remote_ids) else []
+        if not block_ids:
+            block_ids = [-1]  # unreadable: the read below fails like a bad descriptor would
+        return Load(ref=ref, block_ids=block_ids, start=r.num_computed, end=end)
+
+    async def _load(self, r: EngineRequest, load: Load) -> None:
+        if r.hang:
+            return  # never completes; the request stays LOADING until aborted
+        xfer = self.preset.cost.transfer_seconds(load.end - load.start) * self.slow_factor
+        try:
+            data = await self.transport.read(load.ref, load.block_ids)
+            await self.clock.sleep(xfer)
+            ok = True
+        except KVLoadError as e:
+            log.info("KV load failed for %s: %s", r.request_id, e)
+            self.metrics.xfer_failed.labels(self.metrics.model).inc()
+            ok = False
+        if r.state is State.FINISHED:
+            return  # aborted while reading
+        self.loading.discard(r)
+        if ok:
+            # Simulated transfer time (not the loopback HTTP round trip, which the speed-up would inflate).
+            self.metrics.xfer_time.labels(self.metrics.model).observe(xfer)
+            self._write_loaded(r, load, data)
+        elif self.cfg.kv_load_failure_policy == "fail":
+            self._fail(r, 500, "KV load failure: the held KV blocks could not be read from the remote node")
+            return
+        r.state = State.RUNNING
+        self.running.append(r)
+        self._wakeup.set()
+
+    def _write_loaded(self, r: EngineRequest, load: Load, data: list[BlockData]) -> None:
+        first = load.start // self.bs
+        for j, remote in enumerate(data):
+            bi = first + j
+            lo = bi * self.bs
+            k = min(load.end, lo + self.bs) - lo
+            if k <= 0:
+                break
+            blk = r.blocks[bi]
+            content = remote.content[:k]
+            content += [GARBAGE_TOKEN] * (k - len(content))
+            blk.content = content
+            blk.parent = remote.parent
+            if k == self.bs:
+                r.hashes = block_hashes(r.token_ids, self.bs, r.hashes)
+                self.pool.register(blk, r.hashes[bi])
+        n = load.end - load.start
+        r.num_computed = load.end
+        r.cached_p2p = n
+        self.metrics.xfer_tokens.labels(self.metrics.model).inc(n)
+        self.metrics.cached_by_source.labels(self.metrics.model, "p2p").inc(n)
+        self.metrics.prompt_by_source.labels(self.metrics.model, "external_kv_transfer").inc(n)
+
+    # ---- a step's effects ---------------------------------------------------------------------
+    def _apply(self, step: Step) -> None:
+        self.steps += 1
+        self.step_log.append(step)
+        if self.on_step is not None:
+            self.on_step(step)
+        for r, n in step.items:
+            if r.state is not State.RUNNING:
+                continue
+            in_prompt = max(0, min(r.num_computed + n, len(r.prompt_ids)) - r.num_computed)
+            self._compute(r, r.num_computed, n)
+            r.num_computed += n
+            if in_prompt:
+                self.metrics.prompt_tokens.labels(self.metrics.model).inc(in_prompt)
+                self.metrics.prompt_by_source.labels(self.metrics.model, "local_compute").inc(in_prompt)
+            if r.num_computed == r.num_tokens:
+                self._sample(r)
+        self._update_gauges()
+
+    def _compute(self, r: EngineRequest, start: int, n: int) -> None:
+        """Write the KV of positions [start, start+n): content = these tokens, after the block before."""
+        tokens = r.token_ids
+        pos = start
+        while pos < start + n:
+            bi = pos // self.bs
+            blk = r.blocks[bi]
+            if not blk.content:
+                blk.parent = r.blocks[bi - 1].digest() if bi > 0 else ROOT_DIGEST
+            take = min(start + n, (bi + 1) * self.bs) - pos
+            blk.content.extend(tokens[pos : pos + take])
+            pos += take
+            if len(blk.content) == self.bs:
+                r.hashes = block_hashes(tokens, self.bs, r.hashes)
+                self.pool.register(blk, r.hashes[bi])
+
+    def _state(self, r: EngineRequest) -> bytes:
+        """The sampling state: digest of the KV content this request attends to."""
+        last = r.blocks[(r.num_computed - 1) // self.bs]
+        return chain(last.parent, last.content)
+
+    def _sample(self, r: EngineRequest) -> None:
+        if r.plan is None:
+            r.plan = self.model.plan(self._state(r), r.spec)
+        tok = r.plan.token(len(r.output_ids))
+        r.output_ids.append(tok)
+        self.metrics.generation_tokens.labels(self.metrics.model).inc()
+        r.events.put_nowait(TokenEvent(tok))
+        n_out = len(r.output_ids)
+        stop_reason: str | int | None = None
+        reason: str | None = None
+        if tok == self.tok.eos_id and not r.spec.ignore_eos:
+            reason = "stop"
+        elif tok in r.stop_token_ids:
+            reason, stop_reason = "stop", tok
+        elif r.detok is not None:
+            r.detok.push(tok)
+            tail = r.detok.text[-(max(map(len, r.stop)) + 8) :]
+            hit = next((s for s in r.stop if s in tail), None)
+            if hit is not None:
+                reason, stop_reason = "stop", hit
+        if reason is None and n_out >= r.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._finish(r, reason, stop_reason)
+
+    def _finish(self, r: EngineRequest, reason: str, stop_reason: str | int | None) -> None:
+        if r in self.running:
+            self.running.remove(r)
+        r.state = State.FINISHED
+        r.finish_reason = reason
+        params: dict[str, Any] | None = None
+        if r.leg is Leg.PREFILL:
+            params = self._hold_for_decode(r)
+        elif r.leg is Leg.DECODE and self.cfg.bidirectional:
+            params = self._retain_for_next_turn(r)
+        self._free(r)
+        self.metrics.request_success.labels(self.metrics.model, reason).inc()
+        r.events.put_nowait(FinishEvent(reason, params, stop_reason))
+
+    def _hold_for_decode(self, r: EngineRequest) -> dict[str, Any]:
+        n_tokens = len(r.prompt_ids)
+        blocks = r.blocks[: math.ceil(n_tokens / self.bs)]
+        self.pool.touch(blocks)
+        self.holds.put(Hold(r.request_id, "lease", blocks, n_tokens, self._lease_expiry()))
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [[b.block_id for b in blocks]],
+            "remote_engine_id": self.cfg.engine_id,
+            "remote_request_id": r.request_id,
+            "remote_host": self.cfg.side_channel_host,
+            "remote_port": self.port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": n_tokens,
+            "remote_prefill_cached_tokens": r.cached_tokens,
+            "transfer_mode": "pull",
+        }
+
+    def _retain_for_next_turn(self, r: EngineRequest) -> dict[str, Any]:
+        # The last sampled token never had its KV computed: the handle covers prompt + output − 1.
+        n_tokens = r.num_computed
+        blocks = r.blocks[: math.ceil(n_tokens / self.bs)]
+        self.pool.touch(blocks)
+        expires = self.clock.now() + self.cfg.decoder_kv_blocks_ttl
+        self.holds.put(Hold(r.request_id, "retained", blocks, n_tokens, expires))
+        return {
+            "do_remote_prefill": False,
+            "do_remote_decode": True,
+            "remote_block_ids": [[b.block_id for b in blocks]],
+            "remote_engine_id": self.cfg.engine_id,
+            "remote_request_id": r.request_id,
+            "remote_host": self.cfg.side_channel_host,
+            "remote_port": self.port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": n_tokens,
+            "remote_blocks_expiry_time": expires,
+            "remote_registration_generation": self.registration_generation,
+            "transfer_mode": "pull",
+        }
+
+    def _fail(self, r: EngineRequest, status: int, message: str) -> None:
+        r.state = State.FINISHED
+        r.finish_reason = "error"
+        self.loading.discard(r)
+        if r in self.running:
+            self.running.remove(r)
+        self._free(r)
+        r.events.put_nowait(ErrorEvent(status, message))
+
+    def _free(self, r: EngineRequest) -> None:
+        if r.blocks:
+            self.pool.release(r.blocks)
+            r.blocks = []
+
+    def _drop_hold(self, request_id: str) -> bool:
+        hold = self.holds.take(request_id)
+        if hold is None:
+            return False
+        self.pool.release(hold.blocks)
+        self._update_gauges()
+        return True
+
+    def _expire(self) -> None:
+        for hold in self.holds.expired(self.clock.now()):
+            self.pool.release(hold.blocks)
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.running.labels(m.model).set(len(self.running))
+        m.waiting.labels(m.model).set(len(self.waiting) + len(self.loading))
+        m.kv_usage.labels(m.model).set(self.pool.usage())

@@ -1,0 +1,187 @@
+"""Block-based KV cache: block pool, prefix cache with LRU eviction, and holds (leases / retention).
+
+A block records the token ids whose KV it holds (``content``) and the digest of the context it was
+computed after (``parent``); the model reads both. The prefix cache is keyed by the *request's* block
+hash, which equals the content digest only when the KV really belongs to those tokens: a block filled
+from another node's positional read is registered under the request's hash anyway, which is how a
+real engine's cache gets polluted by a mismatched pull.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvtether.sim.model import ROOT_DIGEST, chain
+
+GARBAGE_TOKEN = -1  # what a positional read finds past the end of a remote block's content
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    block_id: int
+    content: list[int] = field(default_factory=list)
+    parent: bytes = ROOT_DIGEST
+    hash: bytes | None = None  # prefix-cache key while registered
+    ref_cnt: int = 0
+    _digest: bytes | None = None
+
+    def digest(self) -> bytes:
+        """Content digest; cached once the block is full (full blocks never change)."""
+        if self._digest is not None:
+            return self._digest
+        return chain(self.parent, self.content)
+
+    def seal(self) -> None:
+        self._digest = chain(self.parent, self.content)
+
+    def reset(self) -> None:
+        self.content = []
+        self.parent = ROOT_DIGEST
+        self.hash = None
+        self._digest = None
+
+    @property
+    def polluted(self) -> bool:
+        """White-box: registered under a hash its content does not match (tests only)."""
+        return self.hash is not None and self.hash != self.digest()
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, start: Sequence[bytes] = ()) -> list[bytes]:
+    """Chained hashes of the full blocks of `tokens`, continuing `start` (already computed ones)."""
+    out = list(start)
+    parent = out[-1] if out else ROOT_DIGEST
+    for i in range(len(out), len(tokens) // block_size):
+        parent = chain(parent, tokens[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+class BlockPool:
+    """Fixed number of blocks; free list, prefix cache, and LRU order of unreferenced cached blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Block objects are created on first use: a big preset has hundreds of thousands of blocks and
+        # a node must start in milliseconds.
+        self.blocks: list[Block] = []
+        self._free: deque[Block] = deque()
+        self._cached: dict[bytes, Block] = {}
+        self._evictable: OrderedDict[int, Block] = OrderedDict()  # oldest first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._evictable) + self.num_blocks - len(self.blocks)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks if self.num_blocks else 0.0
+
+    def allocate(self, n: int) -> list[Block] | None:
+        """`n` fresh referenced blocks, evicting least recently used cached ones; None if impossible."""
+        if n > self.num_free:
+            return None
+        out: list[Block] = []
+        for _ in range(n):
+            if self._free:
+                blk = self._free.popleft()
+            elif len(self.blocks) < self.num_blocks:
+                blk = Block(len(self.blocks))
+                self.blocks.append(blk)
+            else:
+                _, blk = self._evictable.popitem(last=False)
+                if blk.hash is not None and self._cached.get(blk.hash) is blk:
+                    del self._cached[blk.hash]
+            blk.reset()
+            blk.ref_cnt = 1
+            out.append(blk)
+        return out
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[Block]:
+        """Longest run of cached blocks for these chained hashes (not referenced yet)."""
+        hits: list[Block] = []
+        for h in hashes:
+            blk = self._cached.get(h)
+            if blk is None:
+                break
+            hits.append(blk)
+        return hits
+
+    def get(self, block_id: int) -> Block:
+        return self.blocks[block_id]
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        for blk in blocks:
+            if blk.ref_cnt == 0:
+                self._evictable.pop(blk.block_id, None)
+            blk.ref_cnt += 1
+
+    def release(self, blocks: Iterable[Block]) -> None:
+        # Release in reverse so a request's tail blocks are evicted before its head (as vLLM does).
+        for blk in reversed(list(blocks)):
+            blk.ref_cnt -= 1
+            if blk.ref_cnt > 0:
+                continue
+            if blk.hash is not None and self._cached.get(blk.hash) is blk:
+                self._evictable[blk.block_id] = blk
+            else:
+                blk.reset()
+                self._free.append(blk)
+
+    def register(self, blk: Block, h: bytes) -> None:
+        """Put a full block in the prefix cache under the request's hash (first writer wins)."""
+        blk.seal()
+        if blk.hash is None and h not in self._cached:
+            blk.hash = h
+            self._cached[h] = blk
+
+    def cached_blocks(self) -> int:
+        return len(self._cached)
+
+
+@dataclass(eq=False, slots=True)
+class Hold:
+    """Blocks pinned for another node: a prefill lease (for D's read) or a decode retention (handle)."""
+
+    request_id: str
+    kind: str  # "lease" | "retained"
+    blocks: list[Block]
+    num_tokens: int
+    expires_at: float  # simulated seconds on the holding node's clock
+
+
+class HoldTable:
+    def __init__(self) -> None:
+        self._holds: dict[str, Hold] = {}
+
+    def __len__(self) -> int:
+        return len(self._holds)
+
+    def put(self, hold: Hold) -> None:
+        self._holds[hold.request_id] = hold
+
+    def get(self, request_id: str) -> Hold | None:
+        return self._holds.get(request_id)
+
+    def take(self, request_id: str) -> Hold | None:
+        return self._holds.pop(request_id, None)
+
+    def expired(self, now: float) -> list[Hold]:
+        gone = [h for h in self._holds.values() if h.expires_at <= now]
+        for h in gone:
+            del self._holds[h.request_id]
+        return gone
+
+    def next_expiry(self) -> float | None:
+        return min((h.expires_at for h in self._holds.values()), default=None)
+
+    def all(self, kind: str | None = None) -> list[Hold]:
+        return [h for h in self._holds.values() if kind is None or h.kind == kind]
+
+    def held_tokens(self, kind: str) -> int:
+        return sum(h.num_tokens for h in self._holds.values() if h.kind == kind)

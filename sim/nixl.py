@@ -1,0 +1,90 @@
+"""The NIXL-like KV transfer between nodes, over each node's own HTTP server.
+
+The reader contacts the holder at the ``remote_host:remote_port`` it was given (no rewriting here:
+a proxy that forgets to rewrite an unroutable side-channel host makes the read fail, as with vLLM).
+``POST /nixl/read`` returns the content of the requested blocks and frees the hold (single use);
+``POST /nixl/notify`` only frees it (the reader decided to recompute); ``POST /nixl/heartbeat`` renews a
+prefill's lease while the decode request waits in its queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+
+
+class KVLoadError(Exception):
+    """The read was declined (hold gone, expired, wrong engine) or the transfer failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockData:
+    content: list[int]
+    parent: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRef:
+    """Where a hold lives: what a reader needs from `kv_transfer_params`."""
+
+    host: str
+    port: int
+    engine_id: str
+    request_id: str
+
+
+class KVTransport(Protocol):
+    async def read(self, ref: RemoteRef, block_ids: list[int]) -> list[BlockData]: ...
+
+    async def notify(self, ref: RemoteRef) -> None: ...
+
+    async def heartbeat(self, ref: RemoteRef) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+def _url(ref: RemoteRef, path: str) -> str:
+    host = f"[{ref.host}]" if ":" in ref.host else ref.host
+    return f"http://{host}:{ref.port}{path}"
+
+
+class HttpKVTransport:
+    def __init__(self, timeout: float = 30.0) -> None:
+        self._timeout = timeout
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def _client(self) -> httpx.AsyncClient:
+        # Created on first use: most nodes of a test cluster never read, and building a client is slow.
+        # Plain HTTP between nodes: no TLS context, and no proxy from the environment on loopback.
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=self._timeout, verify=False, trust_env=False)
+        return self._http
+
+    async def read(self, ref: RemoteRef, block_ids: list[int]) -> list[BlockData]:
+        body = {"engine_id": ref.engine_id, "request_id": ref.request_id, "block_ids": block_ids}
+        try:
+            resp = await self._client.post(_url(ref, "/nixl/read"), json=body)
+        except httpx.HTTPError as e:
+            raise KVLoadError(f"read from {ref.host}:{ref.port} failed: {e!r}") from e
+        if resp.status_code != 200:
+            raise KVLoadError(f"read declined by {ref.host}:{ref.port}: {resp.status_code} {resp.text[:200]}")
+        return [BlockData(content=list(b["content"]), parent=bytes.fromhex(b["parent"])) for b in resp.json()["blocks"]]
+
+    async def notify(self, ref: RemoteRef) -> None:
+        body = {"engine_id": ref.engine_id, "request_id": ref.request_id}
+        # Best effort: the holder frees at its TTL anyway.
+        with contextlib.suppress(httpx.HTTPError):
+            await self._client.post(_url(ref, "/nixl/notify"), json=body)
+
+    async def heartbeat(self, ref: RemoteRef) -> None:
+        body = {"engine_id": ref.engine_id, "request_id": ref.request_id}
+        with contextlib.suppress(httpx.HTTPError):
+            await self._client.post(_url(ref, "/nixl/heartbeat"), json=body)
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()

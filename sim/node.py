@@ -1,0 +1,162 @@
+"""One simulated vLLM node: engine + HTTP server (uvicorn) on its own port, plus fault injection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Generator, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import uvicorn
+from kvtether.sim.api import build_app
+from kvtether.sim.clock import SimClock
+from kvtether.sim.config import NodeConfig
+from kvtether.sim.engine import Engine, ErrorEvent, State
+from kvtether.sim.metrics import NodeMetrics
+from kvtether.sim.nixl import HttpKVTransport, KVTransport
+from kvtether.sim.presets import get_preset
+from kvtether.sim.tokenizer import Tokenizer, default_tokenizer
+
+log = logging.getLogger("kvtether.sim.node")
+
+
+@dataclass(slots=True)
+class Faults:
+    """Injected by ``POST /admin/fault``; counters are consumed request by request."""
+
+    fail_next: int = 0  # next N completion requests answer HTTP 500
+    hang_next: int = 0  # next N completion requests never answer (until the client gives up)
+
+    def take_fail(self) -> bool:
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return True
+        return False
+
+    def take_hang(self) -> bool:
+        if self.hang_next > 0:
+            self.hang_next -= 1
+            return True
+        return False
+
+    def apply(self, body: Mapping[str, Any], node: SimNode) -> dict[str, Any]:
+        dropped = 0
+        if "fail_next" in body:
+            self.fail_next = int(body["fail_next"])
+        if "hang_next" in body:
+            self.hang_next = int(body["hang_next"])
+        if "slow_factor" in body:
+            node.engine.slow_factor = max(0.0, float(body["slow_factor"]))
+        if body.get("drop_retained"):
+            dropped += node.engine.drop_holds("retained")
+        if body.get("drop_leases"):
+            dropped += node.engine.drop_holds("lease")
+        return {**asdict(self), "slow_factor": node.engine.slow_factor, "dropped": dropped}
+
+
+class _EmbeddedServer(uvicorn.Server):
+    # Several nodes share one process: leave signal handling to the embedding program.
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class SimNode:
+    def __init__(self, cfg: NodeConfig, *, transport: KVTransport | None = None) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.preset = get_preset(cfg.preset)
+        # Like vLLM at start-up: a context longer than the whole KV cache could never be scheduled.
+        cfg.max_model_len = min(cfg.max_model_len, self.preset.kv_capacity_tokens)
+        self.tokenizer: Tokenizer = default_tokenizer()
+        self.clock = SimClock(cfg.speed)
+        self.metrics = NodeMetrics(
+            cfg.model_name,
+            block_size=self.preset.block_size,
+            num_blocks=self.preset.kv_capacity_tokens // self.preset.block_size,
+            engine_id=cfg.engine_id,
+        )
+        self.transport: KVTransport = transport or HttpKVTransport()
+        self.engine = Engine(cfg, self.preset, self.tokenizer, self.transport, self.metrics, self.clock)
+        self.faults = Faults()
+        self.app = build_app(self)
+        self.started_at = time.time()
+        self.host = "127.0.0.1"
+        self.port = 0
+        self._server: _EmbeddedServer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = False
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self.host, self.port = host, sock.getsockname()[1]
+        self.engine.port = self.port
+        config = uvicorn.Config(
+            self.app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=2
+        )
+        self._server = _EmbeddedServer(config)
+        self._tasks.append(asyncio.ensure_future(self.engine.run()))
+        self._tasks.append(asyncio.ensure_future(self._server.serve(sockets=[sock])))
+        while not self._server.started:
+            if self._tasks[-1].done():
+                self._tasks[-1].result()  # surfaces the start-up error
+            await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        """Stop serving (idempotent: tests may kill a node before the cluster shuts down)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._fail_outstanding()
+        if self._server is not None:
+            self._server.should_exit = True
+        for t in reversed(self._tasks):
+            if t is self._tasks[0]:
+                t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        await self.engine.aclose()
+        await self.transport.aclose()
+
+    def _fail_outstanding(self) -> None:
+        e = self.engine
+        for r in [*e.waiting, *e.running, *e.loading]:
+            if r.state is not State.FINISHED:
+                e.abort(r)
+                r.events.put_nowait(ErrorEvent(503, "the node is shutting down"))
+
+    def state(self) -> dict[str, Any]:
+        """White-box view for tests and the CLI (also served at GET /admin/state)."""
+        e = self.engine
+        return {
+            "role": self.cfg.role,
+            "engine_id": self.cfg.engine_id,
+            "url": self.url,
+            "running": len(e.running),
+            "waiting": len(e.waiting),
+            "loading": len(e.loading),
+            "blocks_total": e.pool.num_blocks,
+            "blocks_used": e.pool.num_used,
+            "blocks_cached": e.pool.cached_blocks(),
+            "held": [
+                {"request_id": h.request_id, "kind": h.kind, "num_tokens": h.num_tokens, "expires_at": h.expires_at}
+                for h in e.holds.all()
+            ],
+            "steps": e.steps,
+            "now": self.clock.now(),
+        }

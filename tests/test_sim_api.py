@@ -1,0 +1,193 @@
+"""The OpenAI-shaped HTTP API of one node, including the official openai client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from kvtether.sim.cluster import SimCluster
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+MSGS = [{"role": "user", "content": "What is the weather in Paris today?"}]
+
+
+@pytest.fixture
+async def node_url() -> AsyncIterator[str]:
+    async with SimCluster(prefill=0, decode=0, aggregated=1, speed=200) as c:
+        yield c.aggregated_urls[0]
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=20) as h:
+        yield h
+
+
+async def sse(h: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    async with h.stream("POST", url, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [ln async for ln in r.aiter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    for ln in lines[:-1]:
+        assert ln.startswith("data: ")
+        out.append(json.loads(ln[6:]))
+    return out
+
+
+@pytest.mark.anyio
+async def test_openai_client_chat_stream_and_tools(node_url: str) -> None:
+    client = openai.AsyncOpenAI(base_url=node_url + "/v1", api_key="none")
+    try:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["kvtether-sim"]
+        r = await client.chat.completions.create(model="kvtether-sim", messages=MSGS, temperature=0)
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content
+        text = ""
+        stream = await client.chat.completions.create(model="kvtether-sim", messages=MSGS, temperature=0, stream=True)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+        assert text == r.choices[0].message.content
+        t = await client.chat.completions.create(
+            model="kvtether-sim", messages=MSGS, tools=TOOLS, tool_choice="required", temperature=0
+        )
+        assert t.choices[0].finish_reason == "tool_calls"
+        call = t.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        assert "city" in json.loads(call.function.arguments)
+    finally:
+        await client.close()
+
+
+@pytest.mark.anyio
+async def test_streamed_tool_call_and_token_ids(node_url: str, http: httpx.AsyncClient) -> None:
+    body = {"messages": MSGS, "tools": TOOLS, "tool_choice": "required", "temperature": 0, "return_token_ids": True}
+    full = (await http.post(node_url + "/v1/chat/completions", json=body)).json()
+    chunks = await sse(http, node_url + "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"]
+    ids = [t for ch in chunks if ch["choices"] for t in ch["choices"][0].get("token_ids", [])]
+    assert ids == full["choices"][0]["token_ids"]
+    calls = [tc for ch in chunks if ch["choices"] for tc in ch["choices"][0]["delta"].get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == full["choices"][0]["message"]["tool_calls"][0]["function"]["name"]
+    assert calls[0]["function"]["arguments"] == full["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "tool_calls"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"] | {
+        "prompt_tokens_details": chunks[-1]["usage"]["prompt_tokens_details"]
+    }
+
+
+@pytest.mark.anyio
+async def test_sampling_limits(node_url: str, http: httpx.AsyncClient) -> None:
+    url = node_url + "/v1/chat/completions"
+    base = {"messages": MSGS, "temperature": 0}
+    free = (await http.post(url, json=base)).json()
+    n = free["usage"]["completion_tokens"]
+    short = (await http.post(url, json={**base, "max_tokens": 3})).json()
+    assert short["choices"][0]["finish_reason"] == "length" and short["usage"]["completion_tokens"] == 3
+    longer = (await http.post(url, json={**base, "min_tokens": n + 10})).json()
+    assert longer["usage"]["completion_tokens"] == n + 11 and longer["choices"][0]["finish_reason"] == "stop"
+    forever = (await http.post(url, json={**base, "ignore_eos": True, "max_completion_tokens": n + 30})).json()
+    assert forever["usage"]["completion_tokens"] == n + 30
+    words = free["choices"][0]["message"]["content"].split()
+    stop = words[3]
+    cut = (await http.post(url, json={**base, "stop": [stop]})).json()
+    assert cut["choices"][0]["finish_reason"] == "stop" and cut["choices"][0]["stop_reason"] == stop
+    assert stop not in cut["choices"][0]["message"]["content"]
+    assert free["choices"][0]["message"]["content"].startswith(cut["choices"][0]["message"]["content"])
+    streamed = await sse(http, url, {**base, "stop": [stop]})
+    text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in streamed if ch["choices"])
+    assert text == cut["choices"][0]["message"]["content"]
+    seeded = [(await http.post(url, json={"messages": MSGS, "temperature": 0.7, "seed": 3})).json() for _ in range(2)]
+    assert seeded[0]["choices"][0]["message"]["content"] == seeded[1]["choices"][0]["message"]["content"]
+
+
+@pytest.mark.anyio
+async def test_reasoning_is_split(node_url: str, http: httpx.AsyncClient) -> None:
+    body = {"messages": MSGS, "temperature": 0, "chat_template_kwargs": {"enable_thinking": True}}
+    r = (await http.post(node_url + "/v1/chat/completions", json=body)).json()
+    msg = r["choices"][0]["message"]
+    assert msg["reasoning_content"] and msg["content"] and "<think>" not in msg["content"]
+
+
+@pytest.mark.anyio
+async def test_errors_are_openai_shaped(node_url: str, http: httpx.AsyncClient) -> None:
+    url = node_url + "/v1/chat/completions"
+    for body in (
+        {"messages": MSGS, "n": 2},
+        {"messages": []},
+        {"messages": MSGS, "max_tokens": "x"},
+        {"messages": MSGS, "tool_choice": "required"},
+        {"messages": MSGS, "max_tokens": 10**9},
+    ):
+        r = await http.post(url, json=body)
+        assert r.status_code == 400, body
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == 400
+    assert (await http.post(url, content=b"{not json")).status_code == 400
+    assert (await http.post(url, json={"model": "other", "messages": MSGS})).status_code == 404
+    ok = await http.post(url, json={"messages": MSGS, "max_tokens": 2, "some_future_field": {"x": 1}})
+    assert ok.status_code == 200
+
+
+@pytest.mark.anyio
+async def test_tokenize_detokenize_and_info(node_url: str, http: httpx.AsyncClient) -> None:
+    chat = (
+        await http.post(node_url + "/v1/chat/completions", json={"messages": MSGS, "return_token_ids": True})
+    ).json()
+    tok = (await http.post(node_url + "/tokenize", json={"messages": MSGS, "add_generation_prompt": True})).json()
+    assert tok["tokens"] == chat["prompt_token_ids"] and tok["count"] == len(tok["tokens"]) and tok["max_model_len"] > 0
+    plain = (await http.post(node_url + "/tokenize", json={"prompt": "hello world"})).json()
+    back = (await http.post(node_url + "/detokenize", json={"tokens": plain["tokens"]})).json()
+    assert back["prompt"] == "hello world"
+    assert (await http.get(node_url + "/health")).status_code == 200
+    assert (await http.get(node_url + "/version")).json() == {"version": "0.33.0"}
+    metrics = (await http.get(node_url + "/metrics")).text
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        'vllm:prompt_tokens_cached_by_source_total{model_name="kvtether-sim",source="device"}',
+        'vllm:cache_config_info{block_size="16"',
+    ):
+        assert name in metrics, name
+
+
+@pytest.mark.anyio
+async def test_text_completions(node_url: str, http: httpx.AsyncClient) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    r = (await http.post(node_url + "/v1/completions", json=body)).json()
+    assert r["object"] == "text_completion" and len(r["choices"][0]["token_ids"]) == 12
+    chunks = await sse(http, node_url + "/v1/completions", body)
+    assert "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]) == r["choices"][0]["text"]
+
+
+@pytest.mark.anyio
+async def test_admin_faults(node_url: str, http: httpx.AsyncClient) -> None:
+    url = node_url + "/v1/chat/completions"
+    state = (await http.post(node_url + "/admin/fault", json={"fail_next": 1})).json()
+    assert state["fail_next"] == 1
+    assert (await http.post(url, json={"messages": MSGS})).status_code == 500
+    assert (await http.post(url, json={"messages": MSGS, "max_tokens": 2})).status_code == 200
+    await http.post(node_url + "/admin/fault", json={"hang_next": 1})
+    with pytest.raises(httpx.ReadTimeout):
+        await http.post(url, json={"messages": MSGS}, timeout=0.3)
+    assert (await http.post(url, json={"messages": MSGS, "max_tokens": 2})).status_code == 200
+    slow = (await http.post(node_url + "/admin/fault", json={"slow_factor": 2.0, "drop_retained": True})).json()
+    assert slow["slow_factor"] == 2.0 and slow["dropped"] == 0

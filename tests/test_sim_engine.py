@@ -1,0 +1,134 @@
+"""Scheduler: chunked prefill under the token budget, batched decode, prefix cache, cold == warm."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+from kvtether.sim.clock import SimClock
+from kvtether.sim.config import NodeConfig
+from kvtether.sim.engine import Engine, EngineRequest, FinishEvent, Step, TokenEvent
+from kvtether.sim.metrics import NodeMetrics
+from kvtether.sim.model import GenerationSpec
+from kvtether.sim.nixl import BlockData, RemoteRef
+from kvtether.sim.presets import get_preset
+from kvtether.sim.tokenizer import Tokenizer
+
+TOK = Tokenizer()
+
+
+class NoTransport:
+    async def read(self, ref: RemoteRef, block_ids: list[int]) -> list[BlockData]:
+        raise AssertionError("no remote reads expected")
+
+    async def notify(self, ref: RemoteRef) -> None:
+        return None
+
+    async def heartbeat(self, ref: RemoteRef) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+def make_engine(budget: int = 64, max_seqs: int = 16, capacity: int = 4096) -> Engine:
+    preset = dataclasses.replace(
+        get_preset("toy"), max_num_batched_tokens=budget, max_num_seqs=max_seqs, kv_capacity_tokens=capacity
+    )
+    cfg = NodeConfig(speed=1000.0)
+    metrics = NodeMetrics(cfg.model_name, block_size=16, num_blocks=capacity // 16, engine_id=cfg.engine_id)
+    return Engine(cfg, preset, TOK, NoTransport(), metrics, SimClock(cfg.speed))
+
+
+def request(prompt: list[int], max_tokens: int = 8, **spec: object) -> EngineRequest:
+    return EngineRequest(
+        request_id=f"r{id(prompt)}-{len(prompt)}",
+        prompt_ids=prompt,
+        spec=GenerationSpec(temperature=0, **spec),
+        max_tokens=max_tokens,
+    )
+
+
+async def run(engine: Engine, *reqs: EngineRequest) -> list[tuple[list[int], FinishEvent]]:
+    for r in reqs:
+        engine.submit(r)
+    out = []
+    for r in reqs:
+        ids: list[int] = []
+        while True:
+            ev = await asyncio.wait_for(r.events.get(), 10)
+            if isinstance(ev, TokenEvent):
+                ids.append(ev.token_id)
+            else:
+                assert isinstance(ev, FinishEvent)
+                out.append((ids, ev))
+                break
+    return out
+
+
+@pytest.fixture
+async def engine_factory():
+    tasks: list[asyncio.Task[None]] = []
+
+    def start(**kw: int) -> Engine:
+        e = make_engine(**kw)
+        tasks.append(asyncio.ensure_future(e.run()))
+        return e
+
+    yield start
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+PROMPT = TOK.encode("The cache holds the prefix of every request that the node has served today. " * 12)
+
+
+@pytest.mark.anyio
+async def test_chunked_prefill_respects_the_budget(engine_factory) -> None:
+    e = engine_factory(budget=64)
+    steps: list[Step] = []
+    e.on_step = steps.append
+    [(ids, fin)] = await run(e, request(PROMPT, max_tokens=4))
+    assert fin.reason == "length" and len(ids) == 4
+    chunks = [c for s in steps for c in s.prefill_chunks]
+    assert all(sum(n for n, _ in s.prefill_chunks) + len(s.decode_contexts) <= 64 for s in steps)
+    assert sum(n for n, _ in chunks) == len(PROMPT)
+    assert [ctx for _, ctx in chunks] == list(range(0, len(PROMPT), 64))  # context grows chunk by chunk
+
+
+@pytest.mark.anyio
+async def test_decode_is_batched(engine_factory) -> None:
+    e = engine_factory(budget=4096)
+    steps: list[Step] = []
+    e.on_step = steps.append
+    prompts = [TOK.encode(f"request number {i} asks about the weather") for i in range(4)]
+    await run(e, *(request(p, max_tokens=6, ignore_eos=True) for p in prompts))
+    assert max(len(s.decode_contexts) for s in steps) == 4
+
+
+@pytest.mark.anyio
+async def test_prefix_cache_hit_gives_the_cold_answer(engine_factory) -> None:
+    e = engine_factory(budget=4096)
+    [(cold, f1)] = await run(e, request(PROMPT, max_tokens=30))
+    r2 = request(list(PROMPT), max_tokens=30)
+    [(warm, _)] = await run(e, r2)
+    assert warm == cold
+    assert r2.cached_device == (len(PROMPT) - 1) // 16 * 16
+    assert f1.kv_transfer_params is None  # a plain request never leaves a handle
+
+
+@pytest.mark.anyio
+async def test_preemption_under_kv_pressure_still_answers(engine_factory) -> None:
+    e = engine_factory(budget=512, capacity=16 * 20)
+    prompts = [TOK.encode(f"story {i} " + "about the long road home " * 10) for i in range(3)]
+    out = await run(e, *(request(p, max_tokens=40, ignore_eos=True) for p in prompts))
+    assert [len(ids) for ids, _ in out] == [40, 40, 40]
+    alone = make_engine(budget=512)
+    task = asyncio.ensure_future(alone.run())
+    try:
+        [(ref, _)] = await run(alone, request(prompts[2], max_tokens=40, ignore_eos=True))
+    finally:
+        task.cancel()
+    assert out[2][0] == ref
