@@ -1,0 +1,317 @@
+"""``kvtether replay``: replay session files against a gateway or an in-process simulated cluster.
+
+Exit codes (docs/replay.md): 0 ok; 1 run failed (unreachable gateway, error rate above
+``--max-error-rate``); 2 usage error (bad flags, malformed file, unknown preset); 3 SLO missed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import Any, NoReturn
+
+import anyio
+import typer
+from kvtether.cli.importers import FORMATS, ImportFormatError, import_file
+from kvtether.cli.replay import (
+    ReplayOptions,
+    ReplayRun,
+    TurnResult,
+    Unreachable,
+    check_reachable,
+    new_session_suffix,
+    parse_think_time,
+    run_replay,
+)
+from kvtether.cli.report import (
+    DEFINITIONS,
+    SCHEMA_VERSION,
+    Slo,
+    check_slos,
+    parse_slo,
+    render_compare,
+    render_run,
+    render_slos,
+    summarize_run,
+)
+from kvtether.sdk.sessionfile import SessionFileError, SessionRecord, read_sessions
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SLO = 0, 1, 2, 3
+
+# The gateway's policies; the three of the issue's comparison: no reverse pull, the reference
+# proxy's behaviour, and kvtether's own choice.
+KNOWN_POLICIES: tuple[str, ...] = ("auto", "pull", "no-pull", "reference")
+DEFAULT_COMPARE: tuple[str, ...] = ("no-pull", "reference", "auto")
+
+
+def _fail(console: Console, code: int, message: str) -> NoReturn:
+    console.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def load_sessions(path: Path, fmt: str, model: str | None) -> list[SessionRecord]:
+    """Read a session file (or import another tool's format); raises SessionFileError/ImportFormatError/OSError."""
+    if fmt == "session":
+        return read_sessions(path)
+    return import_file(path, fmt, model=model or "default")
+
+
+@asynccontextmanager
+async def sim_gateway(
+    preset: str, policy: str, prefill: int, decode: int, speed: float
+) -> AsyncIterator[tuple[str, str]]:
+    """A fresh simulated cluster and an in-process gateway in front of it; yields (gateway URL, model name)."""
+    # Imported here: the replay against --gateway must not pay for (or depend on) the simulator.
+    from kvtether.gateway.config import GatewayConfig
+    from kvtether.gateway.server import serve_gateway
+    from kvtether.sim.cluster import ClusterSpec, SimCluster
+
+    spec = ClusterSpec(prefill=prefill, decode=decode, preset=preset, speed=speed)
+    async with SimCluster(spec) as cluster:
+        config = GatewayConfig(
+            prefill=list(cluster.prefill_urls), decode=list(cluster.decode_urls), policy=policy
+        )
+        async with serve_gateway(config) as url:
+            yield str(url), spec.model_name
+
+
+def _split_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """Separate ``FILE [POLICY ...]``: an argument that names a policy and is not a file is a policy."""
+    files, policies = [], []
+    for a in args:
+        for part in a.split(",") if "," in a and not Path(a).exists() else [a]:
+            if part in KNOWN_POLICIES and not Path(part).exists():
+                policies.append(part)
+            elif part:
+                files.append(part)
+    return files, policies
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("replay")
+    def replay(
+        args: list[str] = typer.Argument(
+            ..., metavar="FILE [POLICY ...]", help="Session file; with --compare, optionally the policies to compare."
+        ),
+        gateway: str | None = typer.Option(None, "--gateway", metavar="URL", help="Replay against this gateway."),
+        sim: str | None = typer.Option(
+            None, "--sim", metavar="PRESET", help="Start an in-process simulated cluster + gateway (e.g. toy)."
+        ),
+        compare: bool = typer.Option(
+            False,
+            "--compare",
+            help="Run the sessions once per policy, each on a fresh cluster (needs --sim); policies follow "
+            "FILE (default: no-pull reference auto).",
+        ),
+        policy: str = typer.Option("auto", "--policy", help="Gateway policy for a single --sim run."),
+        prefill: int = typer.Option(1, "--prefill", min=1, help="--sim: prefill nodes."),
+        decode: int = typer.Option(2, "--decode", min=1, help="--sim: decode nodes."),
+        speed: float = typer.Option(
+            1.0, "--speed", min=0.001, help="--sim: simulated time = real time × speed; reported numbers are simulated."
+        ),
+        input_format: str = typer.Option(
+            "session", "--format", help=f"Input format: session, {', '.join(FORMATS)} (imported on the fly)."
+        ),
+        concurrency: int = typer.Option(8, "--concurrency", "-c", min=1, help="Sessions in flight."),
+        think_time: str = typer.Option(
+            "recorded",
+            "--think-time",
+            help="recorded | none | scale:F | fixed:MS (between an answer and the next turn).",
+        ),
+        max_think_ms: float | None = typer.Option(None, "--max-think-ms", min=0, help="Cap on one think time."),
+        history: str = typer.Option(
+            "recorded", "--history", help="recorded: resend recorded answers; live: thread the answers received."
+        ),
+        model: str | None = typer.Option(None, "--model", help="Override the sessions' model name."),
+        limit: int | None = typer.Option(None, "--limit", min=1, help="Replay only the first N sessions."),
+        timeout: float = typer.Option(600.0, "--timeout", min=0.001, help="Per-request timeout, seconds."),
+        slo: list[str] | None = typer.Option(
+            None, "--slo", help="e.g. ttft_p95=500 (ms) or error_rate=0.01; repeatable; exit 3 when missed."
+        ),
+        max_error_rate: float = typer.Option(
+            0.0, "--max-error-rate", min=0.0, max=1.0, help="Exit 1 when the error rate of a run is above this."
+        ),
+        keep_session_ids: bool = typer.Option(
+            False, "--keep-session-ids", help="Send the recorded session ids (default: add a per-run suffix)."
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Write the full result (incl. every request) to stdout."),
+        no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No tables on stderr (errors only)."),
+    ) -> None:
+        """Replay recorded agent sessions and report TTFT per turn index, TTFC, TPOT, E2E, reuse and errors."""
+        err = Console(stderr=True)
+        files, policies = _split_args(args)
+        if len(files) != 1:
+            _fail(err, EXIT_USAGE, f"give exactly one session file (got {', '.join(files) or 'none'})")
+        if policies and not compare:
+            _fail(err, EXIT_USAGE, f"policies {' '.join(policies)} given without --compare")
+        if (gateway is None) == (sim is None):
+            _fail(err, EXIT_USAGE, "give exactly one of --gateway URL or --sim PRESET")
+        if compare and sim is None:
+            _fail(err, EXIT_USAGE, "--compare needs --sim: an external gateway runs one policy, fixed at its start")
+        if policy not in KNOWN_POLICIES:
+            _fail(err, EXIT_USAGE, f"unknown policy {policy!r}; known: {', '.join(KNOWN_POLICIES)}")
+        if history not in ("recorded", "live"):
+            _fail(err, EXIT_USAGE, f"--history must be recorded or live, not {history!r}")
+        if input_format not in ("session", *FORMATS):
+            _fail(err, EXIT_USAGE, f"--format must be one of session, {', '.join(FORMATS)}")
+        try:
+            think = parse_think_time(think_time)
+            slos: list[Slo] = [parse_slo(s) for s in slo or []]
+        except ValueError as e:
+            _fail(err, EXIT_USAGE, str(e))
+        if sim is not None:
+            from kvtether.sim.presets import UnknownPreset, get_preset
+
+            try:
+                get_preset(sim)
+            except UnknownPreset as e:
+                _fail(err, EXIT_USAGE, str(e))
+        path = Path(files[0])
+        try:
+            sessions = load_sessions(path, input_format, model)
+        except FileNotFoundError:
+            _fail(err, EXIT_USAGE, f"{path}: no such file")
+        except (SessionFileError, ImportFormatError) as e:
+            _fail(err, EXIT_USAGE, f"malformed session file: {e}")
+        except (OSError, UnicodeDecodeError) as e:
+            _fail(err, EXIT_USAGE, f"{path}: cannot read ({e})")
+        if limit is not None:
+            sessions = sessions[:limit]
+        if not sessions:
+            _fail(err, EXIT_USAGE, f"{path}: no sessions")
+        run_policies = (policies or list(DEFAULT_COMPARE)) if compare else [policy]
+        time_scale = speed if sim is not None else 1.0
+        time_note = f"simulated time = real × {speed:g}" if sim is not None else "real time"
+        opts = ReplayOptions(
+            concurrency=concurrency,
+            think_time=think,
+            history="live" if history == "live" else "recorded",
+            max_think_ms=max_think_ms,
+            timeout_s=timeout,
+            model=model,
+            time_scale=time_scale,
+        )
+        n_turns = sum(len(s.turns) for s in sessions)
+        show_progress = not (no_progress or quiet) and err.is_terminal
+
+        async def run_all() -> list[tuple[str, ReplayRun]]:
+            out: list[tuple[str, ReplayRun]] = []
+            progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("turns · {task.fields[errors]} errors"),
+                TimeElapsedColumn(),
+                console=err,
+                disable=not show_progress,
+            )
+            with progress:
+                for label in run_policies:
+                    task = progress.add_task(label if sim is not None else gateway or "", total=n_turns, errors=0)
+                    errors = 0
+
+                    def tick(r: TurnResult, task: Any = task) -> None:
+                        nonlocal errors
+                        errors += 0 if r.ok or r.skipped else 1
+                        progress.update(task, advance=1, errors=errors)
+
+                    opts.session_suffix = "" if keep_session_ids else new_session_suffix()
+                    out.append((label, await _run_one(label, tick)))
+            return out
+
+        async def _run_one(label: str, tick: Callable[[TurnResult], None]) -> ReplayRun:
+            if gateway is not None:
+                await check_reachable(gateway)
+                return await run_replay(sessions, gateway, opts, tick)
+            assert sim is not None
+            async with sim_gateway(sim, label, prefill, decode, speed) as (url, sim_model):
+                # The simulator serves one model name; a file recorded elsewhere names another.
+                opts.model = model or sim_model
+                return await run_replay(sessions, url, opts, tick)
+
+        started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        try:
+            runs = anyio.run(run_all)
+        except Unreachable as e:
+            _fail(err, EXIT_FAILED, f"{e}; is the gateway running? (kvtether serve …)")
+        except ModuleNotFoundError as e:
+            _fail(err, EXIT_FAILED, f"--sim needs the simulator and gateway, not available in this build ({e})")
+        except ValueError as e:
+            _fail(err, EXIT_USAGE, str(e))
+
+        summaries = [summarize_run(label, run, len(sessions)) for label, run in runs]
+        slo_checks = {s["label"]: check_slos(s, slos) for s in summaries} if slos else {}
+        failed_runs = [s["label"] for s in summaries if s["error_rate"] > max_error_rate]
+        slo_missed = any(not c["ok"] for checks in slo_checks.values() for c in checks)
+        code = EXIT_FAILED if failed_runs else EXIT_SLO if slo_missed else EXIT_OK
+
+        if not quiet:
+            if len(summaries) == 1:
+                render_run(err, summaries[0], time_note)
+            else:
+                render_compare(err, summaries, time_note)
+            for label, checks in slo_checks.items():
+                render_slos(err, label, checks)
+        if failed_runs:
+            err.print(
+                f"[red]run failed:[/] error rate above --max-error-rate {max_error_rate:g} in: {', '.join(failed_runs)}"
+            )
+        elif slo_missed:
+            err.print("[red]SLO missed[/]")
+
+        if as_json:
+            target: dict[str, Any] = (
+                {"kind": "gateway", "url": gateway}
+                if gateway is not None
+                else {"kind": "sim", "preset": sim, "prefill": prefill, "decode": decode, "speed": speed}
+            )
+            doc = {
+                "schema": f"kvtether.replay/{SCHEMA_VERSION}",
+                "kvtether_version": _version(),
+                "command": sys.argv,
+                "started_at": started,
+                "file": str(path),
+                "sessions": len(sessions),
+                "turns": n_turns,
+                "target": target,
+                "time": time_note,
+                "options": {
+                    "concurrency": concurrency,
+                    "think_time": str(think),
+                    "max_think_ms": max_think_ms,
+                    "history": history,
+                    "model": model,
+                    "timeout_s": timeout,
+                    "max_error_rate": max_error_rate,
+                    "policies": run_policies if sim is not None else None,
+                },
+                "definitions": DEFINITIONS,
+                "runs": [
+                    {
+                        **s,
+                        "policy": label if sim is not None else None,
+                        "turn_results": [r.to_json() for r in run.results],
+                    }
+                    for s, (label, run) in zip(summaries, runs, strict=True)
+                ],
+                "slo": slo_checks,
+                "exit_code": code,
+            }
+            typer.echo(json.dumps(doc, indent=2))
+        raise typer.Exit(code)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvtether")
+    except metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,351 @@
+"""The replay engine: send recorded sessions to an OpenAI-compatible endpoint and time every turn.
+
+- One ``AsyncOpenAI`` client with ``max_retries=0``: a hidden retry would inflate TTFT; a failure is
+  counted as an error instead.
+- Timestamps come from ``time.perf_counter_ns()`` taken before any other work on a chunk.
+  TTFC = first SSE chunk of any kind; TTFT = first chunk carrying content, a tool-call delta,
+  a refusal or a reasoning delta (a role-only first delta is not a token). TPOT = (last token
+  chunk − first token chunk) / (completion tokens − 1).
+- ``--concurrency`` is the number of sessions in flight (closed loop): a session holds its slot
+  through its think times, like a user at a keyboard.
+- A turn that fails ends its session: the next turn's history would be wrong (live) or the
+  server is in trouble (recorded); the remaining turns are reported as skipped.
+- ``time_scale``: on the simulator, simulated time = real time × speed. Measured durations are
+  multiplied by it and think-time sleeps divided by it, so every reported number is in simulated time.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, cast
+
+import anyio
+import httpx
+import openai
+from kvtether.sdk.contract import SESSION_HEADER, stamps_for_body
+from kvtether.sdk.sessionfile import History, SessionRecord
+
+# Request fields the engine owns; a recorded value would break streaming or the measurement.
+_OWNED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_options", "n"})
+# Response headers the gateway may set to attribute reuse; any x-kvtether-* header is kept.
+REUSE_HEADER_PREFIX = "x-kvtether-"
+
+ThinkMode = Literal["recorded", "none", "scale", "fixed"]
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkTime:
+    mode: ThinkMode = "recorded"
+    value: float = 1.0  # scale factor for "scale", milliseconds for "fixed"
+
+    def delay_ms(self, recorded_ms: float) -> float:
+        if self.mode == "none":
+            return 0.0
+        if self.mode == "scale":
+            return recorded_ms * self.value
+        if self.mode == "fixed":
+            return self.value
+        return recorded_ms
+
+    def __str__(self) -> str:
+        if self.mode == "scale":
+            return f"scale:{self.value:g}"
+        if self.mode == "fixed":
+            return f"fixed:{self.value:g}"
+        return self.mode
+
+
+def parse_think_time(spec: str) -> ThinkTime:
+    """``recorded`` | ``none`` | ``scale:F`` | ``fixed:MS``."""
+    s = spec.strip().lower()
+    if s in ("recorded", "none"):
+        return ThinkTime(cast(ThinkMode, s))
+    kind, _, num = s.partition(":")
+    if kind in ("scale", "fixed") and num:
+        try:
+            v = float(num)
+        except ValueError:
+            v = -1.0
+        if v >= 0:
+            return ThinkTime(cast(ThinkMode, kind), v)
+    raise ValueError(f"bad think time {spec!r} (expected recorded, none, scale:F or fixed:MS with F, MS >= 0)")
+
+
+@dataclass(slots=True)
+class ReplayOptions:
+    concurrency: int = 8
+    think_time: ThinkTime = field(default_factory=ThinkTime)
+    history: History = "recorded"
+    max_think_ms: float | None = None  # cap on one think time (after scaling)
+    timeout_s: float = 600.0  # per request
+    model: str | None = None  # overrides the sessions' model
+    time_scale: float = 1.0
+    # Appended to every session id so that a second replay against a long-lived gateway does not
+    # land on the sessions (and pinned KV) of the first. Empty keeps the recorded ids.
+    session_suffix: str = ""
+    extra_headers: dict[str, str] = field(default_factory=dict)
+    api_key: str = "kvtether-replay"
+
+
+@dataclass(slots=True)
+class TurnResult:
+    session_id: str
+    turn: int
+    ok: bool
+    skipped: bool = False
+    # A 200 stream that ended without a visible token (e.g. a cut-off tool call that the server's
+    # tool parser held back): a success without a TTFT, counted apart so it cannot hide in the stats.
+    empty: bool = False
+    error_kind: str | None = None  # connection, timeout, http_<status>, server_error, stream, skipped
+    error: str | None = None
+    start_ms: float = 0.0  # since the start of the run
+    ttfc_ms: float | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    prompt_messages: int = 0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    reuse: dict[str, str] = field(default_factory=dict)  # the response's x-kvtether-* headers
+    request_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class ReplayRun:
+    results: list[TurnResult]
+    wall_s: float  # real seconds
+
+
+def new_session_suffix() -> str:
+    return "~" + uuid.uuid4().hex[:6]
+
+
+def openai_base_url(url: str) -> str:
+    u = url.rstrip("/")
+    return u if u.endswith("/v1") else u + "/v1"
+
+
+class Unreachable(RuntimeError):
+    """The endpoint does not answer at all (connection refused, DNS, timeout)."""
+
+
+async def check_reachable(url: str, timeout_s: float = 5.0) -> None:
+    """Fail fast with one clear line instead of N connection errors; any HTTP answer counts as reachable."""
+    target = openai_base_url(url) + "/models"
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            await client.get(target)
+    except httpx.HTTPError as e:
+        raise Unreachable(f"cannot reach {url} ({type(e).__name__}: {e or 'no answer'})") from None
+
+
+def _has_token(delta: Any) -> bool:
+    if delta.content or delta.tool_calls or getattr(delta, "refusal", None):
+        return True
+    extra = delta.model_extra or {}
+    return bool(extra.get("reasoning_content") or extra.get("reasoning"))
+
+
+class _Answer:
+    """Accumulates the streamed assistant message, for --history live."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def add(self, delta: Any) -> None:
+        if delta.content:
+            self.content.append(delta.content)
+        for tc in delta.tool_calls or ():
+            call = self.calls.setdefault(
+                tc.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            if tc.id:
+                call["id"] = tc.id
+            if tc.function is not None:
+                if tc.function.name:
+                    call["function"]["name"] += tc.function.name
+                if tc.function.arguments:
+                    call["function"]["arguments"] += tc.function.arguments
+
+    def message(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
+        if self.calls:
+            msg["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
+        return msg
+
+
+def _ms(ns: int, scale: float) -> float:
+    return ns / 1e6 * scale
+
+
+async def _one_turn(
+    client: openai.AsyncOpenAI,
+    sid: str,
+    turn_index: int,
+    model: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    params: dict[str, Any],
+    opts: ReplayOptions,
+    run_t0: int,
+) -> tuple[TurnResult, dict[str, Any] | None]:
+    body_for_stamps: dict[str, Any] = {"model": model, "messages": messages}
+    extra_body = {k: v for k, v in params.items() if k not in _OWNED_PARAMS}
+    if tools:
+        body_for_stamps["tools"] = tools
+        extra_body["tools"] = tools
+    headers = {**opts.extra_headers, SESSION_HEADER: sid, **stamps_for_body(body_for_stamps).headers()}
+    res = TurnResult(session_id=sid, turn=turn_index, ok=False, prompt_messages=len(messages))
+    answer = _Answer()
+    scale = opts.time_scale
+    t_first_chunk: int | None = None
+    t_first_token: int | None = None
+    t_last_token: int | None = None
+    token_chunks = 0
+    chunks = 0
+    finish_reason: str | None = None
+    usage: Any = None
+    t0 = time.perf_counter_ns()
+    res.start_ms = _ms(t0 - run_t0, scale)
+    try:
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=cast(Any, messages),
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers=headers,
+            extra_body=extra_body,
+            timeout=opts.timeout_s,
+        )
+        async with stream:
+            res.reuse = {
+                k.lower(): v for k, v in stream.response.headers.items() if k.lower().startswith(REUSE_HEADER_PREFIX)
+            }
+            res.request_id = stream.response.headers.get("x-request-id")
+            async for chunk in stream:
+                now = time.perf_counter_ns()  # first: nothing else may sit between arrival and stamp
+                if t_first_chunk is None:
+                    t_first_chunk = now
+                chunks += 1
+                if chunk.choices:
+                    finish_reason = chunk.choices[0].finish_reason or finish_reason
+                    delta = chunk.choices[0].delta
+                    if _has_token(delta):
+                        if t_first_token is None:
+                            t_first_token = now
+                        t_last_token = now
+                        token_chunks += 1
+                        answer.add(delta)
+                if chunk.usage is not None:
+                    usage = chunk.usage
+        t_end = time.perf_counter_ns()
+    except openai.APITimeoutError as e:
+        res.error_kind, res.error = "timeout", str(e)
+        return res, None
+    except openai.APIConnectionError as e:
+        cause = e.__cause__
+        res.error_kind, res.error = "connection", f"{e}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
+        return res, None
+    except openai.APIStatusError as e:
+        res.error_kind, res.error = f"http_{e.status_code}", str(e)[:300]
+        return res, None
+    except openai.APIError as e:  # an error event inside a 200 stream
+        res.error_kind, res.error = "server_error", str(e)[:300]
+        return res, None
+    except Exception as e:  # a broken stream mid-way: recorded, never raised out of the run
+        res.error_kind, res.error = "stream", f"{type(e).__name__}: {e}"[:300]
+        return res, None
+
+    res.e2e_ms = _ms(t_end - t0, scale)
+    if t_first_chunk is not None:
+        res.ttfc_ms = _ms(t_first_chunk - t0, scale)
+    if usage is not None:
+        res.prompt_tokens = usage.prompt_tokens
+        res.completion_tokens = usage.completion_tokens
+        details = getattr(usage, "prompt_tokens_details", None)
+        if details is not None and details.cached_tokens is not None:
+            res.cached_tokens = details.cached_tokens
+    if t_first_token is None or t_last_token is None:
+        res.ok = res.empty = True
+        res.error = f"no visible token ({chunks} chunks, finish_reason {finish_reason})"
+        return res, answer.message()
+    res.ttft_ms = _ms(t_first_token - t0, scale)
+    n_tokens = res.completion_tokens if res.completion_tokens else token_chunks
+    if n_tokens > 1:
+        res.tpot_ms = _ms(t_last_token - t_first_token, scale) / (n_tokens - 1)
+    res.ok = True
+    return res, answer.message()
+
+
+async def _one_session(
+    client: openai.AsyncOpenAI,
+    session: SessionRecord,
+    opts: ReplayOptions,
+    run_t0: int,
+    emit: Callable[[TurnResult], None],
+) -> None:
+    sid = session.session_id + opts.session_suffix
+    model = opts.model or session.model
+    live: list[dict[str, Any] | None] = []
+    failed = False
+    for turn, messages, tools in session.requests(opts.history, live):
+        if failed:
+            emit(TurnResult(session_id=sid, turn=turn.index, ok=False, skipped=True, error_kind="skipped"))
+            continue
+        if turn.index > 0 or turn.delay_ms > 0:
+            delay = opts.think_time.delay_ms(turn.delay_ms)
+            if opts.max_think_ms is not None:
+                delay = min(delay, opts.max_think_ms)
+            if delay > 0:
+                await anyio.sleep(delay / 1000.0 / opts.time_scale)
+        result, answer = await _one_turn(client, sid, turn.index, model, messages, tools, turn.params, opts, run_t0)
+        live.append(answer)
+        emit(result)
+        failed = not result.ok
+
+
+async def run_replay(
+    sessions: Sequence[SessionRecord],
+    base_url: str,
+    opts: ReplayOptions,
+    on_result: Callable[[TurnResult], None] | None = None,
+) -> ReplayRun:
+    if opts.concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+    if opts.time_scale <= 0:
+        raise ValueError("time scale must be > 0")
+    results: list[TurnResult] = []
+
+    def emit(r: TurnResult) -> None:
+        results.append(r)
+        if on_result is not None:
+            on_result(r)
+
+    client = openai.AsyncOpenAI(
+        base_url=openai_base_url(base_url),
+        api_key=opts.api_key,
+        max_retries=0,
+        timeout=opts.timeout_s,
+    )
+    limit = anyio.Semaphore(opts.concurrency)
+    run_t0 = time.perf_counter_ns()
+
+    async def guarded(s: SessionRecord) -> None:
+        async with limit:
+            await _one_session(client, s, opts, run_t0, emit)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for s in sessions:
+                tg.start_soon(guarded, s)
+    finally:
+        await client.close()
+    return ReplayRun(results=results, wall_s=(time.perf_counter_ns() - run_t0) / 1e9)
