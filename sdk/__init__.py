@@ -1,1 +1,52 @@
-"""kvtether SDK: session stamping for openai clients, the wire contract, client-side TTFT, recording."""
+"""kvtether SDK: session stamping for openai clients, the wire contract, client-side TTFT, recording.
+
+    from kvtether.sdk import AgentSession, StampedAsyncOpenAI
+
+    session = AgentSession(record_to="session.jsonl")
+    client = StampedAsyncOpenAI(session=session, base_url="http://127.0.0.1:8000/v1", api_key="-")
+    # or: client = session.wrap(existing_async_openai_client)
+    ...
+    print(session.last_turn.ttft_ms)
+
+The names below are imported lazily: the gateway imports ``kvtether.sdk.contract`` and must not
+pay for (or depend on) importing openai.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "AgentSession": "session",
+    "TurnMetrics": "session",
+    "new_session_id": "session",
+    "StampedAsyncOpenAI": "client",
+    "StampedOpenAI": "client",
+    "wrap_client": "client",
+}
+
+__all__ = [
+    "AgentSession",
+    "StampedAsyncOpenAI",
+    "StampedOpenAI",
+    "TurnMetrics",
+    "__version__",
+    "new_session_id",
+    "wrap_client",
+]
+
+if TYPE_CHECKING:
+    from .client import StampedAsyncOpenAI, StampedOpenAI, wrap_client
+    from .session import AgentSession, TurnMetrics, new_session_id
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
