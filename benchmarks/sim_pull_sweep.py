@@ -31,8 +31,14 @@ Modes
             cost-model price via Engine.on_step, plus the NIXL reads counted by /metrics), because client
             wall time x speed also contains the Python simulator's own CPU time (tokenizing, hashing,
             serializing ~1-2 s per 24k-token turn on a small machine), which would swamp the figures;
-            wall x speed is printed too. Prefix caching is switched off on P by patching its pool's
-            lookup (the engine has no option for it yet).
+            wall x speed is printed too. Prefix caching is off on P (ClusterSpec.prefill_prefix_caching).
+
+Cost terms beyond compute and bytes (sim/presets.py has the sources)
+  * per-descriptor transfer cost: vLLM's NIXL connector posts one RDMA read per (KV region, block) on each GPU;
+    ~2.4 us each (ai-dynamo/nixl #1514). Qwen3-32B on TP8 (4 KiB descriptors) is message-rate bound.
+  * per-request serving overhead, charged once per request on each node (2 per P/D turn). Its value is
+    DERIVED FROM THE BLOG'S OWN Qwen3-32B 2k POINT (one system parameter, used unchanged for GLM-5-FP8);
+    the report says so next to the figures.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -90,10 +97,11 @@ class Turn:
     prefill: float  # P's chunked prefill
     to_decode: float  # D's read of the blocks it lacks from P
     first_token: float  # D's first step
+    overhead: float = 0.0  # fixed per-request serving overhead of both legs (P's and D's request)
 
     @property
     def ttft(self) -> float:
-        return self.pull + self.prefill + self.to_decode + self.first_token
+        return self.pull + self.prefill + self.to_decode + self.first_token + self.overhead
 
 
 def analytic_turn(
@@ -123,6 +131,7 @@ def analytic_turn(
         prefill=prefill,
         to_decode=c.transfer_seconds(prompt - d_cached),
         first_token=c.step_seconds([(1, prompt - 1)], []),
+        overhead=2 * c.hardware.request_overhead,  # the P leg and the D leg are a request each
     )
 
 
@@ -159,6 +168,7 @@ class SimLeg:
 
     steps: list[float]  # the cost model's price of each engine step, in order
     xfer_tokens: int  # tokens this node read over NIXL during the leg
+    overhead: float = 0.0  # per-request overhead the engine charged during the leg (Engine.overhead_charged)
 
 
 @dataclass
@@ -183,6 +193,7 @@ class SimTurn:
             prefill=sum(self.p_leg.steps),
             to_decode=c.transfer_seconds(self.d_leg.xfer_tokens),
             first_token=self.d_leg.steps[0] if self.d_leg.steps else 0.0,
+            overhead=self.p_leg.overhead + self.d_leg.overhead,
         )
 
 
@@ -218,6 +229,7 @@ async def _sim_turn(
             cost.step_seconds(step.prefill_chunks, step.decode_contexts)
         )
     p_xfer0, d_xfer0 = await _xfer_tokens(http, p_url), await _xfer_tokens(http, d_url)
+    p_over0, d_over0 = (cluster.node(url).engine.overhead_charged for url in (p_url, d_url))
 
     p_body = dict(body, max_tokens=1, stream=False, kv_transfer_params=handle or dict(DEFAULT_P_PARAMS))
     start = time.perf_counter()
@@ -247,22 +259,17 @@ async def _sim_turn(
         cluster.node(url).engine.on_step = None
     turn = SimTurn(
         wall=(first - start) * speed,
-        p_leg=SimLeg(p_steps, await _xfer_tokens(http, p_url) - p_xfer0),
-        d_leg=SimLeg(list(log[d_url]), await _xfer_tokens(http, d_url) - d_xfer0),
+        p_leg=SimLeg(
+            p_steps, await _xfer_tokens(http, p_url) - p_xfer0, cluster.node(p_url).engine.overhead_charged - p_over0
+        ),
+        d_leg=SimLeg(
+            list(log[d_url]),
+            await _xfer_tokens(http, d_url) - d_xfer0,
+            cluster.node(d_url).engine.overhead_charged - d_over0,
+        ),
         prompt=int(p_params.get("remote_num_tokens") or 0),
     )
     return turn, new_handle, "".join(text)
-
-
-def _disable_prefix_caching(cluster: Any, urls: Sequence[str]) -> None:
-    """Prefix caching OFF on the prefill nodes, as in the blog's set-up.
-
-    The engine has no such option yet (asked of its owner: NodeConfig.enable_prefix_caching /
-    ClusterSpec.prefill_prefix_caching), so the benchmark makes the node's prefix-cache lookup always miss.
-    Blocks are still registered and freed as before; only reuse across requests is gone.
-    """
-    for url in urls:
-        setattr(cluster.node(url).engine.pool, "lookup", lambda hashes: [])  # noqa: B010 (patching a method)
 
 
 async def _sim_point(preset: str, length: int, pull: bool, speed: float) -> SimTurn:
@@ -271,10 +278,11 @@ async def _sim_point(preset: str, length: int, pull: bool, speed: float) -> SimT
     import httpx
 
     cluster_mod = importlib.import_module("kvtether.sim.cluster")
-    spec = cluster_mod.ClusterSpec(prefill=1, decode=1, preset=preset, speed=speed, bidirectional=pull)
+    spec = cluster_mod.ClusterSpec(
+        prefill=1, decode=1, preset=preset, speed=speed, bidirectional=pull, prefill_prefix_caching=False
+    )
     async with cluster_mod.SimCluster(spec) as c, httpx.AsyncClient(timeout=600) as http:
         p_url = c.prefill_urls[0]
-        _disable_prefix_caching(c, c.prefill_urls)
 
         # Size turn 1 so that turn 2's prompt is about `length` tokens: measure the template's and the
         # filler's token counts with P's /tokenize, as the gateway would.
@@ -326,6 +334,16 @@ def _fmt(x: float | None, spec: str = "7.0f") -> str:
     return "n/a".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
 
 
+def _message_bound(preset: Preset, tokens: int) -> bool:
+    """Whether a read of `tokens` is limited by descriptors per second rather than bytes per second."""
+    c = preset.cost
+    hw = c.hardware
+    if tokens <= 0:
+        return False
+    messages = c.transfer_descriptors(tokens) * hw.n_gpus / hw.link_message_rate
+    return messages > tokens * c.model.kv_bytes_per_token / hw.link
+
+
 def report(
     name: str,
     lengths: Sequence[int],
@@ -336,12 +354,19 @@ def report(
 ) -> list[str]:
     preset = get_preset(name)
     blog = BLOG.get(name)
-    hw = preset.cost.hardware
+    c = preset.cost
+    hw = c.hardware
+    per_gpu_desc = c.model.kv_bytes_per_token / hw.n_gpus * c.block_size / max(1, c.model.kv_regions)
+    rate = "none" if math.isinf(hw.link_message_rate) else f"{hw.link_message_rate / 1e6:.2f} M/s"
     lines = [
         f"== {name}: {preset.description}",
-        f"   mode={mode}  efficiency={hw.efficiency}  kv={preset.cost.model.kv_bytes_per_token / 1024:.0f} KiB/token"
+        f"   mode={mode}  efficiency={hw.efficiency}  kv={c.model.kv_bytes_per_token / 1024:.0f} KiB/token"
         f"  link={hw.link_bandwidth * 8 / 1e12:.1f} Tb/s",
-        "   prompt | off ms | on ms | ratio | blog off | blog on | blog ratio | ratio err | pull ms"
+        f"   NIXL: {c.model.kv_regions} regions/GPU x {c.block_size}-token blocks, ~{per_gpu_desc / 1024:.1f} KiB per"
+        f" descriptor, node message rate {rate} (not scaled by efficiency)",
+        f"   request overhead {hw.request_overhead * 1e3:.0f} ms per request, 2 per turn"
+        " (SOURCE: derived from the blog's own Qwen3-32B 2k point; one value for both presets)",
+        "   prompt | off ms | on ms | ratio | blog off | blog on | blog ratio | ratio err | pull ms (bound)"
         " | P prefill off/on ms",
     ]
     for i, length in enumerate(lengths):
@@ -352,13 +377,14 @@ def report(
         pull = prefill = "n/a"
         if turns is not None:
             t_off, t_on = turns[i]
-            pull = f"{t_on.pull * 1e3:.0f}"
+            bound = "msg" if _message_bound(preset, t_on.pulled) else "bw"
+            pull = f"{t_on.pull * 1e3:.0f} ({bound})"
             prefill = f"{t_off.prefill * 1e3:.0f}/{t_on.prefill * 1e3:.0f}"
         lines.append(
             f"   {length:6d} | {off[i] * 1e3:6.0f} | {on[i] * 1e3:5.0f} | {ratio:5.2f} |"
             f" {_fmt(published[0] if published else None, '8.0f')} | {_fmt(published[1] if published else None)} |"
             f" {_fmt(b_ratio, '10.2f')} | {_fmt(err, '+8.0f')}{'%' if err is not None else ' '} |"
-            f" {pull:>7} | {prefill}"
+            f" {pull:>14} | {prefill}"
         )
     if blog:
         last = lengths[-1]

@@ -65,6 +65,11 @@ def register(app: typer.Typer) -> None:
         threshold: int = typer.Option(64, "--recompute-threshold", help="kv_recompute_threshold, tokens."),
         failure_policy: str = typer.Option("fail", "--failure-policy", help="kv_load_failure_policy."),
         no_bidirectional: bool = typer.Option(False, "--no-bidirectional", help="Turn bidirectional_kv_xfer off."),
+        no_prefill_prefix_caching: bool = typer.Option(
+            False,
+            "--no-prefill-prefix-caching",
+            help="Prefix caching off on the prefill nodes (vLLM --no-enable-prefix-caching), as in vLLM's P/D runs.",
+        ),
         side_channel_host: str = typer.Option("localhost", "--side-channel-host", help="remote_host advertised."),
         as_json: bool = typer.Option(False, "--json", help="Print the node URLs as one JSON line on stdout."),
     ) -> None:
@@ -93,6 +98,7 @@ def register(app: typer.Typer) -> None:
             host=host,
             emulate=emulate,
             bidirectional=not no_bidirectional,
+            prefill_prefix_caching=not no_prefill_prefix_caching,
             decoder_kv_blocks_ttl=decode_ttl,
             kv_recompute_threshold=threshold,
             kv_load_failure_policy=failure_policy,

@@ -36,6 +36,9 @@ class ClusterSpec:
     model_name: str = "kvtether-sim"
     base_port: int = 0  # 0 = free ports; else node i listens on base_port + i (prefill, decode, aggregated)
     kv_lease_duration: float = 30.0
+    # Prefix caching on the prefill-role nodes (decode and aggregated nodes keep it on): the vLLM blog's
+    # bidirectional-transfer runs switch it off on P so that every reused token comes over the pull.
+    prefill_prefix_caching: bool = True
 
     def node_configs(self) -> list[NodeConfig]:
         get_preset(self.preset)  # fail early with UnknownPreset
@@ -53,6 +56,7 @@ class ClusterSpec:
                 kv_load_failure_policy=self.kv_load_failure_policy,
                 side_channel_host=self.side_channel_host,
                 model_name=self.model_name,
+                enable_prefix_caching=self.prefill_prefix_caching if role == "prefill" else True,
             )
             for role in roles
         ]

@@ -20,6 +20,7 @@ class NodeConfig:
     decoder_kv_blocks_ttl: float = 480.0  # simulated seconds a handle's blocks stay held (never renewed)
     kv_lease_duration: float = 30.0  # simulated seconds a prefill holds blocks for the decode's read
     kv_recompute_threshold: int = 64
+    enable_prefix_caching: bool = True  # vLLM --enable-prefix-caching / --no-enable-prefix-caching
     kv_load_failure_policy: str = "fail"
     side_channel_host: str = "localhost"  # remote_host advertised in kv_transfer_params
     model_name: str = "kvtether-sim"

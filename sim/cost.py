@@ -9,6 +9,12 @@ Applying the same factor to every resource is a deliberate choice: the time of a
 ``fixed latency + work / (peak * efficiency)``, so ratios between two ways of serving a turn (for instance
 prefill-from-scratch against pull-then-compute-the-suffix) depend on public specs, not on the one knob.
 
+Two costs are deliberately NOT scaled by that factor, because their public figures are already achieved
+values, not peaks: the NIC-side message rate of a KV transfer (`Hardware.link_message_rate`, measured
+descriptor-posting time of NIXL) and the fixed per-request serving overhead (`Hardware.request_overhead`).
+Where they matter (small-descriptor transfers, short prompts) ratios do depend on the one factor; see
+`presets.py` for the values and `benchmarks/README.md` for what that does to the sweep.
+
 Times are seconds of *simulated* time. The engine runs its clock `speed` times faster than real time and
 divides by it (see `wall_seconds`); a uniform division leaves every ratio unchanged.
 """
@@ -48,6 +54,12 @@ class ModelShape:
     n_experts: int = 0
     experts_per_token: int = 0
     expert_weight_bytes: float = 0.0
+    # KV-cache regions one GPU registers with NIXL: one per (layer, K/V) for backends that keep K and V in
+    # separate tensors (FlashAttention: [K0, V0, K1, V1, ...]), one per layer for MLA, plus one per layer
+    # for a separate cache such as DSA's indexer keys. vLLM's NIXL connector builds one transfer descriptor
+    # per (region, block) (`_get_block_descs_ids`: region_id * num_blocks + block_id), so a read of B blocks
+    # posts kv_regions * B descriptors on every GPU. 0 = unknown (no per-descriptor cost).
+    kv_regions: int = 0
 
     @staticmethod
     def causal_pairs(new_tokens: int, context_before: int, window: int | None = None) -> float:
@@ -113,6 +125,15 @@ class Hardware:
     link_latency: float  # seconds per transfer (side-channel handshake, descriptor exchange, notification)
     step_overhead: float  # seconds of scheduler / launch overhead per engine step
     hbm_capacity: float = 0.0  # bytes per GPU (0 = not given); sizes the KV cache of a preset
+    # Transfer descriptors per second the node can post and complete, all GPUs (each with its own NIXL agent
+    # and posting thread) together. An ACHIEVED rate, not scaled by `efficiency`: the public figure is a
+    # measured posting time per descriptor (see presets.py). inf = no per-descriptor cost.
+    link_message_rate: float = math.inf
+    # Seconds a request spends in the serving path outside the engine's steps and the KV bytes: API server
+    # (chat template, tokenization, detokenization), the P/D connector's per-request hand-over, scheduler
+    # hand-offs. Charged once per request when it reaches the engine (`Engine.submit`); not scaled by
+    # `efficiency` (it is host-side, not GPU work). 0 = none.
+    request_overhead: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -132,6 +153,7 @@ class Hardware:
 class CostModel:
     model: ModelShape
     hardware: Hardware
+    block_size: int = 16  # tokens per KV block (vLLM --block-size): sets how many descriptors a transfer posts
 
     def prefill_seconds(self, chunks: Sequence[tuple[int, int]]) -> float:
         """Compute time of prefill chunks, each ``(new_tokens, context_before)``, batched in one step."""
@@ -180,11 +202,27 @@ class CostModel:
             done += n
         return total
 
+    def transfer_descriptors(self, n_tokens: int) -> int:
+        """Descriptors one GPU posts to read the KV of `n_tokens` (block-aligned, as vLLM's reads are):
+        one per (registered KV region, block)."""
+        if n_tokens <= 0:
+            return 0
+        return self.model.kv_regions * math.ceil(n_tokens / self.block_size)
+
     def transfer_seconds(self, n_tokens: int) -> float:
-        """Moving the KV of `n_tokens` between two nodes (NIXL read): latency + bytes / bandwidth."""
+        """Moving the KV of `n_tokens` between two nodes (NIXL read).
+
+        ``latency + max(bytes / bandwidth, descriptors / message rate)``: each GPU posts its descriptors in a
+        loop while the NICs already move the ones posted (a posted RDMA read is asynchronous), so the two
+        overlap and the slower one bounds the transfer. Large descriptors (MLA blocks of tens of KB) are
+        bandwidth bound; small ones (one KV head of a 16-token block: 4 KiB) are message-rate bound.
+        """
         if n_tokens <= 0:
             return 0.0
-        return self.hardware.link_latency + n_tokens * self.model.kv_bytes_per_token / self.hardware.link
+        hw = self.hardware
+        wire = n_tokens * self.model.kv_bytes_per_token / hw.link
+        messages = self.transfer_descriptors(n_tokens) * hw.n_gpus / hw.link_message_rate
+        return hw.link_latency + max(wire, messages)
 
     def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9, reserve_fraction: float = 0.05) -> int:
         """Tokens of KV one node can hold: vLLM's budget (utilization x HBM) less weights and a reserve for

@@ -191,10 +191,12 @@ class Engine:
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.loading: set[EngineRequest] = set()
+        self.arriving: set[EngineRequest] = set()  # in their per-request overhead, not yet seen by the scheduler
         self.port = 0  # set by the node once its HTTP server listens (advertised as remote_port)
         self.slow_factor = 1.0
         self.registration_generation = 0
         self.steps = 0  # white-box counters for tests
+        self.overhead_charged = 0.0  # simulated seconds of per-request overhead charged (Hardware.request_overhead)
         self.step_log: deque[Step] = deque(maxlen=256)
         self._pacer = Pacer(clock)
         self._wakeup = asyncio.Event()
@@ -208,11 +210,29 @@ class Engine:
             r.state = State.LOADING
             self.loading.add(r)
             return
-        self.waiting.append(r)
         if r.leg is Leg.DECODE and r.kv_params is not None:
             self._spawn(self._heartbeat(r, _remote_ref(r.kv_params)))
+        overhead = self.preset.cost.hardware.request_overhead * self.slow_factor
+        if overhead > 0:
+            # The serving path's fixed cost (API server, connector hand-over), once per request, before the
+            # scheduler sees it. A delay of this request only: other requests' steps go on meanwhile, as
+            # they do behind vLLM's asynchronous API server.
+            self.overhead_charged += overhead
+            self.arriving.add(r)
+            self._spawn(self._enqueue_after(r, overhead))
+            return
+        self._enqueue(r)
+
+    def _enqueue(self, r: EngineRequest) -> None:
+        self.arriving.discard(r)
+        self.waiting.append(r)
         self._update_gauges()
         self._wakeup.set()
+
+    async def _enqueue_after(self, r: EngineRequest, seconds: float) -> None:
+        await self.clock.sleep(seconds)
+        if r.state is State.WAITING:  # not aborted meanwhile
+            self._enqueue(r)
 
     async def _heartbeat(self, r: EngineRequest, ref: RemoteRef) -> None:
         """Renew the prefill's lease while this decode request waits for its turn (vLLM's heartbeats)."""
@@ -241,6 +261,7 @@ class Engine:
         if r in self.running:
             self.running.remove(r)
         self.loading.discard(r)
+        self.arriving.discard(r)
         r.state = State.FINISHED
         r.finish_reason = "abort"
         self._free(r)
@@ -362,7 +383,8 @@ class Engine:
         r.hashes = block_hashes(prompt, self.bs, r.hashes)
         # At least one token must be computed to sample, so a full hit stops one block short.
         max_hit = (len(prompt) - 1) // self.bs
-        hits = self.pool.lookup(r.hashes[:max_hit])
+        # --no-enable-prefix-caching: vLLM never looks its cache up (blocks are still filled and freed).
+        hits = self.pool.lookup(r.hashes[:max_hit]) if self.cfg.enable_prefix_caching else []
         self.pool.touch(hits)
         r.blocks = list(hits)
         r.num_computed = len(hits) * self.bs

@@ -8,7 +8,15 @@ _XFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 
 
 class NodeMetrics:
-    def __init__(self, model_name: str, *, block_size: int, num_blocks: int, engine_id: str) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        block_size: int,
+        num_blocks: int,
+        engine_id: str,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r, labels = self.registry, ["model_name"]
         self._model = model_name
@@ -44,7 +52,7 @@ class NodeMetrics:
             ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching", "engine_id"],
             registry=r,
         )
-        cache_info.labels(model_name, str(block_size), str(num_blocks), "True", engine_id).set(1)
+        cache_info.labels(model_name, str(block_size), str(num_blocks), str(enable_prefix_caching), engine_id).set(1)
         for src in ("device", "p2p"):
             self.cached_by_source.labels(model_name, src)
         for src in ("local_compute", "local_cache_hit", "external_kv_transfer"):

@@ -79,6 +79,7 @@ class SimNode:
             block_size=self.preset.block_size,
             num_blocks=self.preset.kv_capacity_tokens // self.preset.block_size,
             engine_id=cfg.engine_id,
+            enable_prefix_caching=cfg.enable_prefix_caching,
         )
         self.transport: KVTransport = transport or HttpKVTransport()
         self.engine = Engine(cfg, self.preset, self.tokenizer, self.transport, self.metrics, self.clock)
@@ -135,7 +136,7 @@ class SimNode:
 
     def _fail_outstanding(self) -> None:
         e = self.engine
-        for r in [*e.waiting, *e.running, *e.loading]:
+        for r in [*e.arriving, *e.waiting, *e.running, *e.loading]:
             if r.state is not State.FINISHED:
                 e.abort(r)
                 r.events.put_nowait(ErrorEvent(503, "the node is shutting down"))

@@ -9,6 +9,7 @@ fitted to a benchmark point.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvtether.sim.cost import CostModel, Hardware, ModelShape
@@ -20,6 +21,8 @@ GBIT = 1e9 / 8  # bytes/s in one Gb/s
 
 @dataclass(frozen=True, slots=True)
 class Preset:
+    """`block_size` must equal `cost.block_size` (the engine's blocks and the cost model's descriptors)."""
+
     name: str
     description: str
     cost: CostModel
@@ -51,6 +54,16 @@ def gqa_kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_
     return 2.0 * n_layers * n_kv_heads * head_dim * dtype_bytes
 
 
+def gqa_kv_regions(n_layers: int) -> int:
+    """NIXL regions per GPU for a FlashAttention KV cache: K and V of each layer are separate tensors.
+
+    Source: vllm-project/vllm, vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py,
+    `_get_block_descs_ids` ("the regions are organized as [K0, V0, K1, V1, ...]"; descriptor id =
+    region_id * num_blocks + block_id) and the registration loop (num_regions = registered cache tensors).
+    """
+    return 2 * n_layers
+
+
 def gqa_layer_params(hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, intermediate: int) -> float:
     """Weights of one GQA + SwiGLU decoder layer (q, k, v, o projections; gate, up, down); norms ignored."""
     attention = hidden * n_heads * head_dim * 2 + hidden * n_kv_heads * head_dim * 2
@@ -67,6 +80,15 @@ FP8_DS_MLA_BYTES = 656
 # layer. Source: vllm-project/vllm, vllm/model_executor/models/deepseek_v2.py, Indexer:
 # DeepseekV32IndexerCache(head_dim=head_dim + head_dim // quant_block_size * 4).
 DSA_INDEXER_BYTES = 128 + 128 // 128 * 4
+
+
+def mla_dsa_kv_regions(n_layers: int) -> int:
+    """NIXL regions per GPU for MLA + DSA: one latent cache per layer (MLA keeps no separate K and V, the
+    connector's "num_layers == num_regions" case) plus the indexer's key cache, which vLLM allocates as a
+    KV-cache layer of its own (DeepseekV32IndexerCache) and the connector registers like any other.
+    ASSUMPTION for the indexer part: that it is transferred with the MLA cache (vllm issue #55434 counts
+    91k-120k descriptors per TP-rank transfer for GLM-5.3 and names MLA + DSA indexer as the amplifier)."""
+    return 2 * n_layers
 
 
 def mla_dsa_kv_bytes_per_token(n_layers: int, tp: int) -> float:
@@ -95,6 +117,7 @@ TOY = Preset(
             qk_head_dim=32,
             v_head_dim=32,
             kv_bytes_per_token=gqa_kv_bytes_per_token(n_layers=2, n_kv_heads=2, head_dim=32, dtype_bytes=2),
+            kv_regions=gqa_kv_regions(n_layers=2),
         ),
         hardware=Hardware(
             name="cpu",
@@ -105,6 +128,9 @@ TOY = Preset(
             link_bandwidth=2.0e9,
             link_latency=2.0e-4,
             step_overhead=1.0e-3,
+            # No per-descriptor cost and no per-request overhead: the toy is for fast tests, not for figures.
+            link_message_rate=math.inf,
+            request_overhead=0.0,
         ),
     ),
     kv_capacity_tokens=262_144,
@@ -128,6 +154,26 @@ H200_HBM, H200_HBM_BYTES = 4.8e12, 141 * GB
 EFA_16X200 = 16 * 200 * GBIT
 # ASSUMPTION: one 400 Gb/s NIC for a single-H100 node (the usual 1 NIC per GPU of an HGX H100).
 NIC_400G = 400 * GBIT
+# NIXL posts one RDMA read per descriptor from a single loop per GPU (its LIBFABRIC backend, the one used on
+# EFA). Measured: ~46 ms of posting time for 18,880 descriptors (Llama-70B, TP8, 80 layers x 2 K/V x 118
+# blocks), i.e. ~2.4 us per descriptor per GPU (github.com/ai-dynamo/nixl issue #1514, "LIBFABRIC backend:
+# Add thread pool support to ... postXfer", which also says these post times dominate the KV-transfer
+# latency). Every GPU of a node posts its own share in parallel, so a node processes n_gpus / 2.4 us.
+# ASSUMPTION: the blog's nodes post from one thread per GPU (NIXL's default; nixl PR #1581 added an optional
+# thread pool for this loop), and the UCX path of the single-H100 preset posts at the same rate.
+NIXL_POST_SECONDS = 46e-3 / 18_880
+EFA_8GPU_MESSAGE_RATE = 8 / NIXL_POST_SECONDS  # ~3.3e6 descriptors/s per 8-GPU node
+ONE_GPU_MESSAGE_RATE = 1 / NIXL_POST_SECONDS
+# Per-request serving overhead on the P/D path (API server + connector hand-over + scheduler hand-offs),
+# charged once per request on each node, i.e. twice per P/D turn. SOURCE: the vLLM blog's own Qwen3-32B 2k
+# point, the smallest published prompt: there the blog's TTFT exceeds this model's compute + transfer (with the
+# message-rate term above) by ~103 ms (off) and ~67 ms (on), mean ~85 ms per turn = 2 requests x ~43 ms. This is
+# ONE system parameter for the blog's serving stack (vLLM API server, reference proxy, NIXL on 8 x H200 +
+# EFA), used unchanged for GLM-5-FP8 on the same nodes; it is not re-derived from GLM's points (that would
+# only absorb GLM's compute error). Plausibility: vllm issue #50913 / PR #51919 measured the P -> D
+# hand-over at ~197 ms p50 (3P1D, under load) against ~29 ms of actual KV transfer, "the rest is
+# orchestration" (first-token recompute ~58 ms incl. step alignment, engine-step boundaries, proxy dispatch).
+REQUEST_OVERHEAD_PD = 0.043
 # ASSUMPTION: 1 ms per NIXL transfer (notification and completion poll; the side-channel handshake is made
 # once per peer and cached), and 2 ms of scheduler / input-prep / launch time per engine step at TP8 (1 ms at
 # TP1) with CUDA graphs. Both are small beside the sweep's prefill times and are not tuned.
@@ -155,6 +201,7 @@ LLAMA_8B = ModelShape(
     qk_head_dim=128,
     v_head_dim=128,
     kv_bytes_per_token=gqa_kv_bytes_per_token(n_layers=32, n_kv_heads=8, head_dim=128, dtype_bytes=2),
+    kv_regions=gqa_kv_regions(n_layers=32),
 )
 LLAMA_8B_H100 = Preset(
     name="llama-3.1-8b-h100",
@@ -173,6 +220,8 @@ LLAMA_8B_H100 = Preset(
             link_latency=XFER_LATENCY,
             step_overhead=STEP_OVERHEAD_TP1,
             hbm_capacity=H100_HBM_BYTES,
+            link_message_rate=ONE_GPU_MESSAGE_RATE,
+            request_overhead=REQUEST_OVERHEAD_PD,  # ASSUMPTION: the same serving path as the blog's nodes
         ),
     ),
     kv_capacity_tokens=0,  # filled in below from the memory budget
@@ -181,7 +230,7 @@ LLAMA_8B_H100 = Preset(
     sources=(
         "model: meta-llama/Llama-3.1-8B config.json",
         "hardware: NVIDIA H100 SXM data sheet (dense BF16 989 TFLOPS, 3.35 TB/s, 80 GB)",
-        "ASSUMPTION: 1 x 400 Gb/s NIC; efficiency 0.5",
+        "ASSUMPTION: 1 x 400 Gb/s NIC; efficiency 0.5; NIXL posting rate and request overhead as the H200 presets",
     ),
 )
 
@@ -202,6 +251,9 @@ QWEN3_32B = ModelShape(
     v_head_dim=128,
     # 8 KV heads over TP8: one head per rank, split not copied: 256 KiB per token per node.
     kv_bytes_per_token=gqa_kv_bytes_per_token(n_layers=64, n_kv_heads=8, head_dim=128, dtype_bytes=2),
+    # 128 regions per GPU; with one KV head per rank a (region, 16-token block) descriptor is 16 x 128 x 2 B
+    # = 4 KiB, so this model's transfers are message-rate bound, not bandwidth bound.
+    kv_regions=gqa_kv_regions(n_layers=64),
 )
 QWEN3_32B_H200_TP8 = Preset(
     name="qwen3-32b-h200-tp8",
@@ -220,6 +272,8 @@ QWEN3_32B_H200_TP8 = Preset(
             link_latency=XFER_LATENCY,
             step_overhead=STEP_OVERHEAD_TP8,
             hbm_capacity=H200_HBM_BYTES,
+            link_message_rate=EFA_8GPU_MESSAGE_RATE,
+            request_overhead=REQUEST_OVERHEAD_PD,
         ),
     ),
     kv_capacity_tokens=0,
@@ -228,7 +282,9 @@ QWEN3_32B_H200_TP8 = Preset(
     sources=(
         "model: Qwen/Qwen3-32B config.json",
         "hardware: NVIDIA H200 SXM data sheet (dense BF16 989 TFLOPS, 4.8 TB/s, 141 GB); 16 x 200 Gb/s EFA",
-        "ASSUMPTION: efficiency 0.4",
+        "kv transfer: vLLM NIXL connector, one descriptor per (layer, K/V, block); ~2.4 us per descriptor per GPU"
+        " (ai-dynamo/nixl issue #1514)",
+        "ASSUMPTION: efficiency 0.4; request overhead 43 ms derived from the vLLM blog's own 2k point",
     ),
 )
 
@@ -273,6 +329,8 @@ GLM5_FP8 = ModelShape(
     n_experts=256,
     experts_per_token=8,
     expert_weight_bytes=float(_G5_ROUTED),
+    # 156 regions per GPU; a 64-token block descriptor is 64 x 656 B = 41 KiB (MLA) or 8.3 KiB (indexer).
+    kv_regions=mla_dsa_kv_regions(n_layers=78),
 )
 GLM5_FP8_H200_TP8 = Preset(
     name="glm-5-fp8-h200-tp8",
@@ -292,7 +350,10 @@ GLM5_FP8_H200_TP8 = Preset(
             link_latency=XFER_LATENCY,
             step_overhead=STEP_OVERHEAD_TP8,
             hbm_capacity=H200_HBM_BYTES,
+            link_message_rate=EFA_8GPU_MESSAGE_RATE,
+            request_overhead=REQUEST_OVERHEAD_PD,
         ),
+        block_size=64,
     ),
     kv_capacity_tokens=0,
     max_num_batched_tokens=MAX_BATCHED,
@@ -302,7 +363,10 @@ GLM5_FP8_H200_TP8 = Preset(
         "model: zai-org/GLM-5 config (GlmMoeDsaConfig) and README (744B / 40B active, DSA)",
         "kv: vLLM fp8_ds_mla 656 B + DSA indexer 132 B per token per layer, replicated on each TP rank",
         "hardware: NVIDIA H200 SXM data sheet (dense FP8 1979 TFLOPS, 4.8 TB/s, 141 GB); 16 x 200 Gb/s EFA",
-        "ASSUMPTION: efficiency 0.25; absorbed-MLA attention FLOPs; FP8 KV cache (--kv-cache-dtype fp8)",
+        "kv transfer: one descriptor per (layer, MLA or indexer cache, 64-token block); ~2.4 us per descriptor per"
+        " GPU (ai-dynamo/nixl issue #1514)",
+        "ASSUMPTION: efficiency 0.25; absorbed-MLA attention FLOPs; FP8 KV cache (--kv-cache-dtype fp8);"
+        " request overhead 43 ms taken from the Qwen3-32B blog 2k point (same serving stack)",
     ),
 )
 

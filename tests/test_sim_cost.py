@@ -63,6 +63,7 @@ def test_every_parameter_is_positive_and_documented(name: str) -> None:
                 "experts_per_token",
                 "expert_weight_bytes",
                 "hbm_capacity",
+                "request_overhead",
             }:
                 assert value is None or value >= 0, f.name  # optional features: absent or non-negative
             elif not isinstance(value, str):
@@ -70,6 +71,8 @@ def test_every_parameter_is_positive_and_documented(name: str) -> None:
     assert 0 < preset.cost.hardware.efficiency <= 1
     assert preset.kv_capacity_tokens > 0
     assert preset.max_num_batched_tokens > 0 and preset.max_num_seqs > 0 and preset.block_size > 0
+    # The engine's blocks and the cost model's transfer descriptors use the same block size.
+    assert preset.cost.block_size == preset.block_size
 
 
 def test_kv_bytes_per_token_follow_the_model_configs() -> None:
@@ -210,30 +213,68 @@ def test_step_is_overhead_plus_roofline(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_transfer_is_latency_plus_bytes_over_bandwidth(name: str) -> None:
+def test_transfer_is_latency_plus_the_slower_of_bytes_and_descriptors(name: str) -> None:
     c = cost(name)
-    hw = c.hardware
-    assert c.transfer_seconds(0) == 0
+    hw, m = c.hardware, c.model
+    assert c.transfer_seconds(0) == 0 and c.transfer_descriptors(0) == 0
     for n in (1, 16, 4096, 24_576):
-        expected = hw.link_latency + n * c.model.kv_bytes_per_token / (hw.link_bandwidth * hw.efficiency)
-        assert c.transfer_seconds(n) == pytest.approx(expected)
-    # Affine in the token count: the increments are equal.
-    assert c.transfer_seconds(2000) - c.transfer_seconds(1000) == pytest.approx(
-        c.transfer_seconds(3000) - c.transfer_seconds(2000)
+        blocks = math.ceil(n / c.block_size)
+        assert c.transfer_descriptors(n) == m.kv_regions * blocks  # one per (region, block) on each GPU
+        wire = n * m.kv_bytes_per_token / (hw.link_bandwidth * hw.efficiency)
+        messages = m.kv_regions * blocks * hw.n_gpus / hw.link_message_rate
+        assert c.transfer_seconds(n) == pytest.approx(hw.link_latency + max(wire, messages))
+
+
+def test_descriptors_follow_vllms_nixl_layout() -> None:
+    # FlashAttention keeps K and V of each layer in separate tensors: 2 regions per layer.
+    assert cost("qwen3-32b-h200-tp8").model.kv_regions == 2 * 64
+    assert cost("llama-3.1-8b-h100").model.kv_regions == 2 * 32
+    # MLA: one latent cache per layer, plus DSA's indexer cache per layer; 64-token blocks.
+    glm = cost("glm-5-fp8-h200-tp8")
+    assert glm.model.kv_regions == 2 * 78 and glm.block_size == 64
+    # 24k tokens of Qwen3-32B: 1536 blocks x 128 regions = 196,608 reads of 4 KiB on every GPU.
+    qwen = cost("qwen3-32b-h200-tp8")
+    assert qwen.transfer_descriptors(24_576) == 1536 * 128
+    per_descriptor = qwen.model.kv_bytes_per_token / qwen.hardware.n_gpus * qwen.block_size / qwen.model.kv_regions
+    assert per_descriptor == 16 * 128 * 2  # one KV head per rank, 16 tokens, 128 dims, BF16
+
+
+def test_small_descriptors_are_message_rate_bound_large_ones_bandwidth_bound() -> None:
+    qwen = cost("qwen3-32b-h200-tp8")
+    hw, m = qwen.hardware, qwen.model
+    n = 24_576
+    wire = hw.link_latency + n * m.kv_bytes_per_token / hw.link
+    # 4 KiB descriptors: the descriptor count, not the bytes, sets the time (an order of magnitude above).
+    assert qwen.transfer_seconds(n) > 5 * wire
+    assert qwen.transfer_seconds(n) == pytest.approx(hw.link_latency + 1536 * 128 * hw.n_gpus / hw.link_message_rate)
+    # The same bytes in 256-token blocks (64 KiB descriptors): bandwidth bound, bytes / link exactly.
+    big = dataclasses.replace(qwen, block_size=256)
+    assert big.transfer_seconds(n) == pytest.approx(wire)
+    # GLM-5's MLA cache alone (64 tokens x 656 B = 41 KiB per descriptor) is bandwidth bound too.
+    glm = cost("glm-5-fp8-h200-tp8")
+    mla_only = dataclasses.replace(glm, model=dataclasses.replace(glm.model, kv_regions=78))
+    n = 20_480
+    assert mla_only.transfer_seconds(n) == pytest.approx(
+        glm.hardware.link_latency + n * glm.model.kv_bytes_per_token / glm.hardware.link
     )
+    # Without a message-rate limit the transfer is the old latency + bytes / bandwidth.
+    unlimited = dataclasses.replace(qwen, hardware=dataclasses.replace(hw, link_message_rate=math.inf))
+    assert unlimited.transfer_seconds(n) == pytest.approx(hw.link_latency + n * m.kv_bytes_per_token / hw.link)
 
 
-def test_efa_preset_moves_a_long_history_in_tens_of_milliseconds() -> None:
-    # The blog reports the D -> P transfer itself at about 30-130 ms; the presets' is of that order.
-    assert 0.01 < cost("qwen3-32b-h200-tp8").transfer_seconds(24_576) < 0.2
-    assert 0.01 < cost("glm-5-fp8-h200-tp8").transfer_seconds(20_480) < 0.2
+def test_glm_pull_is_tens_of_milliseconds_qwen_pull_hundreds() -> None:
+    # The blog reports the D -> P transfer itself at about 30-130 ms. GLM-5's 20k pull is of that order. Qwen3's
+    # 24k pull, message-rate bound at the measured ~2.4 us per descriptor, takes ~0.5 s: more than the blog's
+    # figure if that figure covers Qwen3 at 24k (the README states this tension).
+    assert 0.03 < cost("glm-5-fp8-h200-tp8").transfer_seconds(20_480) < 0.2
+    assert 0.3 < cost("qwen3-32b-h200-tp8").transfer_seconds(24_576) < 0.7
 
 
 # --- one efficiency factor, clock speed ----------------------------------------------------------------
 
 
 def _with_efficiency(c: CostModel, efficiency: float) -> CostModel:
-    return CostModel(model=c.model, hardware=dataclasses.replace(c.hardware, efficiency=efficiency))
+    return dataclasses.replace(c, hardware=dataclasses.replace(c.hardware, efficiency=efficiency))
 
 
 @pytest.mark.parametrize("name", GPU_PRESETS)
@@ -243,14 +284,25 @@ def test_efficiency_scales_work_uniformly(name: str) -> None:
     # Every work term doubles when the one factor halves: compute, HBM and network alike.
     assert half.prefill_seconds([(4096, 1024)]) == pytest.approx(2 * c.prefill_seconds([(4096, 1024)]))
     assert half.decode_seconds([4096] * 4) == pytest.approx(2 * c.decode_seconds([4096] * 4))
+    # The network's bytes scale with it too; the descriptor rate is a measured achieved figure and does not.
+    no_limit = dataclasses.replace(c.hardware, link_message_rate=math.inf)
+    bw = dataclasses.replace(c, hardware=no_limit)
+    bw_half = _with_efficiency(bw, c.hardware.efficiency / 2)
     latency = c.hardware.link_latency
-    assert half.transfer_seconds(8192) - latency == pytest.approx(2 * (c.transfer_seconds(8192) - latency))
+    assert bw_half.transfer_seconds(8192) - latency == pytest.approx(2 * (bw.transfer_seconds(8192) - latency))
+    messages = c.transfer_descriptors(8192) * c.hardware.n_gpus / c.hardware.link_message_rate
+    assert half.transfer_seconds(8192) - latency == pytest.approx(
+        max(2 * (bw.transfer_seconds(8192) - latency), messages)
+    )
+    # Nor does the per-request overhead (host-side).
+    assert half.hardware.request_overhead == c.hardware.request_overhead
 
 
 def test_speed_factor_leaves_ratios_unchanged() -> None:
     c = cost("qwen3-32b-h200-tp8")
-    off = c.lone_prefill_seconds(24_576, 0, 8192)
-    on = c.transfer_seconds(24_435) + c.lone_prefill_seconds(141, 24_435, 8192)
+    overhead = 2 * c.hardware.request_overhead
+    off = overhead + c.lone_prefill_seconds(24_576, 0, 8192)
+    on = overhead + c.transfer_seconds(24_435) + c.lone_prefill_seconds(141, 24_435, 8192)
     for speed in (1.0, 7.0, 1000.0):
         assert wall_seconds(off, speed) / wall_seconds(on, speed) == pytest.approx(off / on)
         assert wall_seconds(off, speed) == pytest.approx(off / speed)
@@ -299,7 +351,9 @@ def test_analytic_turn_pulls_the_held_history_and_computes_the_suffix(name: str)
     assert on.pulled == 16_384 - sweep.USER_TOKENS - 1  # D's handle: previous prompt + answer - 1
     assert on.computed == sweep.USER_TOKENS + 1
     assert on.pull == preset.cost.transfer_seconds(on.pulled)
-    assert on.ttft == pytest.approx(on.pull + on.prefill + on.to_decode + on.first_token)
+    assert on.ttft == pytest.approx(on.pull + on.prefill + on.to_decode + on.first_token + on.overhead)
+    # The fixed serving overhead: once per request, two requests (P leg, D leg) per turn, in both modes.
+    assert on.overhead == off.overhead == 2 * preset.cost.hardware.request_overhead > 0
     # D's side of the turn does not depend on where P got the history from.
     assert (on.to_decode, on.first_token) == (off.to_decode, off.first_token)
     # Below the recompute threshold P computes locally: the same turn as without the pull.
@@ -316,7 +370,7 @@ def test_sweep_shape_off_grows_steeply_on_slowly(name: str) -> None:
     assert off == sorted(off) and on == sorted(on)
     ratios = [a / b for a, b in zip(off, on, strict=True)]
     assert ratios == sorted(ratios)  # the pull's advantage widens with the history
-    assert off[-1] - off[0] > 3 * (on[-1] - on[0])
+    assert off[-1] - off[0] > 1.4 * (on[-1] - on[0])  # blog: x1.8 (Qwen3-32B), x5.3 (GLM-5-FP8)
 
 
 def test_sweep_prints_blog_figures_only_at_published_endpoints(capsys: pytest.CaptureFixture[str]) -> None:
@@ -329,3 +383,4 @@ def test_sweep_prints_blog_figures_only_at_published_endpoints(capsys: pytest.Ca
     assert "n/a" in rows[1]
     assert "778" in rows[2] and "460" in rows[2]
     assert "ASSUMPTION" in out
+    assert "derived from the blog's own" in out  # the request overhead's source is printed with the figures

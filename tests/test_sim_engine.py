@@ -132,3 +132,67 @@ async def test_preemption_under_kv_pressure_still_answers(engine_factory) -> Non
     finally:
         task.cancel()
     assert out[2][0] == ref
+
+
+# --- prefix-caching switch and per-request overhead ----------------------------------------------------------
+
+
+def _engine_with(cfg: NodeConfig, request_overhead: float = 0.0) -> Engine:
+    base = get_preset("toy")
+    hw = dataclasses.replace(base.cost.hardware, request_overhead=request_overhead)
+    preset = dataclasses.replace(base, cost=dataclasses.replace(base.cost, hardware=hw), kv_capacity_tokens=4096)
+    metrics = NodeMetrics(
+        cfg.model_name,
+        block_size=16,
+        num_blocks=4096 // 16,
+        engine_id=cfg.engine_id,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+    )
+    return Engine(cfg, preset, TOK, NoTransport(), metrics, SimClock(cfg.speed))
+
+
+@pytest.mark.anyio
+async def test_prefix_caching_off_skips_the_lookup_and_says_so_in_metrics() -> None:
+    e = _engine_with(NodeConfig(speed=1000.0, enable_prefix_caching=False))
+    task = asyncio.ensure_future(e.run())
+    try:
+        [(cold, _)] = await run(e, request(PROMPT, max_tokens=10))
+        r2 = request(list(PROMPT), max_tokens=10)
+        [(again, _)] = await run(e, r2)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert again == cold  # same answer, computed from scratch
+    assert r2.cached_device == 0
+    assert 'enable_prefix_caching="False"' in e.metrics.render().decode()
+
+
+def test_cluster_spec_switches_prefix_caching_off_on_prefill_nodes_only() -> None:
+    from kvtether.sim.cluster import ClusterSpec
+
+    configs = ClusterSpec(prefill=2, decode=1, aggregated=1, prefill_prefix_caching=False).node_configs()
+    assert {c.role: c.enable_prefix_caching for c in configs} == {"prefill": False, "decode": True, "aggregated": True}
+    assert all(c.enable_prefix_caching for c in ClusterSpec(prefill=1, decode=1).node_configs())  # default: on
+
+
+@pytest.mark.anyio
+async def test_request_overhead_is_charged_once_per_request_even_when_preempted() -> None:
+    overhead = 0.5  # simulated seconds; 0.5 ms of real time at speed 1000
+    e = _engine_with(NodeConfig(speed=1000.0), request_overhead=overhead)
+    e.pool = type(e.pool)(20, 16)  # 320 tokens of KV: three long requests preempt each other
+    task = asyncio.ensure_future(e.run())
+    steps: list[Step] = []
+    e.on_step = steps.append
+    prompts = [TOK.encode(f"story {i} " + "about the long road home " * 10) for i in range(3)]
+    try:
+        start = e.clock.now()
+        out = await run(e, *(request(p, max_tokens=40, ignore_eos=True) for p in prompts))
+        elapsed = e.clock.now() - start
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert [len(ids) for ids, _ in out] == [40, 40, 40]
+    assert e.overhead_charged == pytest.approx(3 * overhead)  # once per request, not per (re-)admission
+    assert not e.arriving
+    assert elapsed >= overhead  # no request reached the scheduler before its overhead had passed
+    assert get_preset("toy").cost.hardware.request_overhead == 0  # the test preset stays instant
