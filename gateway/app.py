@@ -1,0 +1,254 @@
+"""The HTTP app: OpenAI-compatible routes, request validation, error mapping, admin and metrics.
+
+Validation happens here, before anything reaches a node: a request the gateway rejects never touches
+a session. Everything after validation is the orchestrator's job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+from kvtether.gateway import telemetry as T
+from kvtether.gateway.body import KV_FIELD
+from kvtether.gateway.cluster import Cluster
+from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.errors import GatewayError
+from kvtether.gateway.orchestrator import Orchestrator
+from kvtether.gateway.sessions import MemorySessionStore, SessionStore
+from opentelemetry import propagate, trace
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    """Everything one app instance owns; reachable as ``app.state.gateway`` (tests, admin)."""
+
+    def __init__(self, config: GatewayConfig, store: SessionStore | None = None,
+                 tracer_provider: trace.TracerProvider | None = None) -> None:
+        self.config = config
+        self.tracer = T.tracer(tracer_provider)
+        self.metrics = T.Metrics()
+        self.store: SessionStore = store or MemorySessionStore(max_sessions=config.max_sessions)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=config.connect_timeout_s, read=config.read_timeout_s,
+                                  write=config.write_timeout_s, pool=config.pool_timeout_s),
+            limits=httpx.Limits(max_connections=config.max_connections,
+                                max_keepalive_connections=config.max_keepalive_connections,
+                                keepalive_expiry=config.keepalive_expiry_s),
+        )
+        self.cluster = Cluster(config, self.client)
+        self.orchestrator = Orchestrator(config, self.cluster, self.store, self.metrics, self.client,
+                                         tracer=self.tracer)
+
+    async def sweep_forever(self) -> None:
+        while True:
+            await anyio.sleep(self.config.sweep_interval_s)
+            dropped = await self.store.sweep()
+            self.metrics.pinned_sessions.set(await self.store.count())
+            if dropped:
+                log.debug("swept %d expired sessions", dropped)
+
+    def models(self) -> list[str]:
+        names = self.cluster.served_models()
+        if self.config.model and self.config.model not in names:
+            names = [self.config.model, *names]
+        return names
+
+
+def _gateway(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise GatewayError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise GatewayError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise GatewayError(400, "request body must be a JSON object", code="invalid_json")
+    return data
+
+
+async def _validate(gw: Gateway, kind: str, body: dict[str, Any]) -> None:
+    if KV_FIELD in body:
+        raise GatewayError(400, "kv_transfer_params is set by the gateway, not by clients", param=KV_FIELD,
+                           code="forbidden_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayError(400, "you must provide a model parameter", param="model", code="missing_model")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise GatewayError(400, "stream must be a boolean", param="stream")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise GatewayError(400, "messages must be a non-empty list of objects", param="messages")
+    elif body.get("prompt") is None:
+        raise GatewayError(400, "you must provide a prompt", param="prompt")
+    known = gw.models()
+    if not known:
+        await gw.cluster.refresh_all()
+        known = gw.models()
+    if not known:
+        raise GatewayError(503, "no backend has reported its models yet", code="not_ready")
+    if model not in known:
+        raise GatewayError(404, f"the model `{model}` does not exist", param="model", code="model_not_found")
+    upstream = gw.cluster.served_models()
+    if model == gw.config.model and upstream and model not in upstream:
+        # The configured public name is an alias of what the backends serve.
+        body["model"] = upstream[0]
+
+
+def _completion_route(kind: str) -> Any:
+    async def endpoint(request: Request) -> Response:
+        gw = _gateway(request)
+        parent = propagate.extract(dict(request.headers))
+        span = gw.tracer.start_span(T.server_span_name("POST", request.url.path), context=parent, kind=T.KIND_SERVER)
+        T.set_attrs(span, {T.HTTP_METHOD: "POST", T.HTTP_ROUTE: request.url.path})
+        response: Response | None = None
+        try:
+            try:
+                body = await _read_json(request, gw.config.max_body_bytes)
+                await _validate(gw, kind, body)
+                T.set_attrs(span, {T.GEN_AI_REQUEST_MODEL: body.get("model"),
+                                   T.GEN_AI_REQUEST_STREAM: body.get("stream") is True or None})
+                response = await gw.orchestrator.handle(kind, body, request.headers, span)
+            except GatewayError as err:
+                response = err.response()
+            except Exception as exc:  # a bug must still answer in the API's shape, and be logged
+                log.exception("unhandled error")
+                response = GatewayError(500, f"internal gateway error: {type(exc).__name__}",
+                                        type_="internal_error").response()
+            return response
+        finally:
+            status = response.status_code if response is not None else 500
+            span.set_attribute(T.HTTP_STATUS, status)
+            gw.metrics.requests.labels(kind, f"{status // 100}xx").inc()
+            if isinstance(response, StreamingResponse):
+                response.body_iterator = _end_span_after(response.body_iterator, span)
+            else:
+                if status >= 500:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR))
+                span.end()
+
+    return endpoint
+
+
+async def _end_span_after(iterator: Any, span: trace.Span) -> AsyncIterator[Any]:
+    try:
+        async for chunk in iterator:
+            yield chunk
+    finally:
+        span.end()
+
+
+async def models(request: Request) -> Response:
+    gw = _gateway(request)
+    names = gw.models()
+    now = int(time.time())
+    return JSONResponse({"object": "list",
+                         "data": [{"id": n, "object": "model", "created": now, "owned_by": "kvtether"} for n in names]})
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    gw = _gateway(request)
+    c = gw.cluster
+    if gw.config.mode == "aggregated":
+        ok = any(n.healthy for n in c.role("aggregated"))
+    else:
+        ok = any(n.healthy for n in c.role("prefill")) and any(n.healthy for n in c.role("decode"))
+    nodes = [{"url": n.url, "role": n.role, "healthy": n.healthy, "version": n.version, "block_size": n.block_size,
+              "running": n.running, "waiting": n.waiting, "kv_usage": n.kv_usage, "last_error": n.last_error}
+             for n in c.nodes.values()]
+    ok = ok and bool(gw.models())
+    return JSONResponse({"ready": ok, "mode": gw.config.mode, "policy": gw.config.policy, "nodes": nodes},
+                        status_code=200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    gw = _gateway(request)
+    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def admin_sessions(request: Request) -> Response:
+    gw = _gateway(request)
+    now = gw.orchestrator.clock()
+    out = []
+    for s in await gw.store.list():
+        out.append({
+            "session_id": s.session_id,
+            "decode": s.decode,
+            "held_tokens": s.held.num_tokens if s.held else 0,
+            "has_handle": s.handle is not None,
+            "handle_age_s": round(now - s.handle_at, 3) if s.handle_at is not None else None,
+            "turns": s.turns,
+            "expires_in_s": round(s.expires_at - now, 3),
+        })
+    return JSONResponse(out)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return GatewayError(exc.status_code, str(exc.detail)).response()
+
+
+def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
+               tracer_provider: trace.TracerProvider | None = None) -> Starlette:
+    gw = Gateway(config, store, tracer_provider)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if config.otlp_endpoint:
+            T.setup_otlp(config.otlp_endpoint)
+        await gw.cluster.refresh_all()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gw.cluster.poll_forever)
+            tg.start_soon(gw.sweep_forever)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+        await gw.client.aclose()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", _completion_route("chat"), methods=["POST"]),
+            Route("/v1/completions", _completion_route("completions"), methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/ready", ready, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/admin/sessions", admin_sessions, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error},
+    )
+    app.state.gateway = gw
+    return app

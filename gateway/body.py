@@ -1,0 +1,253 @@
+"""Pure transformations of OpenAI request and response bodies: the legs' bodies, stripping, keys.
+
+Kept apart from the HTTP shell so the rules (what P gets, what D gets, what the client may see) are
+testable without a network.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvtether.sdk.contract import prefix_chain, rendering_fields
+
+# Fields the gateway adds for its own use and must never show a client who did not ask.
+TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
+KV_FIELD = "kv_transfer_params"
+
+# P's leg per protocol §1.1: a one-token, non-streamed completion that asks for remote decode.
+COLD_PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill_body(body: Mapping[str, Any], kv_params: Mapping[str, Any] | None) -> dict[str, Any]:
+    out = copy.deepcopy(dict(body))
+    out[KV_FIELD] = dict(kv_params) if kv_params is not None else dict(COLD_PREFILL_PARAMS)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    for key in ("stream_options", "min_tokens", "return_token_ids"):
+        out.pop(key, None)
+    return out
+
+
+def decode_body(
+    body: Mapping[str, Any], kv_params: Mapping[str, Any] | None, *, want_token_ids: bool
+) -> dict[str, Any]:
+    out = copy.deepcopy(dict(body))
+    if kv_params is not None:
+        out[KV_FIELD] = dict(kv_params)
+    if want_token_ids:
+        # The held sequence (prompt + output ids) is what the guard checks the next turn against.
+        out["return_token_ids"] = True
+    return out
+
+
+def with_host(params: Mapping[str, Any], host: str) -> dict[str, Any]:
+    """Rewrite ``remote_host`` to the host the gateway reached the node at, as the reference proxy does.
+
+    Engines report their NIXL side-channel host, which defaults to ``localhost``.
+    """
+    out = dict(params)
+    out["remote_host"] = host
+    return out
+
+
+def strip_internal(obj: dict[str, Any], *, keep_token_ids: bool) -> bool:
+    """Remove internal fields from a response body or stream chunk in place; True when anything changed."""
+    changed = obj.pop(KV_FIELD, None) is not None or KV_FIELD in obj
+    if keep_token_ids:
+        return changed
+    for key in TOKEN_ID_FIELDS:
+        if key in obj:
+            del obj[key]
+            changed = True
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            for key in (*TOKEN_ID_FIELDS, KV_FIELD):
+                if key in choice:
+                    del choice[key]
+                    changed = True
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                for key in TOKEN_ID_FIELDS:
+                    if key in delta:
+                        del delta[key]
+                        changed = True
+    return changed
+
+
+def prompt_ids_of(obj: Mapping[str, Any]) -> list[int] | None:
+    """Prompt token ids from a body or first chunk: top level (chat) or on the first choice (completions)."""
+    ids = obj.get("prompt_token_ids")
+    if isinstance(ids, list):
+        return ids
+    choices = obj.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        ids = choices[0].get("prompt_token_ids")
+        if isinstance(ids, list):
+            return ids
+    return None
+
+
+def output_ids_of(choice: Mapping[str, Any]) -> list[int] | None:
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        return ids
+    delta = choice.get("delta")
+    if isinstance(delta, Mapping) and isinstance(delta.get("token_ids"), list):
+        return list(delta["token_ids"])
+    return None
+
+
+def has_first_token(chunk: Mapping[str, Any]) -> bool:
+    """TTFT per the notes §0.4: the first chunk with content, reasoning, tool-call or refusal deltas."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, Mapping):
+            continue
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, Mapping) and any(
+            delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls", "refusal")
+        ):
+            return True
+    return False
+
+
+def _normal_message(message: Any) -> Any:
+    # Clients echo an assistant turn back with content "" or null, tool_calls [] or absent,
+    # interchangeably; all render the same, so they must hash the same.
+    if isinstance(message, Mapping) and message.get("role") == "assistant":
+        return {k: v for k, v in message.items() if not (k in ("content", "tool_calls") and not v)}
+    return message
+
+
+def chat_keys(body: Mapping[str, Any], answer: Mapping[str, Any] | None = None) -> tuple[str | None, str | None]:
+    """(parent key, own key) of a chat body, by the SDK's message-chain hash.
+
+    The parent key names the history up to the last assistant message — what the previous turn left;
+    the own key names this prompt plus ``answer`` — what the next turn's parent key will be. Reasoning
+    is left out on both sides, so a client that strips it still finds its session (the token guard
+    then decides how much KV is really reusable).
+    """
+    messages = [_normal_message(m) for m in (body.get("messages") or [])]
+    if answer is not None:
+        messages.append(_normal_message(answer))
+    if not messages:
+        return None, None
+    ids = prefix_chain(messages, model=body.get("model"), tools=body.get("tools"),
+                       rendering=rendering_fields(body), keep_reasoning=False)
+    parent = None
+    limit = len(messages) - (1 if answer is not None else 0)
+    for i in range(limit - 1, -1, -1):
+        m = messages[i]
+        if isinstance(m, Mapping) and m.get("role") == "assistant":
+            parent = ids[i]
+            break
+    return parent, ids[-1]
+
+
+def answer_message(choice: Mapping[str, Any]) -> dict[str, Any]:
+    """The assistant message a client will send back, from a non-streamed choice."""
+    msg = choice.get("message")
+    if isinstance(msg, Mapping):
+        return {k: msg[k] for k in ("role", "content", "tool_calls", "reasoning_content", "reasoning") if k in msg}
+    return {"role": "assistant", "content": choice.get("text")}
+
+
+class StreamAnswer:
+    """Accumulates a streamed chat answer (content + tool calls) to compute the next turn's key."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def add(self, choice: Mapping[str, Any]) -> None:
+        delta = choice.get("delta")
+        if not isinstance(delta, Mapping):
+            return
+        if isinstance(delta.get("content"), str):
+            self.content.append(delta["content"])
+        for call in delta.get("tool_calls") or []:
+            if not isinstance(call, Mapping):
+                continue
+            idx = call.get("index", 0)
+            empty = {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            slot = self.calls.setdefault(idx, empty)
+            if call.get("id"):
+                slot["id"] = call["id"]
+            if call.get("type"):
+                slot["type"] = call["type"]
+            fn = call.get("function")
+            if isinstance(fn, Mapping):
+                if fn.get("name"):
+                    slot["function"]["name"] += fn["name"]
+                if fn.get("arguments"):
+                    slot["function"]["arguments"] += fn["arguments"]
+
+    def message(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
+        if self.calls:
+            out["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
+        return out
+
+
+def tokenize_body(kind: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """vLLM ``/tokenize`` request that renders the prompt exactly as the completion request will."""
+    if kind == "chat":
+        out: dict[str, Any] = {"model": body.get("model"), "messages": body.get("messages")}
+        out["add_generation_prompt"] = body.get("add_generation_prompt", True)
+        for key in ("tools", "continue_final_message", "add_special_tokens", "chat_template",
+                    "chat_template_kwargs", "documents", "mm_processor_kwargs"):
+            if body.get(key) is not None:
+                out[key] = body[key]
+        return out
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        return None
+    out = {"model": body.get("model"), "prompt": prompt}
+    if body.get("add_special_tokens") is not None:
+        out["add_special_tokens"] = body["add_special_tokens"]
+    return out
+
+
+def literal_prompt_ids(kind: str, body: Mapping[str, Any]) -> list[int] | None:
+    """A completions prompt given as token ids needs no tokenizer."""
+    if kind != "completions":
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    return None
+
+
+def cached_tokens(usage: Any) -> int:
+    if not isinstance(usage, Mapping):
+        return 0
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, Mapping) and isinstance(details.get("cached_tokens"), int):
+        return int(details["cached_tokens"])
+    return 0
+
+
+def held_tokens(prompt_ids: Sequence[int] | None, output_ids: Sequence[int] | None, num_tokens: int) -> list[int]:
+    """The first ``num_tokens`` of prompt + output: D's handle covers prompt + generated − 1 tokens."""
+    seq = list(prompt_ids or []) + list(output_ids or [])
+    return seq[:num_tokens]

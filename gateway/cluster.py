@@ -1,0 +1,200 @@
+"""The gateway's view of its nodes: role, health, load and capabilities, refreshed in the background.
+
+Load comes from each node's Prometheus ``/metrics`` (running + waiting requests, KV usage), the block
+size from ``vllm:cache_config_info``, the engine version from ``/version`` (streamed responses carry
+D's handle only from vLLM 0.33). A node that fails a request is marked unhealthy at once, so the next
+turn is re-placed without waiting for the next poll.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import anyio
+import httpx
+from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.placement import ClusterView, NodeLoad
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+STREAM_HANDLE_VERSION = (0, 33)
+DEFAULT_BLOCK_SIZE = 16
+SOFT_ERRORS_TO_UNHEALTHY = 3
+
+
+def parse_version(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    m = re.match(r"\s*v?(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def host_of(url: str) -> str:
+    return urlparse(url).hostname or "localhost"
+
+
+@dataclass
+class Node:
+    url: str
+    role: str  # prefill | decode | aggregated
+    bidirectional: bool = True
+    healthy: bool = True
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    version: str | None = None
+    models: list[str] = field(default_factory=list)
+    last_error: str | None = None
+    consecutive_errors: int = 0
+    inflight: int = 0  # requests this gateway has open on the node: fresher than the polled gauges
+
+    @property
+    def host(self) -> str:
+        return host_of(self.url)
+
+    @property
+    def stream_handles(self) -> bool:
+        """Whether streamed responses carry the handle (vLLM >= 0.33); unknown versions are assumed new."""
+        v = parse_version(self.version)
+        return v is None or v >= STREAM_HANDLE_VERSION
+
+    def load(self) -> NodeLoad:
+        # Polled gauges lag by up to a poll interval; the gateway's own open requests do not, so a burst
+        # of new sessions spreads instead of herding onto the node that looked idle at the last poll.
+        running = max(self.running, float(self.inflight))
+        return NodeLoad(self.url, self.healthy, running, self.waiting, self.kv_usage, self.bidirectional)
+
+
+def parse_metrics(text: str) -> dict[str, float | int]:
+    """The few vLLM gauges placement uses, summed over label sets (one engine per node here)."""
+    out: dict[str, float | int] = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name == "vllm:num_requests_running":
+                out["running"] += sample.value
+            elif name == "vllm:num_requests_waiting":
+                out["waiting"] += sample.value
+            elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+                out["kv_usage"] = max(float(out["kv_usage"]), sample.value)
+            elif name == "vllm:cache_config_info":
+                bs = sample.labels.get("block_size")
+                if bs and bs.isdigit():
+                    out["block_size"] = int(bs)
+    return out
+
+
+class Cluster:
+    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient) -> None:
+        self.config = config
+        self.client = client
+        self.nodes: dict[str, Node] = {}
+        for url in config.prefill:
+            self.nodes[url] = Node(url, "prefill", bidirectional=config.is_bidirectional(url))
+        for url in config.decode:
+            self.nodes.setdefault(url, Node(url, "decode"))
+        for url in config.aggregated:
+            self.nodes.setdefault(url, Node(url, "aggregated"))
+
+    def role(self, role: str) -> list[Node]:
+        return [n for n in self.nodes.values() if n.role == role]
+
+    def view(self) -> ClusterView:
+        return ClusterView(tuple(n.load() for n in self.role("prefill")), tuple(n.load() for n in self.role("decode")))
+
+    def aggregated_view(self) -> tuple[NodeLoad, ...]:
+        return tuple(n.load() for n in self.role("aggregated"))
+
+    def node(self, url: str) -> Node:
+        return self.nodes[url]
+
+    def block_size(self, url: str) -> int:
+        node = self.nodes.get(url)
+        if self.config.block_size is not None:
+            return self.config.block_size
+        if node is not None and node.block_size:
+            return node.block_size
+        return DEFAULT_BLOCK_SIZE
+
+    def mark_failed(self, url: str, why: str, *, hard: bool = True) -> None:
+        """A failed request: unreachable (hard) marks the node unhealthy at once; an HTTP 5xx (soft) only
+        after ``SOFT_ERRORS_TO_UNHEALTHY`` in a row, since a live node may fail one request for reasons
+        that are not its own (e.g. a KV read from a peer)."""
+        node = self.nodes.get(url)
+        if node is None:
+            return
+        node.consecutive_errors += 1
+        node.last_error = why
+        if hard or node.consecutive_errors >= SOFT_ERRORS_TO_UNHEALTHY:
+            if node.healthy:
+                log.warning("node %s marked unhealthy: %s", url, why)
+            node.healthy = False
+
+    def begin(self, url: str) -> None:
+        node = self.nodes.get(url)
+        if node is not None:
+            node.inflight += 1
+
+    def end(self, url: str) -> None:
+        node = self.nodes.get(url)
+        if node is not None:
+            node.inflight = max(0, node.inflight - 1)
+
+    def mark_ok(self, url: str) -> None:
+        node = self.nodes.get(url)
+        if node is not None:
+            node.consecutive_errors = 0
+
+    def served_models(self) -> list[str]:
+        seen: list[str] = []
+        for n in self.nodes.values():
+            for m in n.models:
+                if m not in seen:
+                    seen.append(m)
+        return seen
+
+    async def refresh(self, node: Node) -> None:
+        """One poll of a node; any failure marks it unhealthy until a later poll succeeds."""
+        timeout = httpx.Timeout(min(5.0, self.config.metrics_poll_interval_s * 2 + 1))
+        try:
+            resp = await self.client.get(f"{node.url}/metrics", timeout=timeout)
+            resp.raise_for_status()
+            parsed = parse_metrics(resp.text)
+            node.running = float(parsed["running"])
+            node.waiting = float(parsed["waiting"])
+            node.kv_usage = float(parsed["kv_usage"])
+            if "block_size" in parsed:
+                node.block_size = int(parsed["block_size"])
+            if node.version is None or not node.healthy:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    v = await self.client.get(f"{node.url}/version", timeout=timeout)
+                    if v.status_code == 200:
+                        node.version = str(v.json().get("version"))
+            if not node.models or not node.healthy:
+                with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
+                    m = await self.client.get(f"{node.url}/v1/models", timeout=timeout)
+                    if m.status_code == 200:
+                        node.models = [str(x["id"]) for x in m.json().get("data", [])]
+            if not node.healthy:
+                log.info("node %s healthy again", node.url)
+                node.consecutive_errors = 0
+            node.healthy = True
+        except (httpx.HTTPError, ValueError) as exc:
+            node.healthy = False
+            node.last_error = f"poll failed: {type(exc).__name__}: {exc}"
+
+    async def refresh_all(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for node in list(self.nodes.values()):
+                tg.start_soon(self.refresh, node)
+
+    async def poll_forever(self) -> None:
+        while True:
+            await anyio.sleep(self.config.metrics_poll_interval_s)
+            await self.refresh_all()

@@ -1,0 +1,192 @@
+"""Gateway configuration: one dataclass, loaded from a TOML file plus keyword overrides.
+
+Everything the gateway needs to know about the cluster that it cannot discover (which nodes are
+prefill, decode or aggregated; which prefill nodes run with ``bidirectional_kv_xfer``; the engine's
+retention TTL) lives here. Validation happens once, at load time, with messages that name the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+POLICIES: tuple[str, ...] = ("auto", "pull", "no-pull", "reference")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the offending field."""
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    # Cluster: P/D mode needs prefill + decode; aggregated mode needs only aggregated.
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    aggregated: list[str] = field(default_factory=list)
+    # "auto" = "pull" for now (a later issue makes it cost-based); see placement.plan.
+    policy: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # The name clients use; None = whatever the backends serve (discovered from /v1/models).
+    model: str | None = None
+
+    # Sessions. The gateway's TTL must stay below the engine's decoder_kv_blocks_ttl, or a handle
+    # reaches P after D freed its blocks (a KV load failure; with "recompute" vLLM was seen to hang).
+    session_ttl_s: float = 450.0
+    engine_kv_ttl_s: float = 480.0
+    max_sessions: int = 100_000
+    sweep_interval_s: float = 10.0
+
+    # Guard: a handle is attached only when at least this many tokens are verified (vLLM's own
+    # kv_recompute_threshold makes P recompute below it anyway, so the pull would be pure overhead).
+    min_reuse_tokens: int = 64
+    # Partial reuse: on a mismatch, truncate the handle to the verified prefix (protocol §3.2).
+    partial_reuse: bool = True
+    # Handles are only ever sent to prefill nodes with bidirectional_kv_xfer: without it a prefill
+    # may wait forever for a read that is never scheduled (protocol §2, capability hazard).
+    bidirectional_prefill: bool = True
+    # Per-node override: prefill URLs known NOT to run bidirectional_kv_xfer.
+    unidirectional_prefill: list[str] = field(default_factory=list)
+    # Block size when /metrics does not say (vllm:cache_config_info); None = discover, else 16.
+    block_size: int | None = None
+
+    # Upstream HTTP. read_timeout_s None = no read timeout: a long prefill sends nothing until done.
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float | None = None
+    write_timeout_s: float = 30.0
+    pool_timeout_s: float = 30.0
+    tokenize_timeout_s: float = 30.0
+    max_connections: int = 512
+    max_keepalive_connections: int = 64
+    # Idle upstream connections are dropped before the server's keep-alive timeout (uvicorn and vLLM:
+    # 5 s), or a request sent on a connection the server is closing fails with a read error.
+    keepalive_expiry_s: float = 2.0
+    # The gateway's own keep-alive for clients: longer than clients' pool expiry (httpx: 5 s) for the same reason.
+    client_keepalive_s: float = 65.0
+
+    # Cluster view.
+    metrics_poll_interval_s: float = 2.0
+    # Client side.
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Tracing: OTLP endpoint (http/protobuf); None = spans go to whatever tracer provider is set.
+    otlp_endpoint: str | None = None
+
+    @property
+    def mode(self) -> str:
+        return "aggregated" if self.aggregated else "pd"
+
+    @property
+    def effective_policy(self) -> str:
+        # The seam for the cost-based "auto" of a later issue: today it is the pull policy.
+        return "pull" if self.policy == "auto" else self.policy
+
+    def is_bidirectional(self, prefill_url: str) -> bool:
+        return self.bidirectional_prefill and _norm(prefill_url) not in {_norm(u) for u in self.unidirectional_prefill}
+
+    def validate(self) -> GatewayConfig:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if self.aggregated and (self.prefill or self.decode):
+            raise ConfigError("give either aggregated nodes or prefill + decode nodes, not both")
+        if not self.aggregated and not (self.prefill and self.decode):
+            raise ConfigError("P/D mode needs at least one prefill and one decode URL (or use aggregated)")
+        for name in ("prefill", "decode", "aggregated", "unidirectional_prefill"):
+            for url in getattr(self, name):
+                if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+                    raise ConfigError(f"{name}: {url!r} is not an http(s) URL")
+        if not 0 < self.session_ttl_s < self.engine_kv_ttl_s:
+            raise ConfigError(
+                f"session_ttl_s ({self.session_ttl_s}) must be > 0 and below engine_kv_ttl_s "
+                f"({self.engine_kv_ttl_s}), the engine's decoder_kv_blocks_ttl"
+            )
+        for name in ("connect_timeout_s", "write_timeout_s", "pool_timeout_s", "tokenize_timeout_s",
+                     "metrics_poll_interval_s", "sweep_interval_s", "keepalive_expiry_s", "client_keepalive_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        if self.read_timeout_s is not None and self.read_timeout_s <= 0:
+            raise ConfigError("read_timeout_s must be > 0 or unset (no read timeout)")
+        if self.min_reuse_tokens < 1:
+            raise ConfigError("min_reuse_tokens must be >= 1")
+        if self.block_size is not None and self.block_size < 1:
+            raise ConfigError("block_size must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes must be >= 1024")
+        if self.max_sessions < 1:
+            raise ConfigError("max_sessions must be >= 1")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port {self.port} out of range")
+        return self
+
+
+def _norm(url: str) -> str:
+    return url.rstrip("/")
+
+
+_LIST_FIELDS = {"prefill", "decode", "aggregated", "unidirectional_prefill"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name in _LIST_FIELDS:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{name} must be a list of URLs")
+        return [_norm(str(v)) for v in value]
+    return value
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConfig:
+    """Defaults < TOML file (top level or a ``[gateway]`` table) < overrides; None overrides are ignored.
+
+    List overrides that are empty (an unused repeatable CLI flag) are ignored too, so the CLI can
+    pass every flag through.
+    """
+    known = {f.name for f in fields(GatewayConfig)}
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+        table = raw.get("gateway", raw)
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [gateway] must be a table")
+        for key, value in table.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise ConfigError(f"{path}: unknown setting {key!r}")
+            values[name] = _coerce(name, value)
+    for key, value in overrides.items():
+        if key not in known:
+            raise ConfigError(f"unknown setting {key!r}")
+        if value is None or (key in _LIST_FIELDS and not value):
+            continue
+        values[key] = _coerce(key, value)
+    try:
+        cfg = replace(GatewayConfig(), **values)
+    except TypeError as exc:  # pragma: no cover - replace only fails on unknown names, checked above
+        raise ConfigError(str(exc)) from None
+    _check_types(cfg)
+    return cfg.validate()
+
+
+def _check_types(cfg: GatewayConfig) -> None:
+    defaults = GatewayConfig()
+    for f in fields(GatewayConfig):
+        value, default = getattr(cfg, f.name), getattr(defaults, f.name)
+        if default is None or value is None:
+            continue
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, float):
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, type(default))
+        if not ok:
+            raise ConfigError(f"{f.name} must be {type(default).__name__}, got {value!r}")

@@ -1,0 +1,634 @@
+"""The shell that executes a turn: session lookup, tokenize + guard, plan, prefill leg, decode leg.
+
+All decisions are made by the pure modules (``guard``, ``placement``, ``body``); this module only does
+I/O in the order protocol §1–2 prescribes, recovers from upstream failures, records what D now holds
+and keeps internal fields away from the client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import anyio
+import httpx
+from kvtether.gateway import body as B
+from kvtether.gateway import telemetry as T
+from kvtether.gateway.cluster import Cluster, host_of
+from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.errors import GatewayError, sse_error
+from kvtether.gateway.guard import HeldSequence, handle_groups, handle_num_tokens, truncate_handle, verified_reuse
+from kvtether.gateway.placement import HandleAction, HandleState, NoCapacity, Plan, Turn, plan, plan_aggregated
+from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
+from kvtether.sdk.contract import session_id_from_headers
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+log = logging.getLogger(__name__)
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+_FORWARD_HEADERS = ("authorization",)
+
+
+class UpstreamFailure(Exception):
+    def __init__(self, node: str, phase: str, message: str, status: int | None = None,
+                 payload: Any = None, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.node, self.phase, self.status, self.payload = node, phase, status, payload
+        # Could not connect at all: the node is down, not just this request.
+        self.unreachable = unreachable
+
+    @property
+    def node_fault(self) -> bool:
+        """A connection failure or 5xx says the node is in trouble; a 4xx says the request is."""
+        return self.status is None or self.status >= 500
+
+    def client_response(self) -> Response:
+        if self.status is not None and self.status < 500 and isinstance(self.payload, dict) and "error" in self.payload:
+            return JSONResponse(self.payload, status_code=self.status)
+        if self.status is not None and self.status < 500:
+            return GatewayError(self.status, f"upstream rejected the request: {self.payload}").response()
+        return GatewayError(502, f"upstream {self.phase} failed: {self}", type_="upstream_error").response()
+
+
+@dataclass
+class TurnContext:
+    kind: str  # chat | completions
+    body: dict[str, Any]
+    headers: dict[str, str]
+    stream: bool
+    keep_token_ids: bool
+    session_id: str | None
+    session_source: str  # header | prefix | new | none
+    state: SessionState | None
+    t0: float
+    span: trace.Span
+    exclude: set[str] = field(default_factory=set)
+
+    @property
+    def model(self) -> str:
+        return str(self.body.get("model") or "")
+
+    @property
+    def parent_ctx(self) -> otel_context.Context:
+        return trace.set_span_in_context(self.span)
+
+
+@dataclass
+class Prefilled:
+    params: dict[str, Any] | None
+    cached_tokens: int
+    pulled: bool  # a handle was attached and accepted
+
+
+@dataclass
+class LegResult:
+    """What the final (decode or aggregated) leg told us, for the session store."""
+
+    ok: bool = False
+    handle: dict[str, Any] | None = None
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    answer: dict[str, Any] | None = None
+    usage: Any = None
+    finish_reasons: list[str] = field(default_factory=list)
+    ttft: float | None = None
+
+
+class Orchestrator:
+    def __init__(self, config: GatewayConfig, cluster: Cluster, store: SessionStore, metrics: T.Metrics,
+                 client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
+                 tracer: trace.Tracer | None = None) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.store = store
+        self.metrics = metrics
+        self.client = client
+        self.clock = clock
+        self._rr = 0
+        self.tracer = tracer or T.tracer()
+
+    # ---- entry -------------------------------------------------------------------------------
+
+    async def handle(self, kind: str, body: dict[str, Any], headers: Mapping[str, str], span: trace.Span) -> Response:
+        ctx = await self._identify(kind, body, headers, span)
+        if self.config.mode == "aggregated":
+            return await self._aggregated(ctx)
+        return await self._pd(ctx)
+
+    async def _identify(self, kind: str, body: dict[str, Any], headers: Mapping[str, str],
+                        span: trace.Span) -> TurnContext:
+        sid = session_id_from_headers(headers)
+        source = "header" if sid else "none"
+        if sid is None and kind == "chat":
+            parent_key, _ = B.chat_keys(body)
+            if parent_key is not None:
+                sid = await self.store.find_by_prefix(parent_key)
+                source = "prefix" if sid else source
+            if sid is None:
+                # A plain OpenAI client: a fresh session the next turn finds by its message-chain hash.
+                sid, source = f"anon-{uuid.uuid4().hex}", "new"
+        state = await self.store.get(sid) if sid else None
+        T.set_attrs(span, {T.GEN_AI_CONVERSATION_ID: sid if source == "header" else None,
+                           T.ATTR_SESSION_SOURCE: source})
+        return TurnContext(kind, body, {k.lower(): v for k, v in headers.items()}, body.get("stream") is True,
+                           body.get("return_token_ids") is True, sid, source, state, time.perf_counter(), span)
+
+    # ---- P/D -----------------------------------------------------------------------------------
+
+    async def _pd(self, ctx: TurnContext) -> Response:
+        policy = self.config.effective_policy
+        state = ctx.state
+        taken: TakenHandle | None = None
+        handle_state = HandleState.MISSING
+        if state is not None and ctx.session_id is not None and policy in ("pull", "reference"):
+            taken = await self.store.take_handle(ctx.session_id)
+            if taken is None and state.handle is not None:
+                # A concurrent turn of the same session took it first: this one goes cold.
+                self.metrics.handle_outcomes.labels("lost_race").inc()
+            if taken is not None:
+                age = self.clock() - taken.handle_at
+                handle_state = HandleState.EXPIRED if age >= self.config.session_ttl_s else HandleState.PRESENT
+        prompt_ids: list[int] | None = None
+        reuse: int | None = None
+        if taken is not None and handle_state is HandleState.PRESENT and policy == "pull":
+            prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await self._tokenize(ctx)
+            if prompt_ids is not None and taken.held is not None:
+                with self.tracer.start_as_current_span(T.SPAN_GUARD, context=ctx.parent_ctx,
+                                                       kind=T.KIND_INTERNAL) as gspan:
+                    reuse = verified_reuse(taken.held, prompt_ids)
+                    T.set_attrs(gspan, {T.ATTR_HELD_TOKENS: taken.held.num_tokens,
+                                        T.ATTR_PROMPT_TOKENS: len(prompt_ids), T.ATTR_REUSE_TOKENS: reuse})
+        turn = Turn(
+            policy=policy,
+            new_session=state is None,
+            pinned_decode=state.decode if state is not None else None,
+            handle=handle_state,
+            handle_tokens=handle_num_tokens(taken.handle) if taken else None,
+            handle_groups=handle_groups(taken.handle) if taken else 1,
+            prompt_tokens=len(prompt_ids) if prompt_ids is not None else None,
+            reuse_tokens=reuse,
+            min_reuse_tokens=self.config.min_reuse_tokens,
+            partial_reuse=self.config.partial_reuse,
+            round_robin=self._next_rr(),
+        )
+        the_plan = self._plan(ctx, turn)
+        if the_plan.handle_outcome:
+            self.metrics.handle_outcomes.labels(the_plan.handle_outcome).inc()
+        if prompt_ids is not None:
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
+        kv: dict[str, Any] | None = None
+        if taken is not None and the_plan.action is HandleAction.ATTACH:
+            kv = taken.handle
+        elif taken is not None and the_plan.action is HandleAction.TRUNCATE:
+            kv = truncate_handle(taken.handle, the_plan.reuse_tokens, self.cluster.block_size(turn.pinned_decode or ""))
+        if kv is not None:
+            self.metrics.reused_tokens.inc(the_plan.reuse_tokens)
+
+        # One re-placement after a failed node: the in-flight request may fail, the next turn must not.
+        for attempt in range(2):
+            try:
+                prefilled, the_plan = await self._prefill_with_recovery(ctx, the_plan, kv)
+            except UpstreamFailure as failure:
+                return failure.client_response()
+            except GatewayError as err:
+                return err.response()
+            kv = None  # single use: never resend a handle, whatever happens next
+            source = "decode_pull" if prefilled.pulled else ("prefill_cache" if prefilled.cached_tokens else "none")
+            d_kv = B.with_host(prefilled.params, host_of(the_plan.prefill or "")) if prefilled.params else None
+            d_body = B.decode_body(ctx.body, d_kv, want_token_ids=policy == "pull")
+            try:
+                return await self._final_leg(ctx, the_plan, d_body, "decode", source)
+            except UpstreamFailure as failure:
+                self._count_error(failure)
+                if not failure.node_fault or attempt == 1:
+                    return failure.client_response()
+                self.cluster.mark_failed(failure.node, str(failure), hard=failure.unreachable)
+                ctx.exclude.add(failure.node)
+                try:
+                    the_plan = self._plan(ctx, self._cold_turn(turn, ctx))
+                except GatewayError:
+                    if failure.unreachable:
+                        return failure.client_response()
+                    # The only decode node answered with an error: it is alive, so try it once more.
+                    ctx.exclude.discard(failure.node)
+                    try:
+                        the_plan = self._plan(ctx, self._cold_turn(turn, ctx))
+                    except GatewayError as err:
+                        return err.response()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _next_rr(self) -> int:
+        self._rr += 1
+        return self._rr - 1
+
+    def _cold_turn(self, turn: Turn, ctx: TurnContext) -> Turn:
+        return replace(turn, handle=HandleState.MISSING, handle_tokens=None, reuse_tokens=None,
+                       round_robin=self._next_rr(), exclude=frozenset(ctx.exclude))
+
+    def _plan(self, ctx: TurnContext, turn: Turn) -> Plan:
+        turn = replace(turn, exclude=frozenset(ctx.exclude))
+        with self.tracer.start_as_current_span(T.SPAN_PLAN, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
+            try:
+                p = plan(turn, self.cluster.view())
+            except NoCapacity as exc:
+                span.set_attribute(T.ERROR_TYPE, "no_capacity")
+                raise GatewayError(503, str(exc), code="no_capacity") from None
+            T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_ACTION: p.action.value,
+                               T.ATTR_PLAN_REASON: p.reason, T.ATTR_PREFILL: p.prefill, T.ATTR_DECODE: p.decode,
+                               T.ATTR_HANDLE_OUTCOME: p.handle_outcome, T.ATTR_REUSE_TOKENS: p.reuse_tokens,
+                               T.ATTR_RE_PLACED: p.re_placed})
+        T.set_attrs(ctx.span, {T.ATTR_PLAN_ACTION: p.action.value, T.ATTR_PLAN_REASON: p.reason})
+        log.debug("plan %s: %s", ctx.session_id, p.reason)
+        return p
+
+    async def _prefill_with_recovery(self, ctx: TurnContext, the_plan: Plan,
+                                     kv: dict[str, Any] | None) -> tuple[Prefilled, Plan]:
+        for _ in range(1 + len(self.cluster.role("prefill"))):
+            assert the_plan.prefill is not None
+            try:
+                return await self._prefill(ctx, the_plan.prefill, kv), the_plan
+            except UpstreamFailure as failure:
+                self._count_error(failure)
+                if kv is not None:
+                    # Protocol §2: an expired or failed pull errors the prefill; retry once without the handle.
+                    self.metrics.handle_outcomes.labels("retried_cold").inc()
+                    ctx.span.set_attribute(T.ATTR_RETRIED, True)
+                    kv = None
+                    continue
+                if not failure.node_fault:
+                    raise
+                self.cluster.mark_failed(failure.node, str(failure), hard=failure.unreachable)
+                ctx.exclude.add(failure.node)
+                turn = Turn(policy=self.config.effective_policy, new_session=False, pinned_decode=the_plan.decode,
+                            round_robin=self._next_rr(), exclude=frozenset(ctx.exclude))
+                try:
+                    the_plan = self._plan(ctx, turn)
+                except GatewayError:
+                    raise failure from None  # no other prefill node: report what went wrong upstream
+        raise GatewayError(502, "every prefill node failed", type_="upstream_error", code="upstream_failed")
+
+    # ---- upstream legs -------------------------------------------------------------------------
+
+    def _leg_span(self, ctx: TurnContext, node: str, leg: str) -> trace.Span:
+        operation = "chat" if ctx.kind == "chat" else "text_completion"
+        span = self.tracer.start_span(T.chat_span_name(operation, ctx.model), context=ctx.parent_ctx,
+                                      kind=T.KIND_CLIENT)
+        host = host_of(node)
+        port = httpx.URL(node).port
+        T.set_attrs(span, {T.GEN_AI_OPERATION: operation, T.GEN_AI_PROVIDER: T.PROVIDER,
+                           T.GEN_AI_REQUEST_MODEL: ctx.model, T.SERVER_ADDRESS: host, T.SERVER_PORT: port,
+                           T.ATTR_LEG: leg, T.ATTR_TURN: ctx.state.turns if ctx.state else 0,
+                           T.GEN_AI_CONVERSATION_ID: ctx.session_id if ctx.session_source == "header" else None,
+                           T.GEN_AI_REQUEST_STREAM: True if (ctx.stream and leg != "prefill") else None,
+                           T.GEN_AI_REQUEST_MAX_TOKENS: ctx.body.get("max_tokens")})
+        return span
+
+    def _upstream_headers(self, ctx: TurnContext, span: trace.Span) -> dict[str, str]:
+        out = {k: ctx.headers[k] for k in _FORWARD_HEADERS if k in ctx.headers}
+        propagate.inject(out, context=trace.set_span_in_context(span))
+        return out
+
+    def _count_error(self, failure: UpstreamFailure) -> None:
+        self.metrics.upstream_errors.labels(failure.node, failure.phase).inc()
+
+    async def _tokenize(self, ctx: TurnContext) -> list[int] | None:
+        view = self.cluster.view()
+        nodes = [n for n in view.prefill if n.healthy] or list(view.prefill)
+        if not nodes:
+            return None
+        node = min(nodes, key=lambda n: (n.score, n.url)).url
+        payload = B.tokenize_body(ctx.kind, ctx.body)
+        if payload is None:
+            return None
+        with self.tracer.start_as_current_span(T.SPAN_TOKENIZE, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
+            span.set_attribute(T.ATTR_PREFILL, node)
+            try:
+                resp = await self.client.post(f"{node}/tokenize", json=payload,
+                                              timeout=httpx.Timeout(self.config.tokenize_timeout_s,
+                                                                    connect=self.config.connect_timeout_s))
+                if resp.status_code != 200:
+                    raise UpstreamFailure(node, "tokenize", f"HTTP {resp.status_code}", resp.status_code)
+                tokens = resp.json().get("tokens")
+                if not isinstance(tokens, list):
+                    raise UpstreamFailure(node, "tokenize", "no tokens in /tokenize answer", resp.status_code)
+                span.set_attribute(T.ATTR_PROMPT_TOKENS, len(tokens))
+                return [int(t) for t in tokens]
+            except (httpx.HTTPError, ValueError) as exc:
+                self._count_error(UpstreamFailure(node, "tokenize", str(exc)))
+            except UpstreamFailure as failure:
+                self._count_error(failure)
+            span.set_attribute(T.ERROR_TYPE, "tokenize_failed")
+            return None
+
+    async def _prefill(self, ctx: TurnContext, node: str, kv: dict[str, Any] | None) -> Prefilled:
+        span = self._leg_span(ctx, node, "prefill")
+        started = time.perf_counter()
+        self.cluster.begin(node)
+        try:
+            payload = B.prefill_body(ctx.body, kv)
+            try:
+                resp = await self.client.post(f"{node}{PATHS[ctx.kind]}", json=payload,
+                                              headers=self._upstream_headers(ctx, span))
+            except httpx.HTTPError as exc:
+                raise UpstreamFailure(node, "prefill", f"{type(exc).__name__}: {exc}",
+                                     unreachable=_unreachable(exc)) from None
+            data = _json_or_none(resp)
+            if resp.status_code != 200 or not isinstance(data, dict):
+                raise UpstreamFailure(node, "prefill", f"HTTP {resp.status_code}", resp.status_code, data)
+            self.cluster.mark_ok(node)
+            params = data.get(B.KV_FIELD)
+            usage = data.get("usage")
+            cached = B.cached_tokens(usage)
+            T.set_attrs(span, {T.GEN_AI_RESPONSE_TTFC: time.perf_counter() - started,
+                               T.GEN_AI_USAGE_INPUT: usage.get("prompt_tokens") if isinstance(usage, dict) else None,
+                               T.GEN_AI_USAGE_CACHE_READ: cached})
+            return Prefilled(params if isinstance(params, dict) else None, cached, kv is not None)
+        except UpstreamFailure as failure:
+            span.set_attribute(T.ERROR_TYPE, str(failure.status or "connection"))
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(failure)))
+            raise
+        finally:
+            self.cluster.end(node)
+            span.end()
+
+    async def _final_leg(self, ctx: TurnContext, the_plan: Plan, payload: dict[str, Any], leg: str,
+                         source: str) -> Response:
+        """The leg whose answer the client sees: D in P/D mode, the replica in aggregated mode."""
+        node = the_plan.decode
+        span = self._leg_span(ctx, node, leg)
+        headers = self._upstream_headers(ctx, span)
+        url = f"{node}{PATHS[ctx.kind]}"
+        self.cluster.begin(node)  # ended by _finish, or below on failure
+        try:
+            if not ctx.stream:
+                try:
+                    resp = await self.client.post(url, json=payload, headers=headers)
+                except httpx.HTTPError as exc:
+                    raise UpstreamFailure(node, leg, f"{type(exc).__name__}: {exc}",
+                                     unreachable=_unreachable(exc)) from None
+                data = _json_or_none(resp)
+                if resp.status_code != 200 or not isinstance(data, dict):
+                    raise UpstreamFailure(node, leg, f"HTTP {resp.status_code}", resp.status_code, data)
+            else:
+                req = self.client.build_request("POST", url, json=payload, headers=headers)
+                try:
+                    sresp = await self.client.send(req, stream=True)
+                except httpx.HTTPError as exc:
+                    raise UpstreamFailure(node, leg, f"{type(exc).__name__}: {exc}",
+                                     unreachable=_unreachable(exc)) from None
+                if sresp.status_code != 200:
+                    with contextlib.suppress(httpx.HTTPError):
+                        await sresp.aread()
+                    await sresp.aclose()
+                    raise UpstreamFailure(node, leg, f"HTTP {sresp.status_code}", sresp.status_code,
+                                          _json_or_none(sresp))
+                lines = sresp.aiter_lines()
+                preamble = await _read_preamble(sresp, lines, node, leg)
+        except UpstreamFailure as failure:
+            span.set_attribute(T.ERROR_TYPE, str(failure.status or "connection"))
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(failure)))
+            span.end()
+            self.cluster.end(node)
+            raise
+        self.cluster.mark_ok(node)
+        if not ctx.stream:
+            result = LegResult(ok=True, usage=data.get("usage"), ttft=time.perf_counter() - ctx.t0)
+            _read_body(data, result)
+            B.strip_internal(data, keep_token_ids=ctx.keep_token_ids)
+            await self._finish(ctx, the_plan, result, span, source)
+            return JSONResponse(data)
+        return StreamingResponse(self._relay(ctx, the_plan, sresp, _chain(preamble, lines), span, source),
+                                 media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    async def _relay(self, ctx: TurnContext, the_plan: Plan, resp: httpx.Response, lines: AsyncIterator[str],
+                     span: trace.Span, source: str) -> AsyncIterator[bytes]:
+        """SSE passthrough, line by line; lines are parsed only for timing, the handle and token ids."""
+        result = LegResult()
+        answer = B.StreamAnswer()
+        first_chunk = True
+        finished = False
+        try:
+            async for line in lines:
+                if line.startswith("data:"):
+                    payload = line[5:].strip()
+                    if first_chunk:
+                        first_chunk = False
+                        span.add_event(T.EVENT_FIRST_CHUNK)
+                        span.set_attribute(T.GEN_AI_RESPONSE_TTFC, time.perf_counter() - ctx.t0)
+                    if payload == "[DONE]" and not finished:
+                        # Record D's handle before the client sees the end of the stream: an agent
+                        # sends its next turn right after [DONE], and that turn must find the handle.
+                        finished = True
+                        result.answer = answer.message()
+                        await self._finish(ctx, the_plan, result, span, source)
+                    elif payload and payload != "[DONE]":
+                        line = self._relay_chunk(ctx, payload, result, answer, span) or line
+                yield (line + "\n").encode()
+        except httpx.HTTPError as exc:
+            failure = UpstreamFailure(the_plan.decode, "decode" if the_plan.prefill else "aggregated",
+                                      f"{type(exc).__name__}: {exc}")
+            self._count_error(failure)
+            self.cluster.mark_failed(the_plan.decode, str(failure), hard=False)
+            span.set_attribute(T.ERROR_TYPE, "stream_broken")
+            result.ok = False
+            yield sse_error(f"upstream stream failed: {failure}")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+                if not finished:
+                    # The client left or the stream broke: keep the pin; keep the handle only if D finished.
+                    result.answer = answer.message()
+                    await self._finish(ctx, the_plan, result, span, source)
+
+    def _relay_chunk(self, ctx: TurnContext, payload: str, result: LegResult, answer: B.StreamAnswer,
+                     span: trace.Span) -> str | None:
+        """Reads one SSE data payload; returns a replacement line when internal fields had to go."""
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            return None
+        if not isinstance(chunk, dict):
+            return None
+        if result.ttft is None and B.has_first_token(chunk):
+            result.ttft = time.perf_counter() - ctx.t0
+            span.add_event(T.EVENT_FIRST_TOKEN)
+        ids = B.prompt_ids_of(chunk)
+        if ids is not None and result.prompt_ids is None:
+            result.prompt_ids = ids
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            out = B.output_ids_of(choice)
+            if out:
+                result.output_ids.extend(out)
+            answer.add(choice)
+            if choice.get("finish_reason"):
+                result.finish_reasons.append(str(choice["finish_reason"]))
+                result.ok = True
+        params = chunk.get(B.KV_FIELD)
+        if isinstance(params, dict):
+            result.handle = params
+        if "error" in chunk:
+            result.ok = False
+        if chunk.get("usage"):
+            result.usage = chunk["usage"]
+        if B.strip_internal(chunk, keep_token_ids=ctx.keep_token_ids):
+            return "data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)
+        return None
+
+    # ---- end of a turn -----------------------------------------------------------------------
+
+    async def _finish(self, ctx: TurnContext, the_plan: Plan, result: LegResult, span: trace.Span,
+                      source: str) -> None:
+        try:
+            usage = result.usage if isinstance(result.usage, dict) else {}
+            if the_plan.prefill is None and B.cached_tokens(usage):
+                source = "prefill_cache"
+            T.set_attrs(span, {T.GEN_AI_RESPONSE_FINISH_REASONS: result.finish_reasons or None,
+                               T.GEN_AI_USAGE_INPUT: usage.get("prompt_tokens"),
+                               T.GEN_AI_USAGE_OUTPUT: usage.get("completion_tokens"),
+                               T.ATTR_REUSE_SOURCE: source, T.ATTR_TTFT: result.ttft})
+            T.set_attrs(ctx.span, {T.ATTR_REUSE_SOURCE: source, T.ATTR_TTFT: result.ttft,
+                                   T.ATTR_PREFILL: the_plan.prefill, T.ATTR_DECODE: the_plan.decode})
+            if result.ttft is not None:
+                self.metrics.ttft.labels(source).observe(result.ttft)
+            await self._remember(ctx, the_plan, result)
+        except Exception:  # the client already has its answer; bookkeeping must not turn it into an error
+            log.exception("failed to record the end of a turn")
+        finally:
+            self.cluster.end(the_plan.decode)
+            span.end()
+
+    async def _remember(self, ctx: TurnContext, the_plan: Plan, result: LegResult) -> None:
+        if ctx.session_id is None:
+            return
+        now = self.clock()
+        prior = ctx.state
+        policy = self.config.effective_policy
+        handle: dict[str, Any] | None = None
+        held: HeldSequence | None = None
+        if result.ok and the_plan.prefill is not None and policy in ("pull", "reference"):
+            if result.handle is None:
+                self.metrics.stream_handles_missing.inc()
+            else:
+                handle = B.with_host(result.handle, host_of(the_plan.decode))
+                n = handle_num_tokens(handle)
+                if policy == "pull" and n and result.prompt_ids is not None:
+                    tokens = B.held_tokens(result.prompt_ids, result.output_ids, n)
+                    held = HeldSequence.from_tokens(tokens, self.cluster.block_size(the_plan.decode))
+        prefix_key = None
+        if ctx.kind == "chat" and ctx.session_source in ("new", "prefix") and result.answer is not None:
+            _, prefix_key = B.chat_keys(ctx.body, result.answer)
+        current = await self.store.get(ctx.session_id)
+        base = current or prior
+        await self.store.put(SessionState(
+            session_id=ctx.session_id,
+            decode=the_plan.decode,
+            handle=handle,
+            held=held,
+            handle_at=now if handle is not None else None,
+            expires_at=now + self.config.session_ttl_s,
+            turns=(base.turns if base else 0) + 1,
+            created_at=base.created_at if base else now,
+            prefix_key=prefix_key,
+        ))
+        self.metrics.pinned_sessions.set(await self.store.count())
+
+    # ---- aggregated ----------------------------------------------------------------------------
+
+    async def _aggregated(self, ctx: TurnContext) -> Response:
+        pinned = ctx.state.decode if ctx.state else None
+        for attempt in range(2):
+            try:
+                the_plan = plan_aggregated(pinned, self.cluster.aggregated_view(), frozenset(ctx.exclude))
+            except NoCapacity as exc:
+                return GatewayError(503, str(exc), code="no_capacity").response()
+            T.set_attrs(ctx.span, {T.ATTR_PLAN_REASON: the_plan.reason, T.ATTR_DECODE: the_plan.decode})
+            try:
+                return await self._final_leg(ctx, the_plan, B.decode_body(ctx.body, None, want_token_ids=False),
+                                             "aggregated", "none")
+            except UpstreamFailure as failure:
+                self._count_error(failure)
+                if not failure.node_fault or attempt == 1:
+                    return failure.client_response()
+                self.cluster.mark_failed(failure.node, str(failure), hard=failure.unreachable)
+                ctx.exclude.add(failure.node)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _read_preamble(resp: httpx.Response, lines: AsyncIterator[str], node: str, leg: str) -> list[str]:
+    """Hold back the stream's lines up to its first token (or end): an error event there means the
+    client has seen nothing yet, so the turn can still be retried as a whole (e.g. D failed to read
+    P's KV). After the first token, lines are relayed as they come."""
+    held: list[str] = []
+    try:
+        async for line in lines:
+            held.append(line)
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            try:
+                chunk = json.loads(payload)
+            except ValueError:
+                break
+            if not isinstance(chunk, dict):
+                break
+            if "error" in chunk:
+                err = chunk["error"]
+                code = err.get("code") if isinstance(err, dict) else None
+                status = code if isinstance(code, int) and 400 <= code < 600 else 500
+                raise UpstreamFailure(node, leg, f"error event before the first token: {err}", status, chunk)
+            choices = chunk.get("choices") or []
+            if B.has_first_token(chunk) or any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+                break
+    except httpx.HTTPError as exc:
+        await resp.aclose()
+        raise UpstreamFailure(node, leg, f"{type(exc).__name__}: {exc}",
+                                     unreachable=_unreachable(exc)) from None
+    except UpstreamFailure:
+        await resp.aclose()
+        raise
+    return held
+
+
+async def _chain(first: list[str], rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    for line in first:
+        yield line
+    async for line in rest:
+        yield line
+
+
+def _unreachable(exc: httpx.HTTPError) -> bool:
+    return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+
+
+def _json_or_none(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except (ValueError, httpx.ResponseNotRead):
+        return None
+
+
+def _read_body(data: dict[str, Any], result: LegResult) -> None:
+    params = data.get(B.KV_FIELD)
+    result.handle = params if isinstance(params, dict) else None
+    result.prompt_ids = B.prompt_ids_of(data)
+    choices = data.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        first = choices[0]
+        result.output_ids = B.output_ids_of(first) or []
+        result.answer = B.answer_message(first)
+        if first.get("finish_reason"):
+            result.finish_reasons = [str(c.get("finish_reason")) for c in choices if isinstance(c, dict)]
+    result.ok = bool(result.finish_reasons)

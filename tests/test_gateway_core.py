@@ -1,0 +1,362 @@
+"""Unit tests of the gateway's pure core: guard, placement, sessions, config, body rules. No I/O."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from kvtether.gateway import body as B
+from kvtether.gateway.config import ConfigError, GatewayConfig, load_config
+from kvtether.gateway.guard import HeldSequence, is_exact_extension, truncate_handle, verified_reuse
+from kvtether.gateway.placement import (
+    ClusterView,
+    HandleAction,
+    HandleState,
+    NoCapacity,
+    NodeLoad,
+    Turn,
+    plan,
+    plan_aggregated,
+)
+from kvtether.gateway.sessions import MemorySessionStore, SessionState
+
+# ---- guard ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bs", [1, 4, 16])
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 64, 100])
+def test_held_sequence_exact_extension(bs: int, n: int) -> None:
+    held_tokens = list(range(1000, 1000 + n))
+    held = HeldSequence.from_tokens(held_tokens, bs)
+    assert held.num_tokens == n
+    assert len(held.tail) < bs
+    prompt = [*held_tokens, 7, 8, 9]
+    assert verified_reuse(held, prompt) == n
+    assert is_exact_extension(held, prompt)
+    assert verified_reuse(held, held_tokens) == n
+
+
+def test_guard_finds_first_divergence_block_aligned_and_exact_in_tail() -> None:
+    bs = 4
+    tokens = list(range(30))  # 7 full blocks (28) + tail of 2
+    held = HeldSequence.from_tokens(tokens, bs)
+    for pos in range(30):
+        prompt = list(tokens)
+        prompt[pos] = -1
+        reuse = verified_reuse(held, prompt)
+        if pos < 28:
+            assert reuse == (pos // bs) * bs  # a mismatching block proves nothing about its start
+        else:
+            assert reuse == pos  # the tail is compared token by token
+        assert not is_exact_extension(held, prompt)
+        assert reuse <= pos
+
+
+def test_guard_short_prompt_and_removed_middle() -> None:
+    tokens = list(range(100))
+    held = HeldSequence.from_tokens(tokens, 16)
+    assert verified_reuse(held, tokens[:50]) == 48
+    assert verified_reuse(held, tokens[:40] + tokens[50:]) == 32
+    assert verified_reuse(held, []) == 0
+
+
+def test_guard_never_overstates_reuse_randomised() -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        bs = rng.choice([1, 2, 16])
+        held_tokens = [rng.randrange(5) for _ in range(rng.randrange(0, 60))]
+        prompt = [rng.randrange(5) for _ in range(rng.randrange(0, 80))]
+        if rng.random() < 0.5:
+            prompt = held_tokens[: rng.randrange(0, len(held_tokens) + 1)] + prompt
+        reuse = verified_reuse(HeldSequence.from_tokens(held_tokens, bs), prompt)
+        assert prompt[:reuse] == held_tokens[:reuse]
+        true_lcp = next((i for i, (a, b) in enumerate(zip(held_tokens, prompt, strict=False)) if a != b),
+                        min(len(held_tokens), len(prompt)))
+        assert true_lcp - reuse < bs  # at most the part of one block is given away
+
+
+def test_truncate_handle_per_protocol() -> None:
+    handle = {"remote_num_tokens": 99, "remote_block_ids": [[10, 11, 12, 13, 14, 15, 16]], "remote_host": "x"}
+    out = truncate_handle(handle, 33, 16)
+    assert out["remote_num_tokens"] == 33
+    assert out["remote_block_ids"] == [[10, 11, 12]]  # ceil(33/16) = 3
+    assert handle["remote_block_ids"] == [[10, 11, 12, 13, 14, 15, 16]]  # the original is untouched
+    assert truncate_handle(handle, 32, 16)["remote_block_ids"] == [[10, 11]]
+    two = truncate_handle({"remote_num_tokens": 40, "remote_block_ids": [[1, 2, 3], [4, 5, 6]]}, 17, 16)
+    assert two["remote_block_ids"] == [[1, 2], [4, 5]]
+    with pytest.raises(ValueError):
+        truncate_handle(handle, -1, 16)
+
+
+# ---- placement --------------------------------------------------------------------------------
+
+P1, P2, D1, D2 = "http://p1:1", "http://p2:1", "http://d1:1", "http://d2:1"
+
+
+def cluster(**over: NodeLoad) -> ClusterView:
+    nodes = {"p1": NodeLoad(P1), "p2": NodeLoad(P2, running=3), "d1": NodeLoad(D1), "d2": NodeLoad(D2, waiting=1)}
+    nodes.update(over)
+    return ClusterView((nodes["p1"], nodes["p2"]), (nodes["d1"], nodes["d2"]))
+
+
+def existing(**kw: object) -> Turn:
+    base: dict[str, object] = dict(policy="pull", new_session=False, pinned_decode=D2, handle=HandleState.PRESENT,
+                                   handle_tokens=500, prompt_tokens=700, reuse_tokens=500)
+    base.update(kw)
+    return Turn(**base)  # type: ignore[arg-type]
+
+
+def test_new_session_goes_to_least_loaded_cold() -> None:
+    p = plan(Turn(policy="pull", new_session=True), cluster())
+    assert (p.prefill, p.decode, p.action) == (P1, D1, HandleAction.NONE)
+    assert "new session" in p.reason and p.handle_outcome is None
+
+
+def test_exact_extension_attaches_on_pinned_decode() -> None:
+    p = plan(existing(), cluster())
+    assert p.decode == D2  # pinned even though more loaded
+    assert p.action is HandleAction.ATTACH and p.reuse_tokens == 500 and p.handle_outcome == "attached"
+    assert "pinned" in p.reason
+
+
+def test_partial_match_truncates_or_goes_cold() -> None:
+    p = plan(existing(reuse_tokens=300), cluster())
+    assert p.action is HandleAction.TRUNCATE and p.reuse_tokens == 300 and p.handle_outcome == "truncated"
+    p = plan(existing(reuse_tokens=300, partial_reuse=False), cluster())
+    assert p.action is HandleAction.NONE and p.handle_outcome == "refused_by_guard"
+    p = plan(existing(reuse_tokens=300, handle_groups=2), cluster())
+    assert p.action is HandleAction.NONE
+    p = plan(existing(reuse_tokens=10), cluster())
+    assert p.action is HandleAction.NONE and "threshold" in p.reason
+
+
+def test_regenerated_turn_never_offers_the_whole_prompt() -> None:
+    # The prompt equals the held prefix: P must still compute its last token itself.
+    p = plan(existing(prompt_tokens=400, reuse_tokens=400), cluster())
+    assert p.action is HandleAction.TRUNCATE and p.reuse_tokens == 399
+
+
+def test_handle_states_and_unverified() -> None:
+    assert plan(existing(handle=HandleState.MISSING), cluster()).handle_outcome == "missing"
+    assert plan(existing(handle=HandleState.EXPIRED), cluster()).handle_outcome == "expired"
+    p = plan(existing(reuse_tokens=None, prompt_tokens=None), cluster())
+    assert p.action is HandleAction.NONE and p.handle_outcome == "refused_by_guard"
+
+
+def test_dead_pinned_decode_is_replaced_cold() -> None:
+    p = plan(existing(), cluster(d2=NodeLoad(D2, healthy=False)))
+    assert p.decode == D1 and p.re_placed and p.action is HandleAction.NONE
+    p = plan(existing(exclude=frozenset({D2})), cluster())
+    assert p.decode == D1 and p.re_placed
+
+
+def test_handles_only_to_bidirectional_prefill() -> None:
+    c = cluster(p1=NodeLoad(P1, bidirectional=False))
+    p = plan(existing(), c)
+    assert p.prefill == P2 and p.action is HandleAction.ATTACH
+    c = cluster(p1=NodeLoad(P1, bidirectional=False), p2=NodeLoad(P2, bidirectional=False))
+    p = plan(existing(), c)
+    assert p.action is HandleAction.NONE and p.prefill == P1
+    p = plan(existing(policy="reference", round_robin=0), c)
+    assert p.action is HandleAction.NONE
+
+
+def test_no_pull_never_attaches_and_reference_round_robins_unchecked() -> None:
+    assert plan(existing(policy="no-pull"), cluster()).action is HandleAction.NONE
+    plans = [plan(existing(policy="reference", round_robin=i, reuse_tokens=0), cluster()) for i in range(4)]
+    assert [p.prefill for p in plans] == [P1, P2, P1, P2]
+    assert [p.decode for p in plans] == [D1, D2, D1, D2]
+    assert all(p.action is HandleAction.ATTACH for p in plans)  # no guard: that is its flaw
+
+
+def test_no_capacity() -> None:
+    with pytest.raises(NoCapacity):
+        plan(Turn(policy="pull", new_session=True), ClusterView((NodeLoad(P1, healthy=False),), (NodeLoad(D1),)))
+    with pytest.raises(NoCapacity):
+        plan(Turn(policy="pull", new_session=True), ClusterView((NodeLoad(P1),), ()))
+
+
+def test_plan_is_exhaustively_sane() -> None:
+    # Every combination yields a plan whose attach decisions respect the guard and capability rules.
+    for state, reuse, partial, bidi, d2_ok in itertools.product(
+        list(HandleState), [None, 0, 63, 64, 300, 500], [True, False], [True, False], [True, False]
+    ):
+        c = cluster(p1=NodeLoad(P1, bidirectional=bidi), p2=NodeLoad(P2, bidirectional=bidi),
+                    d2=NodeLoad(D2, healthy=d2_ok))
+        p = plan(existing(handle=state, reuse_tokens=reuse, partial_reuse=partial), c)
+        assert p.reason
+        if p.action is not HandleAction.NONE:
+            assert state is HandleState.PRESENT and bidi and d2_ok and reuse is not None and reuse >= 64
+            assert p.decode == D2
+            assert (p.action is HandleAction.ATTACH) == (reuse == 500)
+            assert partial or p.action is HandleAction.ATTACH
+
+
+def test_aggregated_affinity() -> None:
+    reps = (NodeLoad("http://a:1", running=2), NodeLoad("http://b:1"))
+    assert plan_aggregated(None, reps).decode == "http://b:1"
+    assert plan_aggregated("http://a:1", reps).decode == "http://a:1"
+    p = plan_aggregated("http://a:1", (NodeLoad("http://a:1", healthy=False), NodeLoad("http://b:1")))
+    assert p.decode == "http://b:1" and p.re_placed
+
+
+# ---- sessions ----------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.anyio
+async def test_store_take_handle_is_single_use_and_expiry_sweeps() -> None:
+    clock = FakeClock()
+    store = MemorySessionStore(clock=clock)
+    await store.put(SessionState("s", decode=D1, handle={"x": 1}, handle_at=100.0, expires_at=110.0, prefix_key="k"))
+    assert await store.find_by_prefix("k") == "s"
+    taken = await store.take_handle("s")
+    assert taken is not None and taken.handle == {"x": 1}
+    assert await store.take_handle("s") is None
+    state = await store.get("s")
+    assert state is not None and state.decode == D1 and state.handle is None
+    clock.now = 111.0
+    assert await store.get("s") is None
+    assert await store.find_by_prefix("k") is None
+    await store.put(SessionState("t", expires_at=115.0))
+    clock.now = 120.0
+    assert await store.sweep() == 1 and await store.count() == 0
+
+
+@pytest.mark.anyio
+async def test_store_is_bounded_and_prefix_keys_move() -> None:
+    store = MemorySessionStore(max_sessions=3, clock=FakeClock())
+    for i in range(5):
+        await store.put(SessionState(f"s{i}", expires_at=1e9, prefix_key=f"k{i}"))
+    assert await store.count() == 3
+    assert await store.find_by_prefix("k0") is None and await store.find_by_prefix("k4") == "s4"
+    await store.put(SessionState("s4", expires_at=1e9, prefix_key="k4b"))
+    assert await store.find_by_prefix("k4") is None and await store.find_by_prefix("k4b") == "s4"
+
+
+# ---- config --------------------------------------------------------------------------------
+
+
+def test_config_load_and_validate(tmp_path: Path) -> None:
+    f = tmp_path / "gw.toml"
+    f.write_text('[gateway]\nprefill = ["http://p:1/"]\ndecode = ["http://d:1"]\npolicy = "no-pull"\n'
+                 "session_ttl_s = 100\n")
+    cfg = load_config(f, port=9000, aggregated=[])
+    assert cfg.prefill == ["http://p:1"] and cfg.policy == "no-pull" and cfg.port == 9000 and cfg.session_ttl_s == 100
+    assert load_config(None, prefill=["http://p:1"], decode=["http://d:1"]).effective_policy == "pull"
+    assert GatewayConfig(prefill=["http://p:1"], unidirectional_prefill=["http://p:1/"]).is_bidirectional(
+        "http://p:1") is False
+    bad: list[dict[str, object]] = [
+        {"prefill": ["http://p:1"]},
+        {"prefill": ["http://p:1"], "decode": ["http://d:1"], "aggregated": ["http://a:1"]},
+        {"prefill": ["http://p:1"], "decode": ["http://d:1"], "policy": "magic"},
+        {"prefill": ["http://p:1"], "decode": ["http://d:1"], "session_ttl_s": 500.0},
+        {"prefill": ["p:1"], "decode": ["http://d:1"]},
+        {"prefill": ["http://p:1"], "decode": ["http://d:1"], "session_ttl_s": "x"},
+        {"aggregated": ["http://a:1"], "nonsense": 1},
+    ]
+    for over in bad:
+        with pytest.raises(ConfigError):
+            load_config(None, **over)
+    f.write_text("prefil = 1\n")
+    with pytest.raises(ConfigError, match="unknown setting"):
+        load_config(f)
+    f.write_text("prefill = [\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(f)
+
+
+# ---- body rules ----------------------------------------------------------------------------------
+
+
+def test_prefill_and_decode_bodies() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 50,
+            "max_completion_tokens": 50, "stream_options": {"include_usage": True}, "min_tokens": 3,
+            "return_token_ids": True}
+    p = B.prefill_body(body, None)
+    assert p["stream"] is False and p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
+    assert "stream_options" not in p and "min_tokens" not in p and "return_token_ids" not in p
+    assert p["kv_transfer_params"]["do_remote_decode"] is True
+    d = B.decode_body(body, {"a": 1}, want_token_ids=True)
+    assert d["stream"] is True and d["max_tokens"] == 50 and d["kv_transfer_params"] == {"a": 1}
+    assert d["return_token_ids"] is True
+    assert "kv_transfer_params" not in body  # inputs are never mutated
+    assert B.with_host({"remote_host": "localhost", "x": 1}, "10.0.0.2") == {"remote_host": "10.0.0.2", "x": 1}
+
+
+def test_strip_internal() -> None:
+    resp = {"id": "x", "prompt_token_ids": [1], "kv_transfer_params": {"a": 1},
+            "choices": [{"message": {"content": "x"}, "token_ids": [2], "finish_reason": "stop"}]}
+    assert B.strip_internal(resp, keep_token_ids=False)
+    assert resp == {"id": "x", "choices": [{"message": {"content": "x"}, "finish_reason": "stop"}]}
+    resp2 = {"prompt_token_ids": [1], "kv_transfer_params": None, "choices": [{"token_ids": [2]}]}
+    B.strip_internal(resp2, keep_token_ids=True)
+    assert resp2 == {"prompt_token_ids": [1], "choices": [{"token_ids": [2]}]}
+
+
+def test_chat_keys_link_a_turn_to_the_next() -> None:
+    body1 = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    answer = {"role": "assistant", "content": "hello", "reasoning_content": "think"}
+    parent1, _ = B.chat_keys(body1)
+    assert parent1 is None
+    _, own = B.chat_keys(body1, answer)
+    # The client echoes the answer back (without reasoning, with content "" → same key when relevant).
+    body2 = {"model": "m", "messages": [*body1["messages"], {"role": "assistant", "content": "hello"},
+                                        {"role": "user", "content": "next"}]}
+    assert B.chat_keys(body2)[0] == own
+    other_model = {**body2, "model": "other"}
+    assert B.chat_keys(other_model)[0] != own
+
+
+def test_stream_answer_accumulates_tool_calls() -> None:
+    a = B.StreamAnswer()
+    a.add({"delta": {"role": "assistant", "content": None}})
+    a.add({"delta": {"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                     "function": {"name": "ls", "arguments": ""}}]}})
+    a.add({"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"p":'}}]}})
+    a.add({"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"/"}'}}]}})
+    assert a.message() == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"p":"/"}'}}]}
+
+
+def test_tokenize_body_and_literal_ids() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
+            "chat_template_kwargs": {"enable_thinking": False}}
+    t = B.tokenize_body("chat", body)
+    assert t is not None and t["add_generation_prompt"] is True and t["tools"] == body["tools"]
+    assert t["chat_template_kwargs"] == {"enable_thinking": False}
+    assert B.tokenize_body("completions", {"model": "m", "prompt": ["a", "b"]}) is None
+    assert B.literal_prompt_ids("completions", {"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert B.held_tokens([1, 2, 3], [4, 5], 4) == [1, 2, 3, 4]
+
+
+def test_parse_vllm_metrics() -> None:
+    from kvtether.gateway.cluster import Node, parse_metrics, parse_version
+
+    text = """# HELP vllm:num_requests_running Running
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m",engine="0"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m",engine="0"} 2.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.25
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",enable_prefix_caching="True"} 1.0
+"""
+    out = parse_metrics(text)
+    assert out == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25, "block_size": 128}
+    assert parse_version("0.32.0") == (0, 32) and parse_version("v0.33.1rc1") == (0, 33) and parse_version("x") is None
+    assert not Node("http://d:1", "decode", version="0.32.0").stream_handles
+    assert Node("http://d:1", "decode", version="0.33.0").stream_handles
+    node = Node("http://d:1", "decode", running=1, inflight=4)
+    assert node.load().running == 4  # the gateway's own open requests count before the next poll

@@ -1,0 +1,400 @@
+"""The gateway against the simulator: oracle equality, reverse pull, edited histories, failures.
+
+The oracle is a single aggregated sim node answering the same messages directly: a correct gateway
+must give exactly its answers (the sim's output is a function of the KV it attends to, so a pull of
+the wrong tokens shows up as a different answer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from gateway_agent import (
+    MODEL,
+    chat,
+    comparable,
+    first_messages,
+    next_messages,
+    request_body,
+)
+from kvtether.gateway.app import create_app
+from kvtether.gateway.config import GatewayConfig, load_config
+from kvtether.gateway.server import serve_gateway
+from kvtether.sim.cluster import ClusterSpec, SimCluster
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.anyio
+
+SPEED = 50.0
+# Drop idle connections before the servers' 5 s keep-alive does (else a reused one may be reset).
+LIMITS = httpx.Limits(keepalive_expiry=2.0)
+
+
+@dataclass
+class Rig:
+    cluster: SimCluster
+    oracle: str
+    url: str
+    app: Any
+    client: httpx.AsyncClient
+
+    @property
+    def gw(self) -> Any:
+        return self.app.state.gateway
+
+
+@contextlib.asynccontextmanager
+async def rig(*, prefill: int = 1, decode: int = 1, aggregated: int = 0, sim: dict[str, Any] | None = None,
+              **gw: Any) -> AsyncIterator[Rig]:
+    spec = ClusterSpec(prefill=prefill, decode=decode, aggregated=aggregated, speed=SPEED,
+                       kv_recompute_threshold=4, kv_lease_duration=3600.0, **(sim or {}))
+    async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
+                                                                    speed=SPEED)) as oracle:
+        if aggregated:
+            cfg = load_config(None, aggregated=cluster.aggregated_urls, metrics_poll_interval_s=0.5, **gw)
+        else:
+            cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls,
+                              metrics_poll_interval_s=0.5, **gw)
+        app = create_app(cfg)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            yield Rig(cluster, oracle.aggregated_urls[0], url, app, client)
+
+
+async def metric(client: httpx.AsyncClient, url: str, name: str, **labels: str) -> float:
+    text = (await client.get(f"{url}/metrics")).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+async def p2p_tokens(r: Rig) -> float:
+    return sum([await metric(r.client, u, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+                for u in r.cluster.prefill_urls])
+
+
+async def outcome(r: Rig, name: str) -> float:
+    return await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome=name)
+
+
+async def run_session(r: Rig, session: int, turns: int, *, header: bool = True, stream_every: int = 2,
+                      thinking: bool = False, check_pull: bool = False) -> list[dict[str, Any]]:
+    """Run one agent session through the gateway and against the oracle, turn by turn; assert equality."""
+    messages = first_messages(session)
+    headers = {"x-session-id": f"sess-{session}"} if header else {}
+    answers = []
+    for turn in range(turns):
+        stream = stream_every > 0 and turn % stream_every == stream_every - 1
+        before = await p2p_tokens(r) if check_pull else 0.0
+        attached_before = await outcome(r, "attached") if check_pull else 0.0
+        got = await chat(r.client, r.url, request_body(messages, stream=stream, thinking=thinking), headers)
+        want = await chat(r.client, r.oracle, request_body(messages, stream=False, thinking=thinking), clean=False)
+        assert comparable(got) == comparable(want), f"session {session} turn {turn} differs from the oracle"
+        if check_pull and turn > 0:
+            # Every turn after the first extends the history exactly: the handle is attached and P pulls.
+            assert await outcome(r, "attached") == attached_before + 1, f"turn {turn} not attached"
+            assert await p2p_tokens(r) > before, f"turn {turn}: no reverse pull"
+        answers.append(got)
+        messages = next_messages(messages, got, session, turn)
+    return answers
+
+
+async def test_multi_turn_sessions_equal_the_oracle_and_pull_every_turn() -> None:
+    async with rig(prefill=2, decode=2) as r:
+        answers = await run_session(r, 1, 12, check_pull=True)
+        assert any(a.get("tool_calls") for a in answers) and any(not a.get("tool_calls") for a in answers)
+        sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
+        assert len(sessions) == 1 and sessions[0]["turns"] == 12 and sessions[0]["held_tokens"] > 500
+        assert sessions[0]["session_id"] == "sess-1" and sessions[0]["decode"] in r.cluster.decode_urls
+        assert await outcome(r, "refused_by_guard") == 0
+        xfers = sum([await metric(r.client, u, "vllm:nixl_xfer_time_seconds_count") for u in r.cluster.prefill_urls])
+        assert xfers >= 11
+
+
+async def test_plain_openai_client_is_pinned_by_message_chain() -> None:
+    async with rig() as r:
+        await run_session(r, 2, 10, header=False, check_pull=True)
+        sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
+        assert len(sessions) == 1 and sessions[0]["turns"] == 10
+
+
+async def test_reasoning_history_is_guarded() -> None:
+    # The template drops reasoning before the last user message: such turns are partial matches.
+    async with rig() as r:
+        await run_session(r, 3, 10, thinking=True)
+        assert await outcome(r, "truncated") + await outcome(r, "refused_by_guard") > 0
+        assert await outcome(r, "attached") > 0
+
+
+async def test_concurrent_sessions_do_not_share_handles() -> None:
+    async with rig(prefill=1, decode=2) as r:
+        async with anyio.create_task_group() as tg:
+            for s in range(10, 14):
+                tg.start_soon(run_session, r, s, 6)
+            for s in range(20, 22):
+                tg.start_soon(lambda s=s: run_session(r, s, 6, header=False))
+        sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
+        assert len(sessions) == 6 and all(s["turns"] == 6 for s in sessions)
+        assert await outcome(r, "refused_by_guard") == 0
+
+
+async def test_older_backend_without_stream_handles() -> None:
+    async with rig(sim={"emulate": "0.32"}) as r:
+        await run_session(r, 4, 6, stream_every=1)  # every turn streamed: never a handle
+        assert await metric(r.client, r.url, "kvtether_stream_handles_missing_total") == 6
+        assert await outcome(r, "attached") == 0 and await outcome(r, "missing") == 5
+
+
+# ---- edited histories ----------------------------------------------------------------------------
+
+
+def _edits(messages: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Edited versions of a history whose next request would otherwise extend D's held sequence."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    # A message removed from the middle (keep the system prompt and the tail).
+    mid = len(messages) // 2
+    out["removed_middle"] = messages[:mid] + messages[mid + 1 :]
+    # A rewritten tool result (the latest one), or the last user message when there is none.
+    rewritten = [dict(m) for m in messages]
+    idx = max(i for i, m in enumerate(rewritten) if m["role"] in ("tool", "user"))
+    rewritten[idx]["content"] = "REDACTED " + str(rewritten[idx]["content"])[::-1]
+    out["rewritten_tool_result"] = rewritten
+    # Reasoning stripped from every assistant message by the client.
+    out["stripped_reasoning"] = [{k: v for k, v in m.items() if k not in ("reasoning_content", "reasoning")}
+                                 for m in messages]
+    # Compaction: early turns dropped after the system prompt.
+    out["compacted"] = messages[:1] + messages[5:]
+    return out
+
+
+async def _edited_history_answers(policy: str) -> tuple[int, int, dict[str, float]]:
+    """(wrong answers, edited requests, handle outcomes) for a policy on a fixed set of edits."""
+    wrong = total = 0
+    async with rig(policy=policy) as r:
+        for session in range(40, 43):
+            messages = first_messages(session)
+            sid = {"x-session-id": f"edit-{session}"}
+            thinking = session == 42
+            for turn in range(4):
+                ans = await chat(r.client, r.url, request_body(messages, stream=turn % 2 == 1, thinking=thinking), sid)
+                prev_messages = messages
+                messages = next_messages(messages, ans, session, turn)
+            edits = _edits(messages)
+            # A regenerated last turn: the previous prompt again, without its answer.
+            edits["regenerated"] = prev_messages
+            for name, edited in edits.items():
+                # Re-establish a fresh handle for the unedited history first.
+                ans = await chat(r.client, r.url, request_body(messages, stream=False, thinking=thinking), sid)
+                messages = next_messages(messages, ans, session, 100 + total)
+                edited = _edits(messages)[name] if name != "regenerated" else edited
+                if name == "regenerated":
+                    edited = messages[:-1] if messages[-1]["role"] == "user" else edited
+                body = request_body(edited, stream=total % 2 == 0, thinking=thinking)
+                got = await chat(r.client, r.url, body, sid)
+                want = await chat(r.client, r.oracle, {**body, "stream": False}, clean=False)
+                total += 1
+                if comparable(got) != comparable(want):
+                    wrong += 1
+                ans2 = await chat(r.client, r.url, request_body(messages, stream=False, thinking=thinking), sid)
+                messages = next_messages(messages, ans2, session, 200 + total)
+        outcomes = {o: await outcome(r, o) for o in ("attached", "truncated", "refused_by_guard", "missing")}
+    return wrong, total, outcomes
+
+
+async def test_edited_histories_give_no_wrong_answer() -> None:
+    wrong, total, outcomes = await _edited_history_answers("pull")
+    assert total >= 12
+    assert wrong == 0, f"{wrong} wrong answers of {total}"
+    assert outcomes["truncated"] + outcomes["refused_by_guard"] >= total // 2
+
+
+async def test_reference_policy_gives_wrong_answers_on_edited_histories() -> None:
+    wrong, _, _ = await _edited_history_answers("reference")
+    assert wrong > 0, "the unguarded reference behaviour should corrupt some edited turns"
+
+
+# ---- failures ------------------------------------------------------------------------------------
+
+
+async def test_expired_handle_on_the_engine_recomputes_without_error() -> None:
+    # The engine frees the held blocks after 20 simulated seconds (0.4 s real); the gateway still
+    # believes its 450 s: P's read fails (kv_load_failure_policy "fail" → 500), the gateway retries cold.
+    async with rig(sim={"decoder_kv_blocks_ttl": 20.0}) as r:
+        messages = first_messages(5)
+        h = {"x-session-id": "exp"}
+        for turn in range(3):
+            got = await chat(r.client, r.url, request_body(messages, stream=turn == 1), h)
+            want = await chat(r.client, r.oracle, request_body(messages, stream=False), clean=False)
+            assert comparable(got) == comparable(want)
+            messages = next_messages(messages, got, 5, turn)
+            await anyio.sleep(0.6)
+        assert await outcome(r, "attached") == 2
+        assert await outcome(r, "retried_cold") == 2
+        assert await metric(r.client, r.url, "kvtether_upstream_errors_total", phase="prefill") == 2
+
+
+async def test_gateway_side_expiry_goes_cold() -> None:
+    async with rig(session_ttl_s=0.3, sweep_interval_s=0.1) as r:
+        messages = first_messages(6)
+        h = {"x-session-id": "short"}
+        got = await chat(r.client, r.url, request_body(messages, stream=False), h)
+        await anyio.sleep(0.5)
+        assert (await r.client.get(f"{r.url}/admin/sessions")).json() == []  # swept
+        messages = next_messages(messages, got, 6, 0)
+        got = await chat(r.client, r.url, request_body(messages, stream=True), h)
+        want = await chat(r.client, r.oracle, request_body(messages, stream=False), clean=False)
+        assert comparable(got) == comparable(want)
+        assert await outcome(r, "attached") == 0
+
+
+@pytest.mark.parametrize("how", ["fail", "stop"])
+async def test_dead_decode_is_replaced(how: str) -> None:
+    async with rig(prefill=1, decode=2) as r:
+        messages = first_messages(7)
+        h = {"x-session-id": "dead"}
+        for turn in range(6):
+            if turn == 3:
+                pinned = (await r.client.get(f"{r.url}/admin/sessions")).json()[0]["decode"]
+                if how == "fail":
+                    await r.client.post(f"{pinned}/admin/fault", json={"fail_next": 1000})
+                else:
+                    await r.cluster.node(pinned).stop()
+            got = await chat(r.client, r.url, request_body(messages, stream=turn % 2 == 1), h)
+            want = await chat(r.client, r.oracle, request_body(messages, stream=False), clean=False)
+            assert comparable(got) == comparable(want)
+            messages = next_messages(messages, got, 7, turn)
+        now = (await r.client.get(f"{r.url}/admin/sessions")).json()[0]["decode"]
+        assert now != pinned
+        if how == "fail":  # a stopped node may be seen dead by the poller first, before any request fails
+            assert await metric(r.client, r.url, "kvtether_upstream_errors_total", phase="decode") >= 1
+        assert await outcome(r, "attached") >= 3  # pulls resume on the new decode node
+
+
+async def test_aggregated_mode_pins_sessions() -> None:
+    async with rig(prefill=0, decode=0, aggregated=2) as r:
+        await run_session(r, 8, 6)
+        await run_session(r, 9, 6, header=False)
+        sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
+        assert len(sessions) == 2 and all(s["turns"] == 6 for s in sessions)
+        device = sum([await metric(r.client, u, "vllm:prompt_tokens_cached_by_source_total", source="device")
+                      for u in r.cluster.aggregated_urls])
+        assert device > 1000  # the replicas' prefix caches served the histories
+
+
+# ---- API surface -----------------------------------------------------------------------------------
+
+
+async def test_api_errors_are_openai_shaped_and_internals_never_leak() -> None:
+    async with rig(max_body_bytes=4096) as r:
+        c, url = r.client, r.url
+
+        def is_error(resp: httpx.Response, status: int) -> None:
+            assert resp.status_code == status, resp.text
+            err = resp.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+
+        msgs = [{"role": "user", "content": "hi"}]
+        is_error(await c.post(f"{url}/v1/chat/completions", content=b"{not json"), 400)
+        is_error(await c.post(f"{url}/v1/chat/completions", json=[1, 2]), 400)
+        is_error(await c.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": msgs,
+                                                                  "kv_transfer_params": {"x": 1}}), 400)
+        is_error(await c.post(f"{url}/v1/chat/completions", json={"model": "nope", "messages": msgs}), 404)
+        is_error(await c.post(f"{url}/v1/chat/completions", json={"model": MODEL}), 400)
+        is_error(await c.post(f"{url}/v1/completions", json={"model": MODEL}), 400)
+        is_error(await c.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": msgs, "stream": "y"}),
+                 400)
+        is_error(await c.post(f"{url}/v1/chat/completions",
+                              json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}), 413)
+        is_error(await c.get(f"{url}/v1/chat/completions"), 405)
+        is_error(await c.get(f"{url}/nope"), 404)
+        assert (await c.get(f"{url}/admin/sessions")).json() == []  # nothing rejected touched a session
+
+        models = (await c.get(f"{url}/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        assert (await c.get(f"{url}/health")).status_code == 200
+        assert (await c.get(f"{url}/ready")).json()["ready"] is True
+
+        # Token ids the client asked for come through; kv_transfer_params never does.
+        body = {"model": MODEL, "messages": msgs, "max_tokens": 10, "return_token_ids": True, "temperature": 0}
+        data = (await c.post(f"{url}/v1/chat/completions", json=body)).json()
+        assert "kv_transfer_params" not in json.dumps(data)
+        assert data["prompt_token_ids"] and data["choices"][0]["token_ids"]
+        async with c.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}) as resp:
+            text = (await resp.aread()).decode()
+        assert "kv_transfer_params" not in text and "token_ids" in text
+
+        # Text completions, both ways.
+        cbody = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+        data = (await c.post(f"{url}/v1/completions", json=cbody)).json()
+        assert data["choices"][0]["text"] and "kv_transfer_params" not in json.dumps(data)
+        async with c.stream("POST", f"{url}/v1/completions", json={**cbody, "stream": True}) as resp:
+            text = (await resp.aread()).decode()
+        assert resp.status_code == 200 and "[DONE]" in text and "token_ids" not in text
+
+        metrics_text = (await c.get(f"{url}/metrics")).text
+        for name in ("kvtether_ttft_seconds_bucket", "kvtether_handle_outcomes_total", "kvtether_pinned_sessions",
+                     "kvtether_upstream_errors_total"):
+            assert name in metrics_text or name == "kvtether_upstream_errors_total"
+        assert "anon-" not in metrics_text  # no session ids as labels
+
+
+async def test_prefill_failure_is_retried_on_another_node_and_reported_cleanly() -> None:
+    async with rig(prefill=2, decode=1) as r:
+        msgs = first_messages(9)
+        await r.client.post(f"{r.cluster.prefill_urls[0]}/admin/fault", json={"fail_next": 1})
+        await r.client.post(f"{r.cluster.prefill_urls[1]}/admin/fault", json={"fail_next": 1})
+        resp = await r.client.post(f"{r.url}/v1/chat/completions", json=request_body(msgs, stream=False))
+        assert resp.status_code == 502 and resp.json()["error"]["type"] == "upstream_error"
+        # Both nodes marked unhealthy until the next poll; then service resumes.
+        await anyio.sleep(1.2)
+        got = await chat(r.client, r.url, request_body(msgs, stream=True))
+        want = await chat(r.client, r.oracle, request_body(msgs, stream=False), clean=False)
+        assert comparable(got) == comparable(want)
+
+
+def test_config_type_is_exported() -> None:
+    assert GatewayConfig().policy == "auto"
+
+
+async def test_spans_per_request_and_leg() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0)
+    async with SimCluster(spec) as cluster:
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls)
+        app = create_app(cfg, tracer_provider=provider)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            messages = first_messages(30)
+            h = {"x-session-id": "traced", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+            for turn in range(2):
+                got = await chat(client, url, request_body(messages, stream=turn == 1), h)
+                messages = next_messages(messages, got, 30, turn)
+    spans = exporter.get_finished_spans()
+    names = [s.name for s in spans]
+    servers = [s for s in spans if s.kind is SpanKind.SERVER]
+    assert len(servers) == 2 and all(s.name == "POST /v1/chat/completions" for s in servers)
+    assert all(format(s.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c" for s in spans)
+    assert names.count("kvtether.plan") == 2 and "kvtether.tokenize" in names and "kvtether.guard" in names
+    legs = [s for s in spans if s.kind is SpanKind.CLIENT and s.name == f"chat {MODEL}"]
+    assert sorted(dict(s.attributes or {})["kvtether.leg"] for s in legs) == ["decode", "decode", "prefill", "prefill"]
+    decode = [s for s in legs if dict(s.attributes or {})["kvtether.leg"] == "decode"][-1]
+    attrs = dict(decode.attributes or {})
+    assert attrs["gen_ai.conversation.id"] == "traced" and attrs["kvtether.reuse.source"] == "decode_pull"
+    assert attrs["kvtether.ttft_s"] > 0 and "gen_ai.response.time_to_first_chunk" in attrs
+    plan = [s for s in spans if s.name == "kvtether.plan"][-1]
+    assert dict(plan.attributes or {})["kvtether.plan.action"] == "attach"
