@@ -1,0 +1,351 @@
+"""Pure command construction for `kvtether up`: the vLLM prefill/decode instances and the gateway in front.
+
+Nothing here starts a process; `plan_cluster()` returns a `ClusterPlan` with, for every child, the exact
+argv and the environment *additions* (on top of the caller's environment). Process management lives in
+`cmd_up.py`; tests (`tests/test_launcher.py`) check the construction without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Device = Literal["cpu", "cuda"]
+Role = Literal["prefill", "decode"]
+
+# Environment every vLLM child gets: never reach the hub, never phone home.
+OFFLINE_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+
+# On CPU, NIXL's progress thread busy-polls (pthrDelay = 0); our vLLM plugin (cli/vllm_plugin.py) raises it.
+CPU_NIXL_PTHR_DELAY_US = 1000
+
+DEFAULT_DECODE_TTL_S = 480.0
+DEFAULT_GATEWAY_PORT = 8000
+DEFAULT_SIDE_CHANNEL_BASE_PORT = 5600
+
+
+@dataclass(frozen=True)
+class ChildCommand:
+    """One child process: a name for logs, its argv, env additions, and (for servers) its base URL."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    url: str | None = None
+    health_path: str = "/health"
+
+    def shell(self) -> str:
+        """The command as one copy-pasteable shell line (env additions first)."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        cmd = shlex.join(self.argv)
+        return f"{env} {cmd}" if env else cmd
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    role: Role
+    index: int
+    port: int
+    side_channel_port: int
+    command: ChildCommand
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    port: int
+    host: str
+    session_ttl_s: float
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    command: ChildCommand
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    model: str
+    device: Device
+    decode_ttl_s: float
+    prefill: tuple[InstanceSpec, ...]
+    decode: tuple[InstanceSpec, ...]
+    gateway: GatewaySpec | None
+
+    @property
+    def instances(self) -> tuple[InstanceSpec, ...]:
+        return self.prefill + self.decode
+
+    def urls(self) -> dict[str, object]:
+        return {
+            "gateway": self.gateway.command.url if self.gateway else None,
+            "prefill": [i.command.url for i in self.prefill],
+            "decode": [i.command.url for i in self.decode],
+        }
+
+    def commands(self) -> list[ChildCommand]:
+        cmds = [i.command for i in self.instances]
+        if self.gateway is not None:
+            cmds.append(self.gateway.command)
+        return cmds
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    model: str
+    prefill: int = 1
+    decode: int = 1
+    device: Device = "cpu"
+    vllm_python: str = "python"
+    decode_ttl_s: float = DEFAULT_DECODE_TTL_S
+    gateway_port: int = DEFAULT_GATEWAY_PORT
+    host: str = "127.0.0.1"
+    # First vLLM HTTP port; defaults to gateway_port + 100 (prefill first, then decode).
+    vllm_base_port: int | None = None
+    side_channel_base_port: int = DEFAULT_SIDE_CHANNEL_BASE_PORT
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
+    kv_recompute_threshold: int | None = None
+    # kv_producer/kv_consumer (default) or kv_both on every instance.
+    kv_both: bool = False
+    kv_cache_space_gib: int = 1
+    cpu_count: int | None = None
+    cpu_binds: Sequence[str] | None = None
+    extra_vllm_args: Sequence[str] = ()
+    gateway: bool = True
+    gateway_python: str = "python"
+    gateway_policy: str | None = None
+    gateway_session_ttl_s: float | None = None
+    served_model_name: str | None = None
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+
+def gateway_session_ttl(decode_ttl_s: float) -> float:
+    """The gateway must drop a handle well before decode frees its blocks: 0.9x and at least 10 s less.
+
+    Prefill declines a read within 5 s of the handle's expiry (vLLM ≤0.28 and still in 0.32's pull worker),
+    and the turn itself takes time before P reads: 10 s leaves room for both.
+    480 -> 432; 60 -> 50; 30 -> 20; 20 -> 10; never below 1 s.
+    """
+    ttl = min(0.9 * decode_ttl_s, decode_ttl_s - 10.0)
+    return max(1.0, round(ttl, 3))
+
+
+def kv_transfer_config(
+    role: Role,
+    *,
+    device: Device,
+    decode_ttl_s: float,
+    failure_policy: str = "fail",
+    kv_both: bool = False,
+    recompute_threshold: int | None = None,
+) -> str:
+    """The `--kv-transfer-config` value (one argv element, compact JSON) for NixlConnector, bidirectional."""
+    extra: dict[str, object] = {
+        "bidirectional_kv_xfer": True,
+        "decoder_kv_blocks_ttl": _num(decode_ttl_s),
+    }
+    if recompute_threshold is not None:
+        extra["kv_recompute_threshold"] = recompute_threshold
+    kv_role = "kv_both" if kv_both else ("kv_producer" if role == "prefill" else "kv_consumer")
+    cfg = {
+        "kv_connector": "NixlConnector",
+        "kv_role": kv_role,
+        "kv_buffer_device": device,
+        "kv_load_failure_policy": failure_policy,
+        "kv_connector_extra_config": extra,
+    }
+    return json.dumps(cfg, separators=(",", ":"))
+
+
+def _num(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
+def cpu_binds_for(n_instances: int, cpu_count: int) -> list[str]:
+    """`VLLM_CPU_OMP_THREADS_BIND` per instance: split the cores into contiguous ranges, one per instance;
+    with more instances than cores, instances share cores round-robin."""
+    if n_instances <= 0:
+        return []
+    cpu_count = max(1, cpu_count)
+    if n_instances >= cpu_count:
+        return [str(i % cpu_count) for i in range(n_instances)]
+    per = cpu_count // n_instances
+    binds = []
+    for i in range(n_instances):
+        lo = i * per
+        hi = cpu_count - 1 if i == n_instances - 1 else lo + per - 1
+        binds.append(str(lo) if lo == hi else f"{lo}-{hi}")
+    return binds
+
+
+def vllm_instance_command(
+    opts: ClusterOptions,
+    role: Role,
+    index: int,
+    port: int,
+    side_channel_port: int,
+    device_env: Mapping[str, str],
+) -> ChildCommand:
+    argv: list[str] = [
+        opts.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        opts.model,
+        "--host",
+        opts.host,
+        "--port",
+        str(port),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--kv-transfer-config",
+        kv_transfer_config(
+            role,
+            device=opts.device,
+            decode_ttl_s=opts.decode_ttl_s,
+            failure_policy=opts.kv_load_failure_policy,
+            kv_both=opts.kv_both,
+            recompute_threshold=opts.kv_recompute_threshold,
+        ),
+    ]
+    if opts.served_model_name:
+        argv += ["--served-model-name", opts.served_model_name]
+    if opts.device == "cpu" and "--enforce-eager" not in opts.extra_vllm_args:
+        argv.append("--enforce-eager")
+    argv += list(opts.extra_vllm_args)
+    env: dict[str, str] = dict(OFFLINE_ENV)
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1" if opts.host in ("127.0.0.1", "localhost") else opts.host
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+    env.update(device_env)
+    if opts.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(opts.kv_cache_space_gib)
+        env["KVTETHER_NIXL_PTHR_DELAY_US"] = str(CPU_NIXL_PTHR_DELAY_US)
+    env.update(opts.extra_env)
+    return ChildCommand(
+        name=f"{role}-{index}",
+        argv=tuple(argv),
+        env=env,
+        url=f"http://{_url_host(opts.host)}:{port}",
+        health_path="/health",
+    )
+
+
+def gateway_config(
+    opts: ClusterOptions, prefill_urls: Sequence[str], decode_urls: Sequence[str], session_ttl_s: float
+) -> dict[str, object]:
+    """Settings for `kvtether.gateway.config.load_config(**settings)`."""
+    cfg: dict[str, object] = {
+        "prefill": list(prefill_urls),
+        "decode": list(decode_urls),
+        "host": opts.host,
+        "port": opts.gateway_port,
+        "session_ttl_s": session_ttl_s,
+        "engine_kv_ttl_s": opts.decode_ttl_s,
+    }
+    if opts.gateway_policy:
+        cfg["policy"] = opts.gateway_policy
+    return cfg
+
+
+def gateway_command(
+    opts: ClusterOptions, prefill_urls: Sequence[str], decode_urls: Sequence[str], session_ttl_s: float
+) -> ChildCommand:
+    """The gateway in front of the instances, as a child with the project's python.
+
+    Runs `python -m kvtether.cli.cmd_up gateway '<settings JSON>'` (the gateway's own `run_gateway(load_config(...))`)
+    so that it does not depend on the `serve` command's flags.
+    """
+    settings = gateway_config(opts, prefill_urls, decode_urls, session_ttl_s)
+    argv = (opts.gateway_python, "-m", "kvtether.cli.cmd_up", "gateway", json.dumps(settings, separators=(",", ":")))
+    return ChildCommand(
+        name="gateway",
+        argv=argv,
+        env={},
+        url=f"http://{_url_host(opts.host)}:{opts.gateway_port}",
+        health_path="/health",
+    )
+
+
+def _fmt(x: float) -> str:
+    return str(_num(x))
+
+
+def _url_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def plan_cluster(opts: ClusterOptions) -> ClusterPlan:
+    if opts.prefill < 1 or opts.decode < 1:
+        raise ValueError("need at least one prefill and one decode instance")
+    if opts.decode_ttl_s <= 0:
+        raise ValueError("decode TTL must be positive")
+    n = opts.prefill + opts.decode
+    base = opts.vllm_base_port if opts.vllm_base_port is not None else opts.gateway_port + 100
+    ports = [base + i for i in range(n)]
+    if opts.gateway and opts.gateway_port in ports:
+        raise ValueError(f"gateway port {opts.gateway_port} collides with a vLLM port")
+    side = [opts.side_channel_base_port + i for i in range(n)]
+    overlap = set(side) & (set(ports) | ({opts.gateway_port} if opts.gateway else set()))
+    if overlap:
+        raise ValueError(f"NIXL side-channel ports collide with HTTP ports: {sorted(overlap)}")
+
+    device_envs: list[dict[str, str]]
+    if opts.device == "cpu":
+        if opts.cpu_binds is not None:
+            if len(opts.cpu_binds) != n:
+                raise ValueError(f"--cpu-binds needs {n} entries (prefill first, then decode)")
+            binds = list(opts.cpu_binds)
+        else:
+            binds = cpu_binds_for(n, opts.cpu_count or os.cpu_count() or 1)
+        device_envs = [{"VLLM_CPU_OMP_THREADS_BIND": b} for b in binds]
+    else:
+        device_envs = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(n)]
+
+    roles: list[tuple[Role, int]] = [("prefill", i) for i in range(opts.prefill)] + [
+        ("decode", i) for i in range(opts.decode)
+    ]
+    specs = [
+        InstanceSpec(
+            role=role,
+            index=idx,
+            port=ports[k],
+            side_channel_port=side[k],
+            command=vllm_instance_command(opts, role, idx, ports[k], side[k], device_envs[k]),
+        )
+        for k, (role, idx) in enumerate(roles)
+    ]
+    prefill = tuple(s for s in specs if s.role == "prefill")
+    decode = tuple(s for s in specs if s.role == "decode")
+    gw: GatewaySpec | None = None
+    if opts.gateway:
+        ttl = opts.gateway_session_ttl_s
+        if ttl is None:
+            ttl = gateway_session_ttl(opts.decode_ttl_s)
+        p_urls = tuple(str(s.command.url) for s in prefill)
+        d_urls = tuple(str(s.command.url) for s in decode)
+        gw = GatewaySpec(
+            port=opts.gateway_port,
+            host=opts.host,
+            session_ttl_s=ttl,
+            prefill_urls=p_urls,
+            decode_urls=d_urls,
+            command=gateway_command(opts, p_urls, d_urls, ttl),
+        )
+    return ClusterPlan(
+        model=opts.model, device=opts.device, decode_ttl_s=opts.decode_ttl_s, prefill=prefill, decode=decode, gateway=gw
+    )
+
+
+def dry_run_text(plan: ClusterPlan) -> str:
+    """What `kvtether up --dry-run` prints: every command with its env additions, one block per child."""
+    lines: list[str] = []
+    for c in plan.commands():
+        lines.append(f"# {c.name}" + (f"  ({c.url})" if c.url else ""))
+        lines.append(c.shell())
+        lines.append("")
+    return "\n".join(lines)

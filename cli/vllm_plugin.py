@@ -1,0 +1,147 @@
+"""A vLLM general plugin that stops NIXL's progress thread from busy-polling on CPU machines.
+
+vLLM loads every `vllm.general_plugins` entry point in each of its processes (API server, engine core,
+workers) before the model and the KV connector are built. kvtether declares one in pyproject.toml:
+
+    [project.entry-points."vllm.general_plugins"]
+    kvtether_nixl_cpu = "kvtether.cli.vllm_plugin:register"
+
+NIXL's Python API (`nixl_cu12/_api.py`, re-exported as `nixl._api`) builds the C++ agent config in
+`nixl_agent.__init__` and hard-codes `agent_config.pthrDelay = 0` right before
+`nixlBind.nixlAgent(name, agent_config)`: the progress thread then polls without sleeping and an idle
+prefill/decode pair pins every core. The cleanest runtime patch point is that constructor call: we replace the
+`nixlBind` name inside the `_api` module with a thin proxy whose `nixlAgent(name, config)` sets
+`config.pthrDelay` (microseconds) and calls the real one; everything else is forwarded unchanged. No installed
+file is edited. The patch is applied when `nixl*._api` is imported (import hook), or at once if it already is.
+
+`register()` does nothing unless `KVTETHER_NIXL_PTHR_DELAY_US` is set (`kvtether up` sets it to 1000 on CPU
+only), and it never raises: any failure is logged and vLLM runs unpatched.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+ENV_VAR = "KVTETHER_NIXL_PTHR_DELAY_US"
+# vLLM sets this itself unless NIXL is already imported; keep its value so the warning never fires.
+_UCX_RCACHE_ENV = "UCX_RCACHE_MAX_UNRELEASED"
+
+logger = logging.getLogger("kvtether.vllm_plugin")
+
+_API_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api")
+_PATCHED_ATTR = "_kvtether_pthr_delay_us"
+
+
+class _BindingsProxy:
+    """Stands in for the `_bindings` module inside `_api`: only `nixlAgent` is intercepted."""
+
+    def __init__(self, real: Any, delay_us: int) -> None:
+        self._kvtether_real = real
+        self._kvtether_delay_us = delay_us
+
+    def nixlAgent(self, name: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            config.pthrDelay = self._kvtether_delay_us
+        except Exception as e:  # never break agent creation
+            logger.warning("kvtether: could not set NIXL pthrDelay: %s", e)
+        return self._kvtether_real.nixlAgent(name, config, *args, **kwargs)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._kvtether_real, attr)
+
+
+def parse_delay(value: str | None) -> int | None:
+    """The delay in microseconds from the env value; None when unset, empty or invalid."""
+    if value is None or not value.strip():
+        return None
+    try:
+        delay = int(value.strip())
+    except ValueError:
+        logger.warning("kvtether: ignoring %s=%r (not an integer)", ENV_VAR, value)
+        return None
+    if delay < 0:
+        logger.warning("kvtether: ignoring %s=%r (negative)", ENV_VAR, value)
+        return None
+    return delay
+
+
+def patch_api_module(mod: ModuleType, delay_us: int) -> bool:
+    """Patch one NIXL `_api` module in place. Idempotent; False when it does not look like NIXL's API."""
+    current = getattr(mod, "nixlBind", None)
+    if current is None or not hasattr(current, "nixlAgent"):
+        return False
+    if isinstance(current, _BindingsProxy):
+        current._kvtether_delay_us = delay_us
+    else:
+        mod.nixlBind = _BindingsProxy(current, delay_us)  # type: ignore[attr-defined]
+    setattr(mod, _PATCHED_ATTR, delay_us)
+    return True
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, delay_us: int) -> None:
+        self._inner = inner
+        self._delay_us = delay_us
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        try:
+            if patch_api_module(module, self._delay_us):
+                logger.info("kvtether: NIXL pthrDelay set to %d us in %s", self._delay_us, module.__name__)
+        except Exception as e:
+            logger.warning("kvtether: NIXL pthrDelay patch failed: %s", e)
+
+
+class _NixlApiFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, delay_us: int) -> None:
+        self.delay_us = delay_us
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _API_MODULES or fullname == "nixl._api":
+            # nixl._api is the backend's module re-registered by nixl/__init__; the backend import is hooked.
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader, self.delay_us)
+                return spec
+        return None
+
+
+def install(delay_us: int) -> None:
+    """Patch NIXL's API now if imported, and on import otherwise."""
+    os.environ.setdefault(_UCX_RCACHE_ENV, "1024")
+    for name in _API_MODULES:
+        mod = sys.modules.get(name)
+        if mod is not None:
+            patch_api_module(mod, delay_us)
+    for f in sys.meta_path:
+        if isinstance(f, _NixlApiFinder):
+            f.delay_us = delay_us
+            return
+    sys.meta_path.insert(0, _NixlApiFinder(delay_us))
+
+
+def register() -> None:
+    """vLLM general-plugin entry point. No-op unless KVTETHER_NIXL_PTHR_DELAY_US is set; never raises."""
+    try:
+        delay = parse_delay(os.environ.get(ENV_VAR))
+        if delay is None:
+            return
+        install(delay)
+    except Exception as e:  # a plugin must never take vLLM down
+        logger.warning("kvtether: vLLM plugin disabled: %s", e)

