@@ -98,6 +98,7 @@ class Completion:
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             hang=node.faults.take_hang(),
+            cache_salt=req.cache_salt,
         )
         self.output_ids: list[int] = []
 
@@ -189,6 +190,9 @@ def _full_body(c: Completion, events: list[Event]) -> Response:
             d = c.delta_for(ev.token_id)
             content += d.content
             reasoning += d.reasoning
+    if c.chat:
+        # A tool call cut off by max_tokens comes back as its raw text (vLLM's hermes parser, non-streamed).
+        content += c.trimmer.push(c.parser.finish().content)
     content += c.trimmer.flush()
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": c.finish_reason(last)}
     if c.chat:
@@ -254,8 +258,7 @@ async def _stream(c: Completion) -> AsyncIterator[bytes]:
             if d.content:
                 delta["content"] = d.content
             if d.tool_calls:
-                base = len(c.parser.tool_calls) - len(d.tool_calls)
-                delta["tool_calls"] = [_tool_call_json(base + i, t) for i, t in enumerate(d.tool_calls)]
+                delta["tool_calls"] = [t.to_json() for t in d.tool_calls]
             ch["delta"] = delta
         else:
             ch["text"] = d.content
@@ -286,7 +289,14 @@ async def _stream(c: Completion) -> AsyncIterator[bytes]:
             pending_ids = []
             yield _sse(chunk(ch))
         elif isinstance(ev, FinishEvent):
-            tail = Delta(content=c.trimmer.flush())
+            tail = Delta()
+            if c.chat:
+                # A call cut off after its name streamed has already sent what was generated of it; one cut
+                # earlier (or unparseable) ends as raw content, as the non-streamed answer does.
+                streamed = c.parser.unfinished_call
+                tail = c.parser.finish()
+                tail.content = "" if streamed else c.trimmer.push(tail.content)
+            tail.content += c.trimmer.flush()
             ch = choice_of(tail, pending_ids if c.req.return_token_ids else None, c.finish_reason(ev))
             ch["stop_reason"] = ev.stop_reason
             handle = c.handle_for_stream(ev)

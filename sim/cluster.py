@@ -36,6 +36,7 @@ class ClusterSpec:
     model_name: str = "kvtether-sim"
     base_port: int = 0  # 0 = free ports; else node i listens on base_port + i (prefill, decode, aggregated)
     kv_lease_duration: float = 30.0
+    kv_lease_real_floor_s: float = 30.0  # see NodeConfig
     # Prefix caching on the prefill-role nodes (decode and aggregated nodes keep it on): the vLLM blog's
     # bidirectional-transfer runs switch it off on P so that every reused token comes over the pull.
     prefill_prefix_caching: bool = True
@@ -52,6 +53,7 @@ class ClusterSpec:
                 bidirectional=self.bidirectional,
                 decoder_kv_blocks_ttl=self.decoder_kv_blocks_ttl,
                 kv_lease_duration=self.kv_lease_duration,
+                kv_lease_real_floor_s=self.kv_lease_real_floor_s,
                 kv_recompute_threshold=self.kv_recompute_threshold,
                 kv_load_failure_policy=self.kv_load_failure_policy,
                 side_channel_host=self.side_channel_host,

@@ -19,6 +19,10 @@ class NodeConfig:
     bidirectional: bool = True  # bidirectional_kv_xfer
     decoder_kv_blocks_ttl: float = 480.0  # simulated seconds a handle's blocks stay held (never renewed)
     kv_lease_duration: float = 30.0  # simulated seconds a prefill holds blocks for the decode's read
+    # Real seconds a prefill lease lasts at least, whatever the speed-up: at speed 50 a 30 s lease is 0.6 s
+    # of wall time, less than a CPU stall of this process on a loaded machine, so a normal P→D hop could
+    # find its blocks gone. The default equals vLLM's 30 s lease: at speed 1 nothing changes.
+    kv_lease_real_floor_s: float = 30.0
     kv_recompute_threshold: int = 64
     enable_prefix_caching: bool = True  # vLLM --enable-prefix-caching / --no-enable-prefix-caching
     kv_load_failure_policy: str = "fail"
@@ -38,6 +42,8 @@ class NodeConfig:
             raise ValueError(f"kv_load_failure_policy must be one of {FAILURE_POLICIES}")
         if self.speed <= 0:
             raise ValueError("speed must be > 0")
+        if self.kv_lease_real_floor_s < 0:
+            raise ValueError("kv_lease_real_floor_s must be >= 0")
 
     @property
     def version(self) -> str:

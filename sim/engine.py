@@ -28,7 +28,7 @@ from typing import Any
 
 from kvtether.sim.clock import Pacer, SimClock
 from kvtether.sim.config import NodeConfig
-from kvtether.sim.kv import GARBAGE_TOKEN, Block, BlockPool, Hold, HoldTable, block_hashes
+from kvtether.sim.kv import GARBAGE_TOKEN, Block, BlockPool, Hold, HoldTable, block_hashes, salted_root
 from kvtether.sim.metrics import NodeMetrics
 from kvtether.sim.model import ROOT_DIGEST, GenerationSpec, Model, Plan, chain
 from kvtether.sim.nixl import BlockData, KVLoadError, KVTransport, RemoteRef
@@ -36,8 +36,6 @@ from kvtether.sim.presets import Preset
 from kvtether.sim.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("kvtether.sim.engine")
-
-LEASE_REAL_FLOOR_S = 5.0  # a prefill lease never lasts less than this many real seconds
 
 
 class Leg(Enum):
@@ -94,6 +92,7 @@ class EngineRequest:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     hang: bool = False  # fault injection: park forever
+    cache_salt: str | None = None  # vLLM's cache_salt: isolates this request's prefix-cache blocks
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     output_ids: list[int] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
@@ -235,10 +234,13 @@ class Engine:
             self._enqueue(r)
 
     async def _heartbeat(self, r: EngineRequest, ref: RemoteRef) -> None:
-        """Renew the prefill's lease while this decode request waits for its turn (vLLM's heartbeats)."""
+        """Renew the prefill's lease while this decode request waits for its turn (vLLM's heartbeats).
+
+        Three beats per lease span, the span floored in real seconds like the lease itself: at a high
+        speed-up a beat every 10 simulated seconds would be an HTTP request every few milliseconds."""
         while r.state is State.WAITING:
             await self.transport.heartbeat(ref)
-            await self.clock.sleep(self.cfg.kv_lease_duration / 3)
+            await self.clock.sleep(self._lease_span() / 3)
 
     def serve_heartbeat(self, engine_id: str, request_id: str) -> bool:
         hold = self.holds.get(request_id)
@@ -247,10 +249,15 @@ class Engine:
         hold.expires_at = max(hold.expires_at, self._lease_expiry())
         return True
 
+    def _lease_span(self) -> float:
+        """A prefill lease's length in simulated seconds, never under `kv_lease_real_floor_s` real seconds:
+        with a sped-up clock on a loaded machine, the proxy's hop from P's answer to D's read (or a gap
+        between heartbeats) could otherwise outlast the lease for no reason but CPU contention."""
+        return max(self.cfg.kv_lease_duration, self.cfg.kv_lease_real_floor_s * self.clock.speed)
+
     def _lease_expiry(self) -> float:
-        # Floor of a few real seconds: with a sped-up clock on a loaded test machine the proxy's hop
-        # from P's answer to D's request alone could outlast a 30 s simulated lease.
-        return self.clock.now() + max(self.cfg.kv_lease_duration, LEASE_REAL_FLOOR_S * self.clock.speed)
+        # Used for both the initial lease and every heartbeat renewal.
+        return self.clock.now() + self._lease_span()
 
     def abort(self, r: EngineRequest) -> None:
         """Client went away: free everything, return nothing (aborted requests never leave a handle)."""
@@ -380,7 +387,7 @@ class Engine:
 
     def _admit(self, r: EngineRequest) -> bool:
         prompt = r.token_ids
-        r.hashes = block_hashes(prompt, self.bs, r.hashes)
+        r.hashes = self._hashes(r, prompt)
         # At least one token must be computed to sample, so a full hit stops one block short.
         max_hit = (len(prompt) - 1) // self.bs
         # --no-enable-prefix-caching: vLLM never looks its cache up (blocks are still filled and freed).
@@ -488,7 +495,7 @@ class Engine:
             blk.content = content
             blk.parent = remote.parent
             if k == self.bs:
-                r.hashes = block_hashes(r.token_ids, self.bs, r.hashes)
+                r.hashes = self._hashes(r, r.token_ids)
                 self.pool.register(blk, r.hashes[bi])
         n = load.end - load.start
         r.num_computed = load.end
@@ -529,8 +536,11 @@ class Engine:
             blk.content.extend(tokens[pos : pos + take])
             pos += take
             if len(blk.content) == self.bs:
-                r.hashes = block_hashes(tokens, self.bs, r.hashes)
+                r.hashes = self._hashes(r, tokens)
                 self.pool.register(blk, r.hashes[bi])
+
+    def _hashes(self, r: EngineRequest, tokens: list[int]) -> list[bytes]:
+        return block_hashes(tokens, self.bs, r.hashes, salted_root(r.cache_salt))
 
     def _state(self, r: EngineRequest) -> bytes:
         """The sampling state: digest of the KV content this request attends to."""

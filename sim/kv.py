@@ -9,6 +9,7 @@ real engine's cache gets polluted by a mismatched pull.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -44,14 +45,26 @@ class Block:
 
     @property
     def polluted(self) -> bool:
-        """White-box: registered under a hash its content does not match (tests only)."""
+        """White-box: registered under a hash its content does not match (tests only; meaningless for the
+        blocks of a request with a ``cache_salt``, whose hashes are salted on purpose)."""
         return self.hash is not None and self.hash != self.digest()
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, start: Sequence[bytes] = ()) -> list[bytes]:
+def salted_root(cache_salt: str | None) -> bytes:
+    """The parent of a request's first block hash: vLLM mixes ``cache_salt`` into the first block's hash,
+    so salted requests share prefix-cache blocks only with requests of the same salt. Only the hash is
+    salted, never the KV content digest (the model's answer does not depend on the salt)."""
+    if not cache_salt:
+        return ROOT_DIGEST
+    return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode(), digest_size=len(ROOT_DIGEST)).digest()
+
+
+def block_hashes(
+    tokens: Sequence[int], block_size: int, start: Sequence[bytes] = (), root: bytes = ROOT_DIGEST
+) -> list[bytes]:
     """Chained hashes of the full blocks of `tokens`, continuing `start` (already computed ones)."""
     out = list(start)
-    parent = out[-1] if out else ROOT_DIGEST
+    parent = out[-1] if out else root
     for i in range(len(out), len(tokens) // block_size):
         parent = chain(parent, tokens[i * block_size : (i + 1) * block_size])
         out.append(parent)

@@ -10,6 +10,7 @@ prefill's lease while the decode request waits in its queue.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,23 +52,53 @@ def _url(ref: RemoteRef, path: str) -> str:
     return f"http://{host}:{ref.port}{path}"
 
 
+# Keep-alive: the client must drop an idle connection before the server does. With httpx's default 5 s
+# expiry against uvicorn's default 5 s, a read sent on a connection the server is just closing fails
+# with a connection error that surfaced as a spurious "KV load failure". The sim's servers keep idle
+# connections SERVER_KEEPALIVE_S (node.py); clients drop theirs after CLIENT_KEEPALIVE_EXPIRY_S.
+CLIENT_KEEPALIVE_EXPIRY_S = 2.0
+SERVER_KEEPALIVE_S = 65
+
+# Failures where the request most likely never reached the handler (stale pooled connection, reset,
+# refused): worth one retry on a fresh connection. Timeouts are not retried (the holder is slow, and a
+# second wait would double it).
+_CONNECTION_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
 class HttpKVTransport:
-    def __init__(self, timeout: float = 30.0) -> None:
+    def __init__(self, timeout: float = 30.0, *, keepalive_expiry: float = CLIENT_KEEPALIVE_EXPIRY_S) -> None:
         self._timeout = timeout
+        self._keepalive_expiry = keepalive_expiry
         self._http: httpx.AsyncClient | None = None
+        self.retries = 0  # white-box counter for tests
 
     @property
     def _client(self) -> httpx.AsyncClient:
         # Created on first use: most nodes of a test cluster never read, and building a client is slow.
         # Plain HTTP between nodes: no TLS context, and no proxy from the environment on loopback.
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=self._timeout, verify=False, trust_env=False)
+            self._http = httpx.AsyncClient(
+                timeout=self._timeout,
+                verify=False,
+                trust_env=False,
+                limits=httpx.Limits(keepalive_expiry=self._keepalive_expiry),
+            )
         return self._http
+
+    async def _post(self, url: str, body: Mapping[str, object]) -> httpx.Response:
+        """POST, retried once on a connection-level error. All three endpoints tolerate a repeat: a read
+        whose first attempt was served after all is declined (409, single use) rather than served twice,
+        and notify/heartbeat are idempotent."""
+        try:
+            return await self._client.post(url, json=body)
+        except _CONNECTION_ERRORS:
+            self.retries += 1
+            return await self._client.post(url, json=body)
 
     async def read(self, ref: RemoteRef, block_ids: list[int]) -> list[BlockData]:
         body = {"engine_id": ref.engine_id, "request_id": ref.request_id, "block_ids": block_ids}
         try:
-            resp = await self._client.post(_url(ref, "/nixl/read"), json=body)
+            resp = await self._post(_url(ref, "/nixl/read"), body)
         except httpx.HTTPError as e:
             raise KVLoadError(f"read from {ref.host}:{ref.port} failed: {e!r}") from e
         if resp.status_code != 200:
@@ -78,12 +109,12 @@ class HttpKVTransport:
         body = {"engine_id": ref.engine_id, "request_id": ref.request_id}
         # Best effort: the holder frees at its TTL anyway.
         with contextlib.suppress(httpx.HTTPError):
-            await self._client.post(_url(ref, "/nixl/notify"), json=body)
+            await self._post(_url(ref, "/nixl/notify"), body)
 
     async def heartbeat(self, ref: RemoteRef) -> None:
         body = {"engine_id": ref.engine_id, "request_id": ref.request_id}
         with contextlib.suppress(httpx.HTTPError):
-            await self._client.post(_url(ref, "/nixl/heartbeat"), json=body)
+            await self._post(_url(ref, "/nixl/heartbeat"), body)
 
     async def aclose(self) -> None:
         if self._http is not None:

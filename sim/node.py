@@ -17,7 +17,7 @@ from kvtether.sim.clock import SimClock
 from kvtether.sim.config import NodeConfig
 from kvtether.sim.engine import Engine, ErrorEvent, State
 from kvtether.sim.metrics import NodeMetrics
-from kvtether.sim.nixl import HttpKVTransport, KVTransport
+from kvtether.sim.nixl import SERVER_KEEPALIVE_S, HttpKVTransport, KVTransport
 from kvtether.sim.presets import get_preset
 from kvtether.sim.tokenizer import Tokenizer, default_tokenizer
 
@@ -107,7 +107,14 @@ class SimNode:
         self.host, self.port = host, sock.getsockname()[1]
         self.engine.port = self.port
         config = uvicorn.Config(
-            self.app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=2
+            self.app,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=2,
+            # Longer than any client's pool expiry (httpx: 5 s, the nodes' own transport: 2 s), so a client
+            # never reuses a connection the server is closing (see nixl.CLIENT_KEEPALIVE_EXPIRY_S).
+            timeout_keep_alive=SERVER_KEEPALIVE_S,
         )
         self._server = _EmbeddedServer(config)
         self._tasks.append(asyncio.ensure_future(self.engine.run()))
@@ -160,4 +167,6 @@ class SimNode:
             ],
             "steps": e.steps,
             "now": self.clock.now(),
+            # Shared by every node of the process (default_tokenizer): hits show resent history reused.
+            "tokenizer_cache": self.tokenizer.cache_info(),
         }

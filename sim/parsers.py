@@ -1,15 +1,24 @@
 """Output parsing like vLLM's Qwen3 reasoning parser and hermes tool parser.
 
-One streaming state machine serves both modes: a non-streamed response is the concatenation of the
-deltas, so the two can never disagree. Newlines that only frame a section (after ``<think>``, before
+One streaming state machine serves both modes: a non-streamed response's content and reasoning are the
+concatenation of the deltas, and its tool calls are the calls completed by ``</tool_call>``, so the two
+can never disagree on a complete answer. Newlines that only frame a section (after ``<think>``, before
 ``</think>``, before ``<tool_call>``) are dropped, because the chat template adds them back when the
 client returns the message — that is what makes the round trip token-exact.
+
+Tool calls stream the way vLLM's hermes parser streams them: one delta with ``index``, ``id``, ``type``
+and ``function.name`` (no ``arguments`` key, as vLLM's ``exclude_none`` dump) once the name string is
+closed, then ``function.arguments`` fragments as the arguments are generated. A call cut off by
+``max_tokens`` has therefore streamed its name and the arguments generated so far; non-streamed, vLLM's
+``extract_tool_calls`` fails to ``json.loads`` the cut call and returns the raw text as ``content`` with
+no tool calls (see ``ChatOutputParser.finish``).
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,10 +34,33 @@ class ToolCall:
 
 
 @dataclass(slots=True)
+class ToolCallDelta:
+    """One streamed tool-call fragment; None fields are left out of the chunk (vLLM's exclude_none)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {"index": self.index}
+        if self.id is not None:
+            out["id"] = self.id
+            out["type"] = "function"
+        fn: dict[str, str] = {}
+        if self.name is not None:
+            fn["name"] = self.name
+        if self.arguments is not None:
+            fn["arguments"] = self.arguments
+        out["function"] = fn
+        return out
+
+
+@dataclass(slots=True)
 class Delta:
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not (self.content or self.reasoning or self.tool_calls)
@@ -36,6 +68,42 @@ class Delta:
 
 def new_tool_call_id() -> str:
     return "chatcmpl-tool-" + secrets.token_hex(16)
+
+
+# The head of a hermes call up to its closed name string, then the separator before the arguments value.
+_NAME_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_ARGS_HEAD = re.compile(r'\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+class _ArgsScanner:
+    """Finds where a streamed JSON object/array value ends (string-aware bracket depth), char by char."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_str = False
+        self.esc = False
+        self.done = False
+
+    def feed(self, text: str) -> str:
+        """The part of `text` that belongs to the value (everything up to its closing bracket)."""
+        for i, ch in enumerate(text):
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return text[: i + 1]
+        return text
 
 
 class ChatOutputParser:
@@ -52,6 +120,13 @@ class ChatOutputParser:
         self._pending = ""  # trailing newlines held back until we know they are not framing
         self._tool_buf = ""
         self.tool_calls: list[ToolCall] = []
+        # Streaming state of the tool call being generated (see the module docstring).
+        self._tool_count = 0  # calls started in the stream: the next call's index
+        self._tool_id: str | None = None  # set once the current call's name delta went out
+        self._name_end = -1  # offset in _tool_buf where the closed name string ends
+        self._args_at = -1  # offset of the arguments value in _tool_buf (-1: not seen yet)
+        self._args_scan: _ArgsScanner | None = None  # None: arguments are not streamed incrementally
+        self._args_sent = ""
 
     def push(self, token_id: int) -> Delta:
         d = Delta()
@@ -62,13 +137,9 @@ class ChatOutputParser:
         elif token_id == self._tool_start and self._parse_tools and self._section != "tool":
             self._enter("tool")
             self._tool_buf = ""
+            self._tool_id, self._name_end, self._args_at, self._args_scan, self._args_sent = None, -1, -1, None, ""
         elif token_id == self._tool_end and self._section == "tool":
-            call = self._parse_tool(self._tool_buf)
-            if call is None:
-                d.content = f"{TOOL_CALL_START}{self._tool_buf}{TOOL_CALL_END}"
-            else:
-                self.tool_calls.append(call)
-                d.tool_calls.append(call)
+            self._close_tool(d)
             self._enter("content")
         elif self._tok.is_special(token_id):
             pass  # eos and other specials are skipped, as with skip_special_tokens
@@ -76,9 +147,74 @@ class ChatOutputParser:
             text = self._decoder.decode(self._tok.token_bytes(token_id))
             if self._section == "tool":
                 self._tool_buf += text
+                self._stream_tool(d)
             else:
                 self._text(text, d)
         return d
+
+    def _stream_tool(self, d: Delta) -> None:
+        """Emit the current call's name as soon as it is closed, then its arguments as they grow."""
+        buf = self._tool_buf
+        if self._tool_id is None:
+            m = _NAME_HEAD.match(buf)
+            if m is None:
+                return
+            try:
+                name = json.loads(m.group(1))
+            except ValueError:
+                return
+            self._tool_id, self._name_end = new_tool_call_id(), m.end()
+            d.tool_calls.append(ToolCallDelta(self._tool_count, id=self._tool_id, name=str(name)))
+            self._tool_count += 1
+        if self._args_at < 0:
+            head = _ARGS_HEAD.match(buf, self._name_end)
+            if head is None:
+                return
+            self._args_at = head.end()
+            # Objects and arrays stream as generated (the model writes them as json.dumps does, so the raw
+            # text is the parsed arguments' canonical form); anything else goes out whole at </tool_call>.
+            self._args_scan = _ArgsScanner() if buf[self._args_at] in "{[" else None
+        scan = self._args_scan
+        if scan is None or scan.done:
+            return
+        new = scan.feed(buf[self._args_at + len(self._args_sent) :])
+        if new:
+            self._args_sent += new
+            d.tool_calls.append(ToolCallDelta(self._tool_count - 1, arguments=new))
+
+    def _close_tool(self, d: Delta, *, cut: bool = False) -> None:
+        call = self._parse_tool(self._tool_buf)
+        if call is None:
+            # vLLM's non-streamed hermes parse falls back to the raw text when json.loads fails; a cut call
+            # has no closing tag to give back.
+            d.content = f"{TOOL_CALL_START}{self._tool_buf}" + ("" if cut else TOOL_CALL_END)
+            return
+        if self._tool_id is None:
+            # The name never streamed (an unusual layout): the whole call goes out in one delta.
+            d.tool_calls.append(ToolCallDelta(self._tool_count, id=call.id, name=call.name, arguments=call.arguments))
+            self._tool_count += 1
+        else:
+            call.id = self._tool_id
+            # Whatever of the canonical arguments has not been streamed yet (all of it for non-objects).
+            sent = self._args_sent
+            if call.arguments.startswith(sent) and len(call.arguments) > len(sent):
+                d.tool_calls.append(ToolCallDelta(self._tool_count - 1, arguments=call.arguments[len(sent) :]))
+        self.tool_calls.append(call)
+
+    def finish(self) -> Delta:
+        """End of output. A call cut off inside ``<tool_call>`` (max_tokens) is, as in vLLM's non-streamed
+        hermes parse, a tool call if its text parses anyway, else raw ``content`` (``<tool_call>`` and the
+        text after it). A stream drops that content when `unfinished_call` said it streamed the call."""
+        d = Delta()
+        if self._section == "tool":
+            self._close_tool(d, cut=True)
+            self._enter("content")
+        return d
+
+    @property
+    def unfinished_call(self) -> bool:
+        """A call is being generated and its name delta has gone out already."""
+        return self._section == "tool" and self._tool_id is not None
 
     def _enter(self, section: str) -> None:
         self._section = section
@@ -120,12 +256,14 @@ class ParsedOutput:
 
 
 def parse_chat_output(tok: Tokenizer, ids: Iterable[int], *, parse_tools: bool = True) -> ParsedOutput:
+    """The non-streamed parse (tool-call deltas are ignored: complete calls come from ``tool_calls``)."""
     parser = ChatOutputParser(tok, parse_tools=parse_tools)
     content, reasoning = "", ""
     for t in ids:
         d = parser.push(t)
         content += d.content
         reasoning += d.reasoning
+    content += parser.finish().content
     return ParsedOutput(
         content=content if content or not parser.tool_calls else None,
         reasoning=reasoning or None,

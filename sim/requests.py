@@ -33,6 +33,7 @@ class ParsedRequest:
     stop_token_ids: frozenset[int]
     kv_params: Mapping[str, Any] | None
     parse_tools: bool
+    cache_salt: str | None = None
 
 
 def _int(body: Mapping[str, Any], key: str, default: int | None, *, minimum: int = 0) -> int | None:
@@ -149,6 +150,9 @@ def parse_request(tok: Tokenizer, body: Any, *, chat: bool, max_model_len: int) 
             raise BadRequest(f"tool_choice names an unknown function {name!r}", "tool_choice")
     kwargs = body.get("chat_template_kwargs") or {}
     stream_options = body.get("stream_options") or {}
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise BadRequest("cache_salt must be a non-empty string", "cache_salt")
     stop_token_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_token_ids, list):
         raise BadRequest("stop_token_ids must be a list of integers", "stop_token_ids")
@@ -174,4 +178,5 @@ def parse_request(tok: Tokenizer, body: Any, *, chat: bool, max_model_len: int) 
         stop_token_ids=frozenset(int(t) for t in stop_token_ids),
         kv_params=kv_params,
         parse_tools=bool(tools) and tool_choice != "none",
+        cache_salt=cache_salt,
     )

@@ -9,12 +9,19 @@ Layout of the id space: special tokens first, then the 256 byte tokens (fallback
 vocabulary lacks), then word pieces. Encoding splits out special tokens, pre-tokenizes with a regex
 whose pieces never cross a newline (so text after ``"\\n"`` encodes the same whatever precedes it),
 and maps each piece to a vocabulary id, else to the longest vocabulary sub-pieces, else to bytes.
+
+The text between two special tokens (a segment) is encoded through a bounded LRU cache keyed by the
+segment text: an agent resends its whole history every turn, so all but the newest messages are cache
+hits, and /tokenize plus the chat path cost microseconds per repeated message instead of a pure-Python
+pass over the whole prompt on the node's event loop (real vLLM tokenizes in Rust, off the engine loop).
 """
 
 from __future__ import annotations
 
 import codecs
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from functools import lru_cache
 
@@ -112,9 +119,20 @@ _PRETOKEN = re.compile(r"\n| ?[A-Za-z]+| ?[0-9]{1,3}| ?[^\sA-Za-z0-9]|\s")
 _SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
 _MAX_PIECE = 12
 
+# Segment cache bounds. Agent histories resend the same messages every turn, so the text between two
+# special tokens (a message body, a tool result) repeats verbatim and its encoding can be reused. The
+# bounds keep a long-running node's memory flat: about 8 MiB of keys plus 8 bytes per cached token.
+SEGMENT_CACHE_ENTRIES = 8192
+SEGMENT_CACHE_CHARS = 8 * 1024 * 1024
+# Pieces (≈ words) that miss the vocabulary are split by a greedy search; identifiers in code and tool
+# output recur constantly, so their splits are memoised too (short pieces only: a long base64 run is
+# unlikely to recur and would pin memory).
+PIECE_CACHE_ENTRIES = 1 << 16
+_PIECE_CACHE_MAX_LEN = 64
+
 
 class Tokenizer:
-    """Encode/decode between text and ids; stateless and safe to share."""
+    """Encode/decode between text and ids; deterministic and safe to share (its caches are memos only)."""
 
     def __init__(self) -> None:
         self.special_ids: dict[str, int] = {s: i for i, s in enumerate(SPECIAL_TOKENS)}
@@ -125,6 +143,18 @@ class Tokenizer:
         self.bos_id = self.special_ids[ENDOFTEXT]
         # Pure alphabetic vocabulary words, the model's palette for answers.
         self.answer_words: list[str] = sorted({" " + w.lower() for w in COMMON_WORDS if w.isalpha()})
+        # Bytes of every id, so decoding (per generated token, in the engine and the parsers) is a lookup.
+        self._bytes: list[bytes] = [s.encode() for s in SPECIAL_TOKENS]
+        self._bytes += [bytes([b]) for b in range(256)]
+        self._bytes += [w.encode() for w in self.words]
+        # Encoding memos (see SEGMENT_CACHE_*): they make the tokenizer stateful, so a lock keeps it safe to
+        # share between threads (the sim itself runs on one event loop; the lock is uncontended there).
+        self._segments: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._segment_chars = 0
+        self._pieces: dict[str, tuple[int, ...]] = {}
+        self._lock = threading.Lock()
+        self.segment_hits = 0  # white-box counters for tests and benchmarks
+        self.segment_misses = 0
 
     def special(self, name: str) -> int:
         return self.special_ids[name]
@@ -133,36 +163,87 @@ class Tokenizer:
         return 0 <= token_id < _BYTE_BASE
 
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
+        if not allow_special:
+            return list(self._encode_segment(text))
         ids: list[int] = []
-        parts = _SPECIAL_SPLIT.split(text) if allow_special else [text]
-        for part in parts:
-            if not part:
-                continue
-            sid = self.special_ids.get(part) if allow_special else None
-            if sid is not None:
-                ids.append(sid)
-                continue
-            for m in _PRETOKEN.finditer(part):
-                ids.extend(self._encode_piece(m.group(0)))
+        # re.split with a capturing group alternates text, special, text, ...: odd indices are specials.
+        for i, part in enumerate(_SPECIAL_SPLIT.split(text)):
+            if i % 2:
+                ids.append(self.special_ids[part])
+            elif part:
+                ids.extend(self._encode_segment(part))
         return ids
 
-    def _encode_piece(self, piece: str) -> list[int]:
-        wid = self.word_ids.get(piece)
-        if wid is not None:
-            return [wid]
-        return list(_split_piece(self, piece))
+    def _encode_segment(self, text: str) -> tuple[int, ...]:
+        """Encoding of text taken as plain text (no special tokens): a pure function of `text`, memoised.
+
+        Splitting at special tokens first is exact (pre-tokenizer pieces never span one), so a prompt's
+        encoding is the concatenation of its segments' encodings whether they come from the cache or not.
+        """
+        if not text:
+            return ()
+        with self._lock:
+            hit = self._segments.get(text)
+            if hit is not None:
+                self._segments.move_to_end(text)
+                self.segment_hits += 1
+                return hit
+        ids = tuple(self._encode_plain(text))
+        with self._lock:
+            self.segment_misses += 1
+            if len(text) <= SEGMENT_CACHE_CHARS and text not in self._segments:
+                self._segments[text] = ids
+                self._segment_chars += len(text)
+                while len(self._segments) > SEGMENT_CACHE_ENTRIES or self._segment_chars > SEGMENT_CACHE_CHARS:
+                    old, _ = self._segments.popitem(last=False)
+                    self._segment_chars -= len(old)
+        return ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        ids: list[int] = []
+        word_ids, pieces = self.word_ids, self._pieces
+        for piece in _PRETOKEN.findall(text):
+            wid = word_ids.get(piece)
+            if wid is not None:
+                ids.append(wid)
+                continue
+            sub = pieces.get(piece)
+            if sub is None:
+                sub = tuple(_split_piece(self, piece))
+                if len(piece) <= _PIECE_CACHE_MAX_LEN:
+                    if len(pieces) >= PIECE_CACHE_ENTRIES:
+                        # Crude but bounded; the cache refills with what recurs. Single dict operations are
+                        # atomic under the GIL, and a lost entry is only recomputed, so no lock is needed.
+                        pieces.clear()
+                    pieces[piece] = sub
+            ids.extend(sub)
+        return ids
+
+    def cache_info(self) -> dict[str, int]:
+        """Segment-cache statistics (tests, benchmarks, /admin/state)."""
+        with self._lock:
+            return {
+                "segments": len(self._segments),
+                "segment_chars": self._segment_chars,
+                "hits": self.segment_hits,
+                "misses": self.segment_misses,
+                "pieces": len(self._pieces),
+            }
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._segments.clear()
+            self._segment_chars = 0
+            self._pieces.clear()
 
     def token_bytes(self, token_id: int) -> bytes:
-        if token_id < 0 or token_id >= self.vocab_size:
-            return b""
-        if token_id < _BYTE_BASE:
-            return SPECIAL_TOKENS[token_id].encode()
-        if token_id < _WORD_BASE:
-            return bytes([token_id - _BYTE_BASE])
-        return self.words[token_id - _WORD_BASE].encode()
+        if 0 <= token_id < self.vocab_size:
+            return self._bytes[token_id]
+        return b""
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
-        data = b"".join(self.token_bytes(t) for t in ids if not (skip_special and self.is_special(t)))
+        table, n = self._bytes, self.vocab_size
+        data = b"".join(table[t] for t in ids if 0 <= t < n and not (skip_special and t < _BYTE_BASE))
         try:
             return data.decode("utf-8", errors="surrogatepass")
         except UnicodeDecodeError:

@@ -83,12 +83,45 @@ async def test_streamed_tool_call_and_token_ids(node_url: str, http: httpx.Async
     ids = [t for ch in chunks if ch["choices"] for t in ch["choices"][0].get("token_ids", [])]
     assert ids == full["choices"][0]["token_ids"]
     calls = [tc for ch in chunks if ch["choices"] for tc in ch["choices"][0]["delta"].get("tool_calls", [])]
-    assert calls[0]["function"]["name"] == full["choices"][0]["message"]["tool_calls"][0]["function"]["name"]
-    assert calls[0]["function"]["arguments"] == full["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+    # vLLM's hermes shape: the name first (with id and type, no arguments), then argument fragments only.
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
+    assert calls[0]["function"] == {"name": "get_weather"} and calls[0]["index"] == 0
+    assert len(calls) > 2 and all(
+        set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls[1:]
+    )
+    want = full["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert "".join(c["function"]["arguments"] for c in calls[1:]) == want["arguments"]
     assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]][-1] == "tool_calls"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"] | {
         "prompt_tokens_details": chunks[-1]["usage"]["prompt_tokens_details"]
     }
+
+
+@pytest.mark.anyio
+async def test_tool_call_cut_by_max_tokens(node_url: str, http: httpx.AsyncClient) -> None:
+    url = node_url + "/v1/chat/completions"
+    body = {"messages": MSGS, "tools": TOOLS, "tool_choice": "required", "temperature": 0, "return_token_ids": True}
+    whole = (await http.post(url, json=body)).json()
+    n = whole["usage"]["completion_tokens"]
+    want = whole["choices"][0]["message"]["tool_calls"][0]
+    cut = {**body, "max_tokens": n - 8}  # inside the arguments: the call never closes
+    full = (await http.post(url, json=cut)).json()
+    choice = full["choices"][0]
+    # Non-streamed, as vLLM's hermes parser: json.loads fails on the cut call, the raw text is the content.
+    assert choice["finish_reason"] == "length" and choice["message"]["tool_calls"] == []
+    assert choice["message"]["content"].startswith('<tool_call>\n{"name": "get_weather", "arguments": {')
+    chunks = await sse(http, url, cut)
+    choices = [ch["choices"][0] for ch in chunks if ch["choices"]]
+    assert choices[-1]["finish_reason"] == "length"
+    assert not any(c["delta"].get("content") for c in choices)
+    calls = [tc for c in choices for tc in c["delta"].get("tool_calls", [])]
+    assert calls[0]["function"] == {"name": "get_weather"} and calls[0]["id"] != want["id"]
+    args = "".join(c["function"].get("arguments", "") for c in calls)
+    # What was generated of the arguments streamed: a proper prefix of the whole call's arguments.
+    assert args and want["function"]["arguments"].startswith(args) and args != want["function"]["arguments"]
+    # The name delta went out well before the end (first tool-call chunk = time to first token).
+    first = next(i for i, c in enumerate(choices) if c["delta"].get("tool_calls"))
+    assert first < len(choices) - 3
 
 
 @pytest.mark.anyio
@@ -191,3 +224,24 @@ async def test_admin_faults(node_url: str, http: httpx.AsyncClient) -> None:
     assert (await http.post(url, json={"messages": MSGS, "max_tokens": 2})).status_code == 200
     slow = (await http.post(node_url + "/admin/fault", json={"slow_factor": 2.0, "drop_retained": True})).json()
     assert slow["slow_factor"] == 2.0 and slow["dropped"] == 0
+
+
+@pytest.mark.anyio
+async def test_cache_salt_isolates_the_prefix_cache(node_url: str, http: httpx.AsyncClient) -> None:
+    url = node_url + "/v1/completions"
+    body = {"prompt": "The gateway restarted twice during the night and the cache was cold. " * 8, "max_tokens": 4}
+    body["temperature"] = 0
+
+    async def run(**kw: Any) -> tuple[int, str]:
+        r = (await http.post(url, json={**body, **kw})).json()
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"], r["choices"][0]["text"]
+
+    cold = await run()
+    warm = await run()
+    salted = await run(cache_salt="a")
+    salted_again = await run(cache_salt="a")
+    other = await run(cache_salt="b")
+    assert warm[0] > 0 and salted[0] == 0 and salted_again[0] > 0 and other[0] == 0
+    assert cold[1] == warm[1] == salted[1] == salted_again[1] == other[1]  # the salt never changes the answer
+    bad = await http.post(url, json={**body, "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"

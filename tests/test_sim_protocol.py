@@ -366,3 +366,34 @@ async def test_concurrent_sessions_keep_kv_accounting_exact(client: httpx.AsyncC
             assert sum(b.ref_cnt for b in e.pool.blocks) == sum(len(h.blocks) for h in e.holds.all())
             assert not (e.running or e.waiting or e.loading)
         assert sum(len(c.node(u).engine.holds) for u in c.decode_urls) == 4  # one live handle per session
+
+
+async def _p_then_d_after(client: httpx.AsyncClient, c: SimCluster, wait_real_s: float) -> httpx.Response:
+    p_url, d_url = c.prefill_urls[0], c.decode_urls[0]
+    body = chat([{"role": "user", "content": LONG}], max_tokens=4)
+    p = await client.post(
+        p_url + "/v1/chat/completions", json={**body, "max_tokens": 1, "kv_transfer_params": P_PARAMS}
+    )
+    assert p.status_code == 200
+    await asyncio.sleep(wait_real_s)  # a CPU stall of the proxy (or of this process) between P and D
+    handle = p.json()["kv_transfer_params"]
+    return await client.post(d_url + "/v1/chat/completions", json={**body, "kv_transfer_params": handle})
+
+
+@pytest.mark.anyio
+async def test_lease_survives_a_real_time_stall_at_high_speed(client: httpx.AsyncClient) -> None:
+    # 1 s of wall time is 50 simulated seconds: past the 30 s lease, within its real-time floor.
+    async with SimCluster(speed=SPEED) as c:
+        d = await _p_then_d_after(client, c, 1.0)
+        assert d.status_code == 200, d.text
+        assert d.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # read from P, not recomputed
+        engine = c.node(c.decode_urls[0]).engine
+        # D's heartbeats go out three times per lease, the span counted in real seconds too.
+        assert engine.clock.real(engine._lease_span() / 3) >= 10.0
+
+
+@pytest.mark.anyio
+async def test_lease_without_the_floor_expires_in_simulated_time(client: httpx.AsyncClient) -> None:
+    async with SimCluster(speed=SPEED, kv_lease_real_floor_s=0.0) as c:
+        d = await _p_then_d_after(client, c, 1.0)
+        assert d.status_code == 500 and "KV load failure" in d.text

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from kvtether.sim.model import GenerationSpec, Model
-from kvtether.sim.parsers import parse_chat_output
+from kvtether.sim.parsers import ChatOutputParser, parse_chat_output
 from kvtether.sim.template import TemplateError, render_chat
 from kvtether.sim.tokenizer import Tokenizer
 
@@ -112,3 +112,64 @@ def test_generated_turn_re_renders_to_the_same_tokens(tools: tuple, thinking: bo
             assert again[: len(held)] != held
         else:
             assert again[: len(held)] == held
+
+
+NESTED = [
+    {
+        "type": "function",
+        "function": {
+            "name": "edit_file",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "lines": {"type": "array", "items": {"type": "integer"}},
+                    "opts": {"type": "object", "properties": {"dry": {"type": "boolean"}, "n": {"type": "number"}}},
+                },
+                "required": ["path", "lines", "opts"],
+            },
+        },
+    }
+]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_streamed_deltas_assemble_to_the_non_streamed_parse(thinking: bool) -> None:
+    tok = Tokenizer()
+    model = Model(tok)
+    for seed in range(20):
+        spec = GenerationSpec(tools=tuple(NESTED + TOOLS), tool_choice="required", enable_thinking=thinking)
+        out = [*model.plan(seed.to_bytes(16, "little"), spec).body, tok.eos_id]
+        want = parse_chat_output(tok, out)
+        parser = ChatOutputParser(tok)
+        content = reasoning = ""
+        calls: dict[int, dict[str, str]] = {}
+        first_call_at = None
+        for i, t in enumerate(out):
+            d = parser.push(t)
+            content += d.content
+            reasoning += d.reasoning
+            assert sum(bool(x) for x in (d.content, d.reasoning, d.tool_calls)) <= 1  # one kind per token
+            for tc in d.tool_calls:
+                entry = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                if tc.id is not None:
+                    assert not entry["id"] and tc.name  # id and name come once, together
+                    entry["id"], entry["name"] = tc.id, tc.name
+                    first_call_at = i if first_call_at is None else first_call_at
+                entry["arguments"] += tc.arguments or ""
+        assert (content or None) == want.content and (reasoning or None) == want.reasoning
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [(c.name, c.arguments) for c in want.tool_calls]
+        assert [c["id"] for c in calls.values()] == [c.id for c in parser.tool_calls]  # same id as the final call
+        # The name goes out a few tokens into the call, long before its arguments are complete.
+        assert first_call_at is not None and first_call_at < len(out) - 8
+
+
+def test_reasoning_and_content_stream_token_by_token() -> None:
+    tok = Tokenizer()
+    out = [*tok.encode("<think>\nLet me think about it.\n</think>\n\nThe answer is here."), tok.eos_id]
+    parser = ChatOutputParser(tok)
+    deltas = [parser.push(t) for t in out]
+    reasoning = [d.reasoning for d in deltas if d.reasoning]
+    content = [d.content for d in deltas if d.content]
+    assert reasoning == ["Let", " me", " think", " about", " it", "."]
+    assert content == ["The", " answer", " is", " here", "."]
