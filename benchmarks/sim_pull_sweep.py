@@ -198,12 +198,13 @@ class SimTurn:
 
 
 async def _xfer_tokens(http: Any, url: str) -> int:
-    """vLLM's NIXL transferred-token counter from the node's /metrics (Prometheus text)."""
+    """Prompt tokens this node read over NIXL, from its /metrics (Prometheus text): vLLM has no token counter
+    for NIXL reads, but every token read lands in `vllm:prompt_tokens_cached_by_source_total{source="p2p"}`."""
     r = await http.get(f"{url}/metrics")
     r.raise_for_status()
     total = 0.0
     for line in r.text.splitlines():
-        if line.startswith("vllm:nixl_num_transferred_tokens_total"):
+        if line.startswith("vllm:prompt_tokens_cached_by_source_total{") and 'source="p2p"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return int(total)
 

@@ -83,14 +83,18 @@ class Completion:
         self.node = node
         self.req = req
         self.chat = req.chat
-        self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex
+        # vLLM's ids: the response id is `cmpl-`/`chatcmpl-` + a 16-hex base; completions add the prompt index
+        # (`-0`), and the engine appends `-<8 hex>` to make its internal id unique. That internal id is what
+        # `remote_request_id` carries: `cmpl-<16>-0-<8>` (observed on 0.32), `chatcmpl-<16>-<8>`.
+        self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:16]
+        engine_id = self.id if req.chat else self.id + "-0"
         self.created = int(time.time())
         self.model = node.cfg.model_name
         self.parser = ChatOutputParser(node.tokenizer, parse_tools=req.parse_tools)
         self.trimmer = StopTrimmer(req.stop)
         self.detok = IncrementalDetokenizer(node.tokenizer)
         self.engine_request = EngineRequest(
-            request_id=self.id + "-0",
+            request_id=f"{engine_id}-{uuid.uuid4().hex[:8]}",
             prompt_ids=req.prompt_ids,
             spec=req.spec,
             max_tokens=req.max_tokens,
@@ -105,11 +109,18 @@ class Completion:
     def usage(self) -> dict[str, Any]:
         r = self.engine_request
         prompt, completion = len(r.prompt_ids), len(self.output_ids)
+        # vLLM's UsageInfo with --enable-prompt-tokens-details; the null fields are what it sends (the openai
+        # client's models accept the extra keys).
         return {
             "prompt_tokens": prompt,
             "total_tokens": prompt + completion,
             "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
+            "prompt_tokens_details": {
+                "cached_tokens": r.cached_tokens,
+                "created_cache_tokens": None,
+                "multimodal_tokens": None,
+            },
+            "completion_tokens_details": None,
         }
 
     def delta_for(self, token_id: int) -> Delta:
@@ -212,21 +223,33 @@ def _full_body(c: Completion, events: list[Event]) -> Response:
     else:
         choice["text"] = content
     choice["stop_reason"] = last.stop_reason
-    if c.req.return_token_ids:
-        choice["token_ids"] = list(c.output_ids)
-        if not c.chat:
-            choice["prompt_token_ids"] = list(c.engine_request.prompt_ids)
+    prompt_ids = list(c.engine_request.prompt_ids) if c.req.return_token_ids else None
+    choice["token_ids"] = list(c.output_ids) if c.req.return_token_ids else None
+    if c.chat:
+        choice["routed_experts"] = None
+    else:
+        # Completions carry the prompt per choice (one prompt per choice), never at top level.
+        choice["prompt_logprobs"] = None
+        choice["prompt_token_ids"] = prompt_ids
     body: dict[str, Any] = {
         "id": c.id,
         "object": "chat.completion" if c.chat else "text_completion",
         "created": c.created,
         "model": c.model,
         "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
         "usage": c.usage(),
-        "prompt_logprobs": None,
-        "prompt_token_ids": list(c.engine_request.prompt_ids) if c.req.return_token_ids and c.chat else None,
-        "kv_transfer_params": last.kv_transfer_params,
     }
+    if c.chat:
+        body["prompt_logprobs"] = None
+        body["prompt_token_ids"] = prompt_ids
+        body["prompt_text"] = None
+        body["kv_transfer_params"] = last.kv_transfer_params
+    else:
+        body["kv_transfer_params"] = last.kv_transfer_params
+        body["ec_transfer_params"] = None
+        body["metrics"] = None
     return JSONResponse(body)
 
 

@@ -134,6 +134,11 @@ class EngineRequest:
 
     @property
     def cached_tokens(self) -> int:
+        """`usage.prompt_tokens_details.cached_tokens`. On a decode leg vLLM (0.32, observed) counts only its
+        own prefix-cache hits: the prompt KV read from the prefill node is not reported as cached there,
+        while a prefill that pulled a decode's handle does report the pulled tokens."""
+        if self.leg is Leg.DECODE:
+            return self.cached_device
         return self.cached_device + self.cached_p2p
 
 
@@ -399,10 +404,13 @@ class Engine:
             # Counted once per request, like vLLM's stats (a preempted request is re-admitted later).
             r.counted = True
             r.cached_device = r.num_computed
-            self.metrics.prefix_queries.labels(self.metrics.model).inc(len(prompt))
-            self.metrics.prefix_hits.labels(self.metrics.model).inc(r.num_computed)
-            self.metrics.cached_by_source.labels(self.metrics.model, "device").inc(r.num_computed)
-            self.metrics.prompt_by_source.labels(self.metrics.model, "local_cache_hit").inc(r.num_computed)
+            self.metrics.prefix_queries.labels(*self.metrics.base).inc(len(prompt))
+            self.metrics.prefix_hits.labels(*self.metrics.base).inc(r.num_computed)
+            self.metrics.cached_by_source.labels(*self.metrics.base, "device").inc(r.num_computed)
+            self.metrics.prompt_by_source.labels(*self.metrics.base, "local_cache_hit").inc(r.num_computed)
+            self.metrics.cached_tokens.labels(*self.metrics.base).inc(r.num_computed)
+            # vLLM records the connector's lookup for every request (queries = the whole prompt).
+            self.metrics.external_queries.labels(*self.metrics.base).inc(len(prompt))
         load = self._plan_load(r)
         if load is None:
             r.state = State.RUNNING
@@ -465,14 +473,14 @@ class Engine:
             ok = True
         except KVLoadError as e:
             log.info("KV load failed for %s: %s", r.request_id, e)
-            self.metrics.xfer_failed.labels(self.metrics.model).inc()
+            self.metrics.xfer_failed.labels(*self.metrics.base).inc()
             ok = False
         if r.state is State.FINISHED:
             return  # aborted while reading
         self.loading.discard(r)
         if ok:
             # Simulated transfer time (not the loopback HTTP round trip, which the speed-up would inflate).
-            self.metrics.xfer_time.labels(self.metrics.model).observe(xfer)
+            self._observe_transfer(load.end - load.start, xfer)
             self._write_loaded(r, load, data)
         elif self.cfg.kv_load_failure_policy == "fail":
             self._fail(r, 500, "KV load failure: the held KV blocks could not be read from the remote node")
@@ -480,6 +488,18 @@ class Engine:
         r.state = State.RUNNING
         self.running.append(r)
         self._wakeup.set()
+
+    def _observe_transfer(self, n_tokens: int, seconds: float) -> None:
+        """vLLM's per-transfer NIXL histograms, from the cost model: bytes and descriptors of the read, and the
+        descriptor-posting share of its time (0 where the preset has no per-descriptor cost)."""
+        m, cost = self.metrics, self.preset.cost
+        descriptors = cost.transfer_descriptors(n_tokens)
+        hw = cost.hardware
+        post = descriptors * hw.n_gpus / hw.link_message_rate * self.slow_factor
+        m.xfer_time.labels(*m.base).observe(seconds)
+        m.post_time.labels(*m.base).observe(post)
+        m.xfer_bytes.labels(*m.base).observe(n_tokens * cost.model.kv_bytes_per_token)
+        m.xfer_descriptors.labels(*m.base).observe(descriptors)
 
     def _write_loaded(self, r: EngineRequest, load: Load, data: list[BlockData]) -> None:
         first = load.start // self.bs
@@ -500,9 +520,10 @@ class Engine:
         n = load.end - load.start
         r.num_computed = load.end
         r.cached_p2p = n
-        self.metrics.xfer_tokens.labels(self.metrics.model).inc(n)
-        self.metrics.cached_by_source.labels(self.metrics.model, "p2p").inc(n)
-        self.metrics.prompt_by_source.labels(self.metrics.model, "external_kv_transfer").inc(n)
+        self.metrics.cached_by_source.labels(*self.metrics.base, "p2p").inc(n)
+        self.metrics.cached_tokens.labels(*self.metrics.base).inc(n)
+        self.metrics.external_hits.labels(*self.metrics.base).inc(n)
+        self.metrics.prompt_by_source.labels(*self.metrics.base, "external_kv_transfer").inc(n)
 
     # ---- a step's effects ---------------------------------------------------------------------
     def _apply(self, step: Step) -> None:
@@ -517,8 +538,8 @@ class Engine:
             self._compute(r, r.num_computed, n)
             r.num_computed += n
             if in_prompt:
-                self.metrics.prompt_tokens.labels(self.metrics.model).inc(in_prompt)
-                self.metrics.prompt_by_source.labels(self.metrics.model, "local_compute").inc(in_prompt)
+                self.metrics.prompt_tokens.labels(*self.metrics.base).inc(in_prompt)
+                self.metrics.prompt_by_source.labels(*self.metrics.base, "local_compute").inc(in_prompt)
             if r.num_computed == r.num_tokens:
                 self._sample(r)
         self._update_gauges()
@@ -552,7 +573,7 @@ class Engine:
             r.plan = self.model.plan(self._state(r), r.spec)
         tok = r.plan.token(len(r.output_ids))
         r.output_ids.append(tok)
-        self.metrics.generation_tokens.labels(self.metrics.model).inc()
+        self.metrics.generation_tokens.labels(*self.metrics.base).inc()
         r.events.put_nowait(TokenEvent(tok))
         n_out = len(r.output_ids)
         stop_reason: str | int | None = None
@@ -583,7 +604,7 @@ class Engine:
         elif r.leg is Leg.DECODE and self.cfg.bidirectional:
             params = self._retain_for_next_turn(r)
         self._free(r)
-        self.metrics.request_success.labels(self.metrics.model, reason).inc()
+        self.metrics.request_success.labels(*self.metrics.base, reason).inc()
         r.events.put_nowait(FinishEvent(reason, params, stop_reason))
 
     def _hold_for_decode(self, r: EngineRequest) -> dict[str, Any]:
@@ -603,8 +624,10 @@ class Engine:
             "dcp_size": 1,
             "pp_size": 1,
             "remote_num_tokens": n_tokens,
-            "remote_prefill_cached_tokens": r.cached_tokens,
+            # vLLM's prefill params carry the key with no value (only a decode's handle expires).
+            "remote_blocks_expiry_time": None,
             "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": r.cached_tokens,
         }
 
     def _retain_for_next_turn(self, r: EngineRequest) -> dict[str, Any]:
@@ -614,7 +637,7 @@ class Engine:
         self.pool.touch(blocks)
         expires = self.clock.now() + self.cfg.decoder_kv_blocks_ttl
         self.holds.put(Hold(r.request_id, "retained", blocks, n_tokens, expires))
-        return {
+        handle: dict[str, Any] = {
             "do_remote_prefill": False,
             "do_remote_decode": True,
             "remote_block_ids": [[b.block_id for b in blocks]],
@@ -627,9 +650,12 @@ class Engine:
             "pp_size": 1,
             "remote_num_tokens": n_tokens,
             "remote_blocks_expiry_time": expires,
-            "remote_registration_generation": self.registration_generation,
             "transfer_mode": "pull",
         }
+        if self.cfg.emulate != "0.32":
+            # Read from vLLM 0.33 source (protocol doc §2); a real 0.32 handle has no such key.
+            handle["remote_registration_generation"] = self.registration_generation
+        return handle
 
     def _fail(self, r: EngineRequest, status: int, message: str) -> None:
         r.state = State.FINISHED
@@ -656,6 +682,7 @@ class Engine:
     def _expire(self) -> None:
         for hold in self.holds.expired(self.clock.now()):
             self.pool.release(hold.blocks)
+            self.metrics.kv_expired.labels(*self.metrics.base).inc()
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
@@ -664,6 +691,6 @@ class Engine:
 
     def _update_gauges(self) -> None:
         m = self.metrics
-        m.running.labels(m.model).set(len(self.running))
-        m.waiting.labels(m.model).set(len(self.waiting) + len(self.loading))
-        m.kv_usage.labels(m.model).set(self.pool.usage())
+        m.running.labels(*m.base).set(len(self.running))
+        m.waiting.labels(*m.base).set(len(self.waiting) + len(self.loading))
+        m.kv_usage.labels(*m.base).set(self.pool.usage())

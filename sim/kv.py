@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from kvtether.sim.model import ROOT_DIGEST, chain
 
 GARBAGE_TOKEN = -1  # what a positional read finds past the end of a remote block's content
+NULL_BLOCK_ID = 0  # vLLM's null block: never allocated, so real block ids start at 1
 
 
 @dataclass(eq=False, slots=True)
@@ -72,7 +73,11 @@ def block_hashes(
 
 
 class BlockPool:
-    """Fixed number of blocks; free list, prefix cache, and LRU order of unreferenced cached blocks."""
+    """Fixed number of blocks; free list, prefix cache, and LRU order of unreferenced cached blocks.
+
+    Block ids start at 1: vLLM reserves block 0 as its null block (a placeholder never handed to a request),
+    so the `remote_block_ids` a gateway sees never contain 0. The null block is kept outside `num_blocks`
+    here, so a preset's KV capacity stays the number of usable blocks."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
@@ -104,7 +109,7 @@ class BlockPool:
             if self._free:
                 blk = self._free.popleft()
             elif len(self.blocks) < self.num_blocks:
-                blk = Block(len(self.blocks))
+                blk = Block(len(self.blocks) + NULL_BLOCK_ID + 1)
                 self.blocks.append(blk)
             else:
                 _, blk = self._evictable.popitem(last=False)
@@ -126,7 +131,9 @@ class BlockPool:
         return hits
 
     def get(self, block_id: int) -> Block:
-        return self.blocks[block_id]
+        if block_id <= NULL_BLOCK_ID:
+            raise IndexError(f"block id {block_id} is not a usable block (ids start at {NULL_BLOCK_ID + 1})")
+        return self.blocks[block_id - NULL_BLOCK_ID - 1]
 
     def touch(self, blocks: Iterable[Block]) -> None:
         for blk in blocks:

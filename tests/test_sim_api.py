@@ -196,7 +196,7 @@ async def test_tokenize_detokenize_and_info(node_url: str, http: httpx.AsyncClie
         "vllm:kv_cache_usage_perc",
         "vllm:prefix_cache_queries_total",
         "vllm:prefix_cache_hits_total",
-        'vllm:prompt_tokens_cached_by_source_total{model_name="kvtether-sim",source="device"}',
+        'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="kvtether-sim",source="device"}',
         'vllm:cache_config_info{block_size="16"',
     ):
         assert name in metrics, name
