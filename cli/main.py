@@ -15,7 +15,9 @@ app = typer.Typer(
 )
 
 # Filled in as the command modules land; every name here must import.
-_COMMAND_MODULES: tuple[str, ...] = ("cmd_serve", "cmd_sim", "cmd_replay", "cmd_sessions", "cmd_gen")
+_COMMAND_MODULES: tuple[str, ...] = (
+    "cmd_serve", "cmd_sim", "cmd_replay", "cmd_sessions", "cmd_gen", "cmd_up", "cmd_demo",
+)
 
 for _name in _COMMAND_MODULES:
     importlib.import_module(f"kvtether.cli.{_name}").register(app)

@@ -41,6 +41,10 @@ class Gateway:
         self.config = config
         self.tracer = T.tracer(tracer_provider)
         self.metrics = T.Metrics()
+        self.metrics.set_policy(config.policy)
+        # An explicit provider (tests, the demo's in-memory capture) is used as is; else the OTEL_* variables
+        # pick the global one at startup.
+        self.own_tracing = tracer_provider is not None
         self.store: SessionStore = store or MemorySessionStore(max_sessions=config.max_sessions)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=config.connect_timeout_s, read=config.read_timeout_s,
@@ -127,7 +131,8 @@ def _completion_route(kind: str) -> Any:
         gw = _gateway(request)
         parent = propagate.extract(dict(request.headers))
         span = gw.tracer.start_span(T.server_span_name("POST", request.url.path), context=parent, kind=T.KIND_SERVER)
-        T.set_attrs(span, {T.HTTP_METHOD: "POST", T.HTTP_ROUTE: request.url.path})
+        T.set_attrs(span, {T.HTTP_METHOD: "POST", T.HTTP_ROUTE: request.url.path, T.ATTR_MODE: gw.config.mode,
+                           T.ATTR_POLICY: gw.config.policy})
         response: Response | None = None
         try:
             try:
@@ -225,8 +230,8 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if config.otlp_endpoint:
-            T.setup_otlp(config.otlp_endpoint)
+        if not gw.own_tracing:
+            T.setup_tracing(config.otlp_endpoint)
         await gw.cluster.refresh_all()
         async with anyio.create_task_group() as tg:
             tg.start_soon(gw.cluster.poll_forever)

@@ -25,7 +25,8 @@ class GatewayConfig:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     aggregated: list[str] = field(default_factory=list)
-    # "auto" = "pull" for now (a later issue makes it cost-based); see placement.plan.
+    # "auto" = cost-based per turn (decode-local / pull / cold, docs/placement.md); "pull", "no-pull" and
+    # "reference" are fixed behaviours kept for comparison (the replay CLI and benchmarks switch them).
     policy: str = "auto"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -66,6 +67,33 @@ class GatewayConfig:
     # The gateway's own keep-alive for clients: longer than clients' pool expiry (httpx: 5 s) for the same reason.
     client_keepalive_s: float = 65.0
 
+    # Cost-based placement ("auto"; costpolicy.PolicyKnobs has the reasons behind each default).
+    # A decode-local turn never prefills more than this on D (≈ one chunked-prefill step).
+    max_local_suffix_tokens: int = 2048
+    # Requests decoding on D must keep their mean inter-token time under this, local prefill stall included.
+    tpot_budget_s: float = 0.100
+    tpot_window_tokens: int = 16
+    interference_weight: float = 0.5
+    # Look-ahead (0..3 turns) and its discount: a turn that is cheapest on D now may leave the session
+    # without a handle (vLLM returns none for a locally prefilled request), making the next turn dear.
+    horizon_turns: int = 1
+    horizon_discount: float = 0.7
+    evict_kv_usage_knee: float = 0.8
+    chunk_tokens: int = 2048  # the engines' max_num_batched_tokens
+    # Estimator seeds (seconds): what the policy assumes until it has observed turns, and what an idle
+    # node's estimate decays back to. Set them from a short benchmark of the cluster (estimates.EstimatorSeeds).
+    seed_prefill_overhead_s: float = 0.010
+    seed_prefill_s_per_token: float = 1.0e-4
+    seed_prefill_s_per_pair: float = 1.5e-9
+    seed_transfer_latency_s: float = 0.005
+    seed_transfer_s_per_token: float = 5.0e-6
+    seed_tpot_base_s: float = 0.012
+    seed_tpot_s_per_seq: float = 2.0e-4
+    seed_queue_s_per_request: float = 0.100
+    # Estimator learning: sample weight half-life and whether observed turns update the estimates at all.
+    estimate_half_life_s: float = 600.0
+    learn_estimates: bool = True
+
     # Cluster view.
     metrics_poll_interval_s: float = 2.0
     # Client side.
@@ -79,8 +107,12 @@ class GatewayConfig:
 
     @property
     def effective_policy(self) -> str:
-        # The seam for the cost-based "auto" of a later issue: today it is the pull policy.
-        return "pull" if self.policy == "auto" else self.policy
+        return self.policy
+
+    @property
+    def guarded(self) -> bool:
+        """Policies that verify D's held sequence by tokens before reusing it (and so want token ids)."""
+        return self.policy in ("pull", "auto")
 
     def is_bidirectional(self, prefill_url: str) -> bool:
         return self.bidirectional_prefill and _norm(prefill_url) not in {_norm(u) for u in self.unidirectional_prefill}
@@ -107,6 +139,21 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be > 0")
         if self.read_timeout_s is not None and self.read_timeout_s <= 0:
             raise ConfigError("read_timeout_s must be > 0 or unset (no read timeout)")
+        if self.max_local_suffix_tokens < 0 or self.tpot_window_tokens < 1 or self.chunk_tokens < 1:
+            raise ConfigError("max_local_suffix_tokens must be >= 0, tpot_window_tokens and chunk_tokens >= 1")
+        if self.tpot_budget_s <= 0 or self.interference_weight < 0:
+            raise ConfigError("tpot_budget_s must be > 0 and interference_weight >= 0")
+        if not 0 <= self.horizon_turns <= 3:
+            raise ConfigError("horizon_turns must be in [0, 3]")
+        if not 0.0 <= self.horizon_discount <= 1.0:
+            raise ConfigError("horizon_discount must be in [0, 1]")
+        if not 0.0 <= self.evict_kv_usage_knee < 1.0:
+            raise ConfigError("evict_kv_usage_knee must be in [0, 1)")
+        for f in fields(self):
+            if f.name.startswith("seed_") and not getattr(self, f.name) > 0:
+                raise ConfigError(f"{f.name} must be > 0")
+        if self.estimate_half_life_s <= 0:
+            raise ConfigError("estimate_half_life_s must be > 0")
         if self.min_reuse_tokens < 1:
             raise ConfigError("min_reuse_tokens must be >= 1")
         if self.block_size is not None and self.block_size < 1:

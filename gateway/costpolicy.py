@@ -22,8 +22,8 @@ Estimated TTFT of each (all terms from an :class:`EstimatorSnapshot`, learned on
 
 Score = TTFT + interference + horizon (the policy minimises the score, reports both):
 
-- interference (local only) = ``interference_weight`` × running_D × stall, stall = max(0, marginal prefill
-  compute − steps·tpot_D(running_D)): every request decoding on D is delayed by the part of the local
+- interference (local only) = ``interference_weight`` × running_D × stall, stall = max(0, local prefill
+  time − steps·tpot_D(running_D)): every request decoding on D is delayed by the part of the local
   prefill that does not hide under its memory-bound decode steps. P's queue is FIFO, so work sent to P does
   not delay requests already there; that asymmetry is why only D's batch is charged.
 - horizon = ``horizon_discount`` × E[best score of the next turn | what this option leaves behind], recursively
@@ -282,10 +282,12 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
     # Chunked prefill: each of its steps also decodes the running batch, so it cannot beat that step time.
     steps = math.ceil(n / c.knobs.chunk_tokens)
     ttft = c.est.queue_s(d.url, d.waiting) + max(compute, steps * c.est.tpot_s(d.url, d.running + 1))
-    # What the running requests lose: a decode step is memory-bound (weights + KV read), so prefill compute
-    # up to one step time per step rides along for free (roofline: a step costs max(compute, memory)); the
-    # rest, and not the per-request launch overhead, which the step pays anyway, stalls every one of them.
-    marginal = c.est.prefill_s(d.url, n, cached, overhead=False)
+    # What the running requests lose: a decode step is memory-bound (weights + KV read), so prefill work up
+    # to one step time per step rides along for free (roofline: a step costs max(compute, memory)); the rest
+    # stalls every one of them. The per-request constant counts too: on a MoE model it is mostly the expert
+    # weights a prefill chunk touches and a small decode batch does not (GLM-5: ~70 ms against a ~10 ms
+    # step); on a dense model it is about one step's weight read, which the decode step covers.
+    marginal = c.est.prefill_s(d.url, n, cached)
     stall = max(0.0, marginal - steps * c.est.tpot_s(d.url, d.running)) if d.running > 0 else 0.0
     interference = c.knobs.interference_weight * d.running * stall
     base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0)

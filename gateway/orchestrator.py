@@ -22,9 +22,20 @@ from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.cluster import Cluster, host_of
 from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.costpolicy import PolicyKnobs
 from kvtether.gateway.errors import GatewayError, sse_error
+from kvtether.gateway.estimates import Estimator, EstimatorSeeds, LearningParams
 from kvtether.gateway.guard import HeldSequence, handle_groups, handle_num_tokens, truncate_handle, verified_reuse
-from kvtether.gateway.placement import HandleAction, HandleState, NoCapacity, Plan, Turn, plan, plan_aggregated
+from kvtether.gateway.placement import (
+    ClusterView,
+    HandleAction,
+    HandleState,
+    NoCapacity,
+    Plan,
+    Turn,
+    plan,
+    plan_aggregated,
+)
 from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
 from kvtether.sdk.contract import session_id_from_headers
 from opentelemetry import context as otel_context
@@ -71,6 +82,17 @@ class TurnContext:
     t0: float
     span: trace.Span
     exclude: set[str] = field(default_factory=set)
+    # Cost-policy bookkeeping: the load view the plan saw (what each leg queued behind), the handle a
+    # decode-local turn left unused (put back: its blocks still cover a prefix of the history), when the
+    # final leg was sent, and the prefix D held verified for this prompt.
+    plan_view: ClusterView | None = None
+    unused_handle: TakenHandle | None = None
+    final_leg_at: float | None = None
+    decode_cached: int = 0
+    # Observability: seconds spent awaiting nodes before the final leg (tokenize, prefill), so that
+    # final_leg_at - t0 - upstream_s is the gateway's own share of the TTFT; and the x-kvtether-* headers.
+    upstream_s: float = 0.0
+    response_headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def model(self) -> str:
@@ -100,6 +122,10 @@ class LegResult:
     usage: Any = None
     finish_reasons: list[str] = field(default_factory=list)
     ttft: float | None = None
+    # Stream timing of output chunks (first, last, how many tokens between): the decode TPOT sample.
+    out_first_at: float | None = None
+    out_last_at: float | None = None
+    out_tokens_timed: int = 0
 
 
 class Orchestrator:
@@ -114,6 +140,9 @@ class Orchestrator:
         self.clock = clock
         self._rr = 0
         self.tracer = tracer or T.tracer()
+        # One estimator per gateway: node speeds learned from the turns it serves (cost policy, "auto").
+        self.estimator = Estimator(_seeds(config), LearningParams(half_life_s=config.estimate_half_life_s))
+        self.knobs = _knobs(config)
 
     # ---- entry -------------------------------------------------------------------------------
 
@@ -148,7 +177,7 @@ class Orchestrator:
         state = ctx.state
         taken: TakenHandle | None = None
         handle_state = HandleState.MISSING
-        if state is not None and ctx.session_id is not None and policy in ("pull", "reference"):
+        if state is not None and ctx.session_id is not None and policy in ("pull", "reference", "auto"):
             taken = await self.store.take_handle(ctx.session_id)
             if taken is None and state.handle is not None:
                 # A concurrent turn of the same session took it first: this one goes cold.
@@ -156,16 +185,34 @@ class Orchestrator:
             if taken is not None:
                 age = self.clock() - taken.handle_at
                 handle_state = HandleState.EXPIRED if age >= self.config.session_ttl_s else HandleState.PRESENT
+                ctx.span.set_attribute(T.ATTR_HANDLE_AGE, age)
+        T.set_attrs(ctx.span, {T.ATTR_TURN: state.turns if state else 0,
+                               T.ATTR_PINNED: state.decode if state else None})
         prompt_ids: list[int] | None = None
         reuse: int | None = None
-        if taken is not None and handle_state is HandleState.PRESENT and policy == "pull":
+        cached_held = state.cached if state is not None and policy == "auto" else None
+        has_handle = taken is not None and handle_state is HandleState.PRESENT
+        # Tokenize only when there is something to compare the prompt with (a handle's held sequence, or
+        # what D's prefix cache holds after a decode-local turn): a first turn or a handle-less cold turn
+        # needs no token ids, and /tokenize sits on the TTFT path.
+        if policy in ("pull", "auto") and (has_handle or cached_held is not None):
             prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await self._tokenize(ctx)
-            if prompt_ids is not None and taken.held is not None:
+            if prompt_ids is not None and ((has_handle and taken is not None and taken.held is not None)
+                                           or cached_held is not None):
                 with self.tracer.start_as_current_span(T.SPAN_GUARD, context=ctx.parent_ctx,
                                                        kind=T.KIND_INTERNAL) as gspan:
-                    reuse = verified_reuse(taken.held, prompt_ids)
-                    T.set_attrs(gspan, {T.ATTR_HELD_TOKENS: taken.held.num_tokens,
-                                        T.ATTR_PROMPT_TOKENS: len(prompt_ids), T.ATTR_REUSE_TOKENS: reuse})
+                    if has_handle and taken is not None and taken.held is not None:
+                        reuse = verified_reuse(taken.held, prompt_ids)
+                        verdict = T.guard_verdict(reuse, taken.held.num_tokens, self.config.min_reuse_tokens)
+                        T.set_attrs(gspan, {T.ATTR_HELD_TOKENS: taken.held.num_tokens, T.ATTR_REUSE_TOKENS: reuse,
+                                            T.ATTR_GUARD_VERDICT: verdict})
+                        ctx.span.set_attribute(T.ATTR_GUARD_VERDICT, verdict)
+                    if cached_held is not None:
+                        # Not a correctness check (a local turn hits D's prefix cache by content hash, never
+                        # positionally): the cost policy's estimate of how much of the prompt D holds.
+                        ctx.decode_cached = verified_reuse(cached_held, prompt_ids)
+                        gspan.set_attribute(T.ATTR_DECODE_CACHED_TOKENS, ctx.decode_cached)
+                    gspan.set_attribute(T.ATTR_PROMPT_TOKENS, len(prompt_ids))
         turn = Turn(
             policy=policy,
             new_session=state is None,
@@ -178,8 +225,11 @@ class Orchestrator:
             min_reuse_tokens=self.config.min_reuse_tokens,
             partial_reuse=self.config.partial_reuse,
             round_robin=self._next_rr(),
+            **self._auto_facts(ctx, taken, prompt_ids),
         )
         the_plan = self._plan(ctx, turn)
+        if the_plan.action is HandleAction.DECODE_LOCAL and has_handle:
+            ctx.unused_handle = taken  # D still holds it: restored after the turn, for a later pull
         if the_plan.handle_outcome:
             self.metrics.handle_outcomes.labels(the_plan.handle_outcome).inc()
         if prompt_ids is not None:
@@ -194,16 +244,27 @@ class Orchestrator:
 
         # One re-placement after a failed node: the in-flight request may fail, the next turn must not.
         for attempt in range(2):
-            try:
-                prefilled, the_plan = await self._prefill_with_recovery(ctx, the_plan, kv)
-            except UpstreamFailure as failure:
-                return failure.client_response()
-            except GatewayError as err:
-                return err.response()
-            kv = None  # single use: never resend a handle, whatever happens next
-            source = "decode_pull" if prefilled.pulled else ("prefill_cache" if prefilled.cached_tokens else "none")
-            d_kv = B.with_host(prefilled.params, host_of(the_plan.prefill or "")) if prefilled.params else None
-            d_body = B.decode_body(ctx.body, d_kv, want_token_ids=policy == "pull")
+            if the_plan.action is HandleAction.DECODE_LOCAL:
+                # The whole request to the pinned D, no kv_transfer_params: D prefills the suffix after its
+                # prefix-cache hit and returns no handle; token ids tell what its prefix cache now holds.
+                source = "decode_local"
+                d_body = B.decode_body(ctx.body, None, want_token_ids=True)
+            else:
+                try:
+                    prefilled, the_plan = await self._prefill_with_recovery(ctx, the_plan, kv)
+                except UpstreamFailure as failure:
+                    return failure.client_response()
+                except GatewayError as err:
+                    return err.response()
+                kv = None  # single use: never resend a handle, whatever happens next
+                source = ("decode_pull" if prefilled.pulled else
+                          ("prefill_cache" if prefilled.cached_tokens else "none"))
+                d_kv = B.with_host(prefilled.params, host_of(the_plan.prefill or "")) if prefilled.params else None
+                d_body = B.decode_body(ctx.body, d_kv, want_token_ids=self.config.guarded)
+            reused = ctx.decode_cached if the_plan.action is HandleAction.DECODE_LOCAL else prefilled.cached_tokens
+            ctx.response_headers = T.reuse_headers(source, reused, the_plan.action.value)
+            T.set_attrs(ctx.span, {T.ATTR_REUSE_TOKENS: reused,
+                                   T.ATTR_SUFFIX_TOKENS: len(prompt_ids) - reused if prompt_ids is not None else None})
             try:
                 return await self._final_leg(ctx, the_plan, d_body, "decode", source)
             except UpstreamFailure as failure:
@@ -230,17 +291,87 @@ class Orchestrator:
         return self._rr - 1
 
     def _cold_turn(self, turn: Turn, ctx: TurnContext) -> Turn:
+        # After a failed leg: no handle, and no second decode-local try (unless no P is left at all).
         return replace(turn, handle=HandleState.MISSING, handle_tokens=None, reuse_tokens=None,
-                       round_robin=self._next_rr(), exclude=frozenset(ctx.exclude))
+                       round_robin=self._next_rr(), exclude=frozenset(ctx.exclude), allow_local=False)
+
+    def _auto_facts(self, ctx: TurnContext, taken: TakenHandle | None, prompt_ids: list[int] | None) -> dict[str, Any]:
+        """The session facts the cost policy weighs (docs/placement.md); harmless for the other policies."""
+        state = ctx.state
+        facts: dict[str, Any] = {"decode_cached_tokens": ctx.decode_cached}
+        if taken is not None:
+            facts["handle_age_s"] = max(0.0, self.clock() - taken.handle_at)
+        if state is None:
+            return facts
+        facts["last_prefill"] = state.last_prefill
+        if prompt_ids is not None and state.last_tokens is not None:
+            facts["suffix_tokens"] = max(0, len(prompt_ids) - state.last_tokens)
+        max_tokens = ctx.body.get("max_completion_tokens") or ctx.body.get("max_tokens")
+        if state.avg_output_tokens is not None:
+            out = round(state.avg_output_tokens)
+            facts["expected_output_tokens"] = min(out, max_tokens) if isinstance(max_tokens, int) else out
+        elif isinstance(max_tokens, int) and max_tokens > 0:
+            facts["expected_output_tokens"] = max_tokens
+        if state.avg_suffix_tokens is not None:
+            facts["next_suffix_tokens"] = round(state.avg_suffix_tokens)
+        return facts
+
+    # ---- learning node speeds (the estimator behind "auto"; fed in every policy) --------------------
+
+    def _load_at_plan(self, ctx: TurnContext, node: str) -> tuple[float, float]:
+        """(running, waiting) of `node` as the plan saw it: what this leg queued behind."""
+        view = ctx.plan_view
+        for n in (*view.prefill, *view.decode) if view is not None else ():
+            if n.url == node:
+                return n.running, n.waiting
+        return 0.0, 0.0
+
+    def _learn_prefill(self, ctx: TurnContext, node: str, usage: Any, cached: int, seconds: float,
+                       kv: dict[str, Any] | None) -> None:
+        if not self.config.learn_estimates or not isinstance(usage, dict):
+            return
+        prompt = usage.get("prompt_tokens")
+        if not isinstance(prompt, int) or prompt <= cached:
+            return
+        running, waiting = self._load_at_plan(ctx, node)
+        pulled = (handle_num_tokens(kv) or 0) if kv is not None else 0
+        holder = ctx.state.decode if ctx.state is not None else None
+        self.estimator.observe_prefill_leg(node, prompt - cached, cached, seconds, now=self.clock(),
+                                           ahead=running + waiting, pulled_tokens=pulled, pulled_from=holder)
+
+    def _learn_decode(self, ctx: TurnContext, the_plan: Plan, result: LegResult, now: float) -> None:
+        """D's side of a finished turn: a decode-local first-token time (local prefill) when nothing queued
+        ahead of it, and its decode step time from the stream's inter-token gaps."""
+        if not (self.config.learn_estimates and result.ok) or self.config.mode == "aggregated":
+            return
+        node = the_plan.decode
+        running, waiting = self._load_at_plan(ctx, node)
+        usage = result.usage if isinstance(result.usage, dict) else {}
+        prompt = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
+        if (result.ttft is not None and ctx.final_leg_at is not None and prompt is not None and waiting == 0):
+            d_ttft = ctx.t0 + result.ttft - ctx.final_leg_at
+            if the_plan.action is HandleAction.DECODE_LOCAL:
+                cached = B.cached_tokens(usage)
+                self.estimator.observe_prefill(node, prompt - cached, cached, d_ttft, now=now)
+            # Not learned here: the P→D transfer from D's first token after a P leg. That time is mostly D's
+            # request handling (template, tokenizing, admission) for a read of a few blocks, and the link's
+            # fit is shared with the D→P pull: it taught the policy that every pull is slow.
+        if result.out_first_at is not None and result.out_last_at is not None and result.out_tokens_timed >= 2:
+            gap = (result.out_last_at - result.out_first_at) / result.out_tokens_timed
+            self.estimator.observe_tpot(node, running + 1, gap, now=now)
 
     def _plan(self, ctx: TurnContext, turn: Turn) -> Plan:
         turn = replace(turn, exclude=frozenset(ctx.exclude))
         with self.tracer.start_as_current_span(T.SPAN_PLAN, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
+            view = self.cluster.view()
+            ctx.plan_view = view
             try:
-                p = plan(turn, self.cluster.view())
+                p = plan(turn, view, self.estimator.snapshot(self.clock()), self.knobs)
             except NoCapacity as exc:
                 span.set_attribute(T.ERROR_TYPE, "no_capacity")
                 raise GatewayError(503, str(exc), code="no_capacity") from None
+            if p.decision is not None:
+                T.set_attrs(span, T.cost_attributes(p.decision.trace_attributes()))
             T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_ACTION: p.action.value,
                                T.ATTR_PLAN_REASON: p.reason, T.ATTR_PREFILL: p.prefill, T.ATTR_DECODE: p.decode,
                                T.ATTR_HANDLE_OUTCOME: p.handle_outcome, T.ATTR_REUSE_TOKENS: p.reuse_tokens,
@@ -310,10 +441,14 @@ class Orchestrator:
             return None
         with self.tracer.start_as_current_span(T.SPAN_TOKENIZE, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
             span.set_attribute(T.ATTR_PREFILL, node)
+            started = time.perf_counter()
             try:
-                resp = await self.client.post(f"{node}/tokenize", json=payload,
-                                              timeout=httpx.Timeout(self.config.tokenize_timeout_s,
-                                                                    connect=self.config.connect_timeout_s))
+                try:
+                    resp = await self.client.post(f"{node}/tokenize", json=payload,
+                                                  timeout=httpx.Timeout(self.config.tokenize_timeout_s,
+                                                                        connect=self.config.connect_timeout_s))
+                finally:
+                    ctx.upstream_s += time.perf_counter() - started
                 if resp.status_code != 200:
                     raise UpstreamFailure(node, "tokenize", f"HTTP {resp.status_code}", resp.status_code)
                 tokens = resp.json().get("tokens")
@@ -340,6 +475,8 @@ class Orchestrator:
             except httpx.HTTPError as exc:
                 raise UpstreamFailure(node, "prefill", f"{type(exc).__name__}: {exc}",
                                      unreachable=_unreachable(exc)) from None
+            finally:
+                ctx.upstream_s += time.perf_counter() - started
             data = _json_or_none(resp)
             if resp.status_code != 200 or not isinstance(data, dict):
                 raise UpstreamFailure(node, "prefill", f"HTTP {resp.status_code}", resp.status_code, data)
@@ -350,6 +487,7 @@ class Orchestrator:
             T.set_attrs(span, {T.GEN_AI_RESPONSE_TTFC: time.perf_counter() - started,
                                T.GEN_AI_USAGE_INPUT: usage.get("prompt_tokens") if isinstance(usage, dict) else None,
                                T.GEN_AI_USAGE_CACHE_READ: cached})
+            self._learn_prefill(ctx, node, usage, cached, time.perf_counter() - started, kv)
             return Prefilled(params if isinstance(params, dict) else None, cached, kv is not None)
         except UpstreamFailure as failure:
             span.set_attribute(T.ERROR_TYPE, str(failure.status or "connection"))
@@ -367,6 +505,7 @@ class Orchestrator:
         headers = self._upstream_headers(ctx, span)
         url = f"{node}{PATHS[ctx.kind]}"
         self.cluster.begin(node)  # ended by _finish, or below on failure
+        ctx.final_leg_at = time.perf_counter()
         try:
             if not ctx.stream:
                 try:
@@ -404,10 +543,11 @@ class Orchestrator:
             _read_body(data, result)
             B.strip_internal(data, keep_token_ids=ctx.keep_token_ids)
             await self._finish(ctx, the_plan, result, span, source)
-            return JSONResponse(data)
+            return JSONResponse(data, headers=ctx.response_headers)
+        # The reuse decision is final before the decode leg starts, so it can go into the stream's headers.
         return StreamingResponse(self._relay(ctx, the_plan, sresp, _chain(preamble, lines), span, source),
                                  media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+                                 headers={"cache-control": "no-cache", **ctx.response_headers})
 
     async def _relay(self, ctx: TurnContext, the_plan: Plan, resp: httpx.Response, lines: AsyncIterator[str],
                      span: trace.Span, source: str) -> AsyncIterator[bytes]:
@@ -434,7 +574,7 @@ class Orchestrator:
                         line = self._relay_chunk(ctx, payload, result, answer, span) or line
                 yield (line + "\n").encode()
         except httpx.HTTPError as exc:
-            failure = UpstreamFailure(the_plan.decode, "decode" if the_plan.prefill else "aggregated",
+            failure = UpstreamFailure(the_plan.decode, "aggregated" if self.config.mode == "aggregated" else "decode",
                                       f"{type(exc).__name__}: {exc}")
             self._count_error(failure)
             self.cluster.mark_failed(the_plan.decode, str(failure), hard=False)
@@ -461,6 +601,7 @@ class Orchestrator:
         if result.ttft is None and B.has_first_token(chunk):
             result.ttft = time.perf_counter() - ctx.t0
             span.add_event(T.EVENT_FIRST_TOKEN)
+            ctx.span.add_event(T.EVENT_FIRST_TOKEN)
         ids = B.prompt_ids_of(chunk)
         if ids is not None and result.prompt_ids is None:
             result.prompt_ids = ids
@@ -470,6 +611,7 @@ class Orchestrator:
             out = B.output_ids_of(choice)
             if out:
                 result.output_ids.extend(out)
+                _time_output(result, len(out))
             answer.add(choice)
             if choice.get("finish_reason"):
                 result.finish_reasons.append(str(choice["finish_reason"]))
@@ -491,16 +633,22 @@ class Orchestrator:
                       source: str) -> None:
         try:
             usage = result.usage if isinstance(result.usage, dict) else {}
-            if the_plan.prefill is None and B.cached_tokens(usage):
+            if the_plan.prefill is None and source == "none" and B.cached_tokens(usage):
                 source = "prefill_cache"
             T.set_attrs(span, {T.GEN_AI_RESPONSE_FINISH_REASONS: result.finish_reasons or None,
                                T.GEN_AI_USAGE_INPUT: usage.get("prompt_tokens"),
                                T.GEN_AI_USAGE_OUTPUT: usage.get("completion_tokens"),
+                               T.GEN_AI_USAGE_CACHE_READ: B.cached_tokens(usage) if usage else None,
                                T.ATTR_REUSE_SOURCE: source, T.ATTR_TTFT: result.ttft})
+            # The gateway's own share: until the final leg was sent, less the time awaiting tokenize/prefill
+            # (from there on it only relays, and the first token's arrival is the TTFT's end).
+            overhead = (max(0.0, ctx.final_leg_at - ctx.t0 - ctx.upstream_s)
+                        if result.ttft is not None and ctx.final_leg_at is not None else None)
             T.set_attrs(ctx.span, {T.ATTR_REUSE_SOURCE: source, T.ATTR_TTFT: result.ttft,
+                                   T.ATTR_GATEWAY_OVERHEAD: overhead,
                                    T.ATTR_PREFILL: the_plan.prefill, T.ATTR_DECODE: the_plan.decode})
             if result.ttft is not None:
-                self.metrics.ttft.labels(source).observe(result.ttft)
+                self.metrics.observe_ttft(source, self.config.mode, result.ttft, overhead)
             await self._remember(ctx, the_plan, result)
         except Exception:  # the client already has its answer; bookkeeping must not turn it into an error
             log.exception("failed to record the end of a turn")
@@ -516,30 +664,51 @@ class Orchestrator:
         policy = self.config.effective_policy
         handle: dict[str, Any] | None = None
         held: HeldSequence | None = None
-        if result.ok and the_plan.prefill is not None and policy in ("pull", "reference"):
+        handle_at: float | None = now
+        block_size = self.cluster.block_size(the_plan.decode)
+        if result.ok and the_plan.prefill is not None and policy in ("pull", "reference", "auto"):
             if result.handle is None:
                 self.metrics.stream_handles_missing.inc()
             else:
                 handle = B.with_host(result.handle, host_of(the_plan.decode))
                 n = handle_num_tokens(handle)
-                if policy == "pull" and n and result.prompt_ids is not None:
+                if self.config.guarded and n and result.prompt_ids is not None:
                     tokens = B.held_tokens(result.prompt_ids, result.output_ids, n)
-                    held = HeldSequence.from_tokens(tokens, self.cluster.block_size(the_plan.decode))
+                    held = HeldSequence.from_tokens(tokens, block_size)
+        elif the_plan.action is HandleAction.DECODE_LOCAL and ctx.unused_handle is not None:
+            # vLLM returns no handle for a turn D prefilled itself; the one this turn did not use still pins
+            # a prefix of the history on D, so a later turn may pull it (and so free it) before it expires.
+            handle, held, handle_at = ctx.unused_handle.handle, ctx.unused_handle.held, ctx.unused_handle.handle_at
+        # What D's prefix cache holds now (prompt + output − 1: the last sampled token has no KV), handle or
+        # not: the cost policy's decode_cached_tokens next turn. Learned from D's token ids.
+        cached: HeldSequence | None = None
+        total: int | None = None
+        if result.ok and result.prompt_ids is not None and policy == "auto":
+            total = len(result.prompt_ids) + len(result.output_ids)
+            cached = HeldSequence.from_tokens(
+                B.held_tokens(result.prompt_ids, result.output_ids, max(0, total - 1)), block_size)
+        self._learn_decode(ctx, the_plan, result, now)
         prefix_key = None
         if ctx.kind == "chat" and ctx.session_source in ("new", "prefix") and result.answer is not None:
             _, prefix_key = B.chat_keys(ctx.body, result.answer)
         current = await self.store.get(ctx.session_id)
         base = current or prior
+        avg_out, avg_suffix = _running_means(base, result, total)
         await self.store.put(SessionState(
             session_id=ctx.session_id,
             decode=the_plan.decode,
             handle=handle,
             held=held,
-            handle_at=now if handle is not None else None,
+            handle_at=handle_at if handle is not None else None,
             expires_at=now + self.config.session_ttl_s,
             turns=(base.turns if base else 0) + 1,
             created_at=base.created_at if base else now,
             prefix_key=prefix_key,
+            cached=cached,
+            last_tokens=total,
+            last_prefill=the_plan.prefill or (base.last_prefill if base else None),
+            avg_output_tokens=avg_out,
+            avg_suffix_tokens=avg_suffix,
         ))
         self.metrics.pinned_sessions.set(await self.store.count())
 
@@ -632,3 +801,48 @@ def _read_body(data: dict[str, Any], result: LegResult) -> None:
         if first.get("finish_reason"):
             result.finish_reasons = [str(c.get("finish_reason")) for c in choices if isinstance(c, dict)]
     result.ok = bool(result.finish_reasons)
+
+
+def _seeds(config: GatewayConfig) -> EstimatorSeeds:
+    return EstimatorSeeds(
+        prefill_overhead_s=config.seed_prefill_overhead_s, prefill_s_per_token=config.seed_prefill_s_per_token,
+        prefill_s_per_pair=config.seed_prefill_s_per_pair, transfer_latency_s=config.seed_transfer_latency_s,
+        transfer_s_per_token=config.seed_transfer_s_per_token, tpot_base_s=config.seed_tpot_base_s,
+        tpot_s_per_seq=config.seed_tpot_s_per_seq, queue_s_per_request=config.seed_queue_s_per_request)
+
+
+def _knobs(config: GatewayConfig) -> PolicyKnobs:
+    return PolicyKnobs(
+        mode="auto", max_local_suffix_tokens=config.max_local_suffix_tokens, tpot_budget_s=config.tpot_budget_s,
+        tpot_window_tokens=config.tpot_window_tokens, interference_weight=config.interference_weight,
+        horizon_turns=config.horizon_turns, horizon_discount=config.horizon_discount,
+        recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,
+        block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,
+        evict_kv_usage_knee=config.evict_kv_usage_knee)
+
+
+def _time_output(result: LegResult, n: int) -> None:
+    """Timestamps of streamed output: gaps after the first chunk are decode steps (TPOT samples)."""
+    t = time.perf_counter()
+    if result.out_first_at is None:
+        result.out_first_at = t
+        return
+    result.out_last_at = t
+    result.out_tokens_timed += n
+
+
+def _running_means(base: SessionState | None, result: LegResult,
+                   total: int | None) -> tuple[float | None, float | None]:
+    """The session's mean answer length and mean suffix (what a turn adds to the last prompt + answer),
+    exponentially weighted: what the policy's look-ahead expects of the next turn."""
+    w = 0.3
+    avg_out = base.avg_output_tokens if base is not None else None
+    avg_suffix = base.avg_suffix_tokens if base is not None else None
+    usage = result.usage if isinstance(result.usage, dict) else {}
+    out = len(result.output_ids) or usage.get("completion_tokens")
+    if isinstance(out, int) and out > 0:
+        avg_out = float(out) if avg_out is None else (1 - w) * avg_out + w * out
+    if total is not None and result.prompt_ids is not None and base is not None and base.last_tokens is not None:
+        suffix = max(0, len(result.prompt_ids) - base.last_tokens)
+        avg_suffix = float(suffix) if avg_suffix is None else (1 - w) * avg_suffix + w * suffix
+    return avg_out, avg_suffix

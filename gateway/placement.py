@@ -4,23 +4,26 @@ No I/O and no clock here: the shell gathers the facts (session state, verified r
 guard, the load view) and executes the plan. The plan's ``reason`` is logged and put on spans, so
 every choice can be explained after the fact.
 
-Seam for the cost-based "auto" policy of a later issue: ``_choose_reuse`` is where a cost model will
-weigh "run the suffix on the pinned decode node" (``HandleAction.DECODE_LOCAL``) against "prefill +
-pull from decode" and "cold prefill"; today "auto" behaves as "pull".
+Policies: ``pull``, ``no-pull`` and ``reference`` are fixed rules (below); ``auto`` asks the cost model
+(``costpolicy.choose``) to weigh "run the turn on the pinned decode node" (``HandleAction.DECODE_LOCAL``)
+against "prefill + pull from decode" and "cold prefill", and maps its decision onto a :class:`Plan`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
+
+from kvtether.gateway import costpolicy as C
+from kvtether.gateway.estimates import EstimatorSnapshot
 
 
 class HandleAction(StrEnum):
     ATTACH = "attach"  # send D's handle unchanged: P pulls everything D holds
     TRUNCATE = "truncate"  # send the handle cut to the verified prefix (protocol §3.2)
     NONE = "none"  # cold prefill (P's own prefix cache still applies)
-    DECODE_LOCAL = "decode_local"  # seam: run the turn on the pinned D directly (not chosen yet)
+    DECODE_LOCAL = "decode_local"  # whole request to the pinned D, no kv_transfer_params (auto only)
 
 
 class HandleState(StrEnum):
@@ -64,6 +67,14 @@ class Turn:
     partial_reuse: bool = True
     round_robin: int = 0  # reference policy's counter, kept by the shell
     exclude: frozenset[str] = frozenset()  # nodes that just failed this turn
+    # Facts only the cost-based "auto" policy reads (docs/placement.md).
+    suffix_tokens: int = 0  # tokens the prompt adds to the session's last prompt + answer
+    decode_cached_tokens: int = 0  # verified prefix of the prompt the pinned D still holds in its prefix cache
+    handle_age_s: float = 0.0
+    expected_output_tokens: int = 256  # the session's running mean
+    next_suffix_tokens: int | None = None  # the session's running mean suffix; None = this turn's
+    allow_local: bool = True  # False on a retry after a failed decode-local leg
+    last_prefill: str | None = None  # P of the session's previous P/D turn: its prefix cache may hold the history
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +86,7 @@ class Plan:
     reason: str
     handle_outcome: str | None = None  # attached | truncated | refused_by_guard | expired | missing
     re_placed: bool = False
+    decision: C.CostDecision | None = None  # auto: the cost model's choice, estimates and reason
 
 
 class NoCapacity(Exception):
@@ -96,12 +108,16 @@ def _healthy(nodes: Sequence[NodeLoad], exclude: frozenset[str]) -> list[NodeLoa
     return [n for n in nodes if n.healthy and n.url not in exclude]
 
 
-def plan(turn: Turn, cluster: ClusterView) -> Plan:
+def plan(turn: Turn, cluster: ClusterView, estimates: EstimatorSnapshot | None = None,
+         knobs: C.PolicyKnobs | None = None) -> Plan:
+    """`estimates` and `knobs` are read by the "auto" policy only (defaults: seeds, default knobs)."""
     if turn.policy == "reference":
         return _plan_reference(turn, cluster)
+    if turn.policy == "auto":
+        return _plan_auto(turn, cluster, estimates or EstimatorSnapshot(), knobs or C.PolicyKnobs())
     decode, re_placed, d_reason = _choose_decode(turn, cluster)
     if turn.policy == "no-pull":
-        p = least_loaded(cluster.prefill, exclude=turn.exclude)
+        p = _preferred_p(cluster.prefill, turn)
         if p is None:
             raise NoCapacity("prefill")
         return Plan(p.url, decode, HandleAction.NONE, 0, f"{d_reason}; policy no-pull: cold prefill", None, re_placed)
@@ -122,8 +138,18 @@ def _choose_decode(turn: Turn, cluster: ClusterView) -> tuple[str, bool, str]:
     return d.url, True, f"pinned decode {pinned} unhealthy: re-placed on {d.url}"
 
 
+def _preferred_p(nodes: Sequence[NodeLoad], turn: Turn) -> NodeLoad | None:
+    """The least-loaded healthy P; the session's previous P when it is as lightly loaded (its prefix cache
+    may still hold the history, which saves recomputing or pulling it)."""
+    best = least_loaded(nodes, exclude=turn.exclude)
+    if best is None or turn.last_prefill is None:
+        return best
+    last = next((n for n in nodes if n.url == turn.last_prefill and n.healthy and n.url not in turn.exclude), None)
+    return last if last is not None and last.score <= best.score else best
+
+
 def _choose_reuse(turn: Turn, cluster: ClusterView, decode: str, re_placed: bool, d_reason: str) -> Plan:
-    any_p = least_loaded(cluster.prefill, exclude=turn.exclude)
+    any_p = _preferred_p(cluster.prefill, turn)
     if any_p is None:
         raise NoCapacity("prefill")
 
@@ -141,7 +167,7 @@ def _choose_reuse(turn: Turn, cluster: ClusterView, decode: str, re_placed: bool
         return cold("handle is on the lost decode node", "missing")
     if turn.reuse_tokens is None or turn.handle_tokens is None or turn.prompt_tokens is None:
         return cold("reuse not verified (no prompt tokens)", "refused_by_guard")
-    bidi_p = least_loaded([n for n in cluster.prefill if n.bidirectional], exclude=turn.exclude)
+    bidi_p = _preferred_p([n for n in cluster.prefill if n.bidirectional], turn)
     if bidi_p is None:
         return cold("no healthy bidirectional prefill node", "refused_by_guard")
     # P must compute at least the prompt's last token itself.
@@ -159,6 +185,71 @@ def _choose_reuse(turn: Turn, cluster: ClusterView, decode: str, re_placed: bool
         return cold(f"partial reuse needs one KV-cache group, handle has {turn.handle_groups}", "refused_by_guard")
     why = f"prompt diverges after {reuse} of {turn.handle_tokens} held tokens: pull the verified part"
     return Plan(bidi_p.url, decode, HandleAction.TRUNCATE, reuse, f"{d_reason}; {why}", "truncated")
+
+
+def _usable_reuse(turn: Turn) -> tuple[int, str | None]:
+    """Verified reuse a pull may use (0 = none) and, when 0, the handle outcome that says why."""
+    if turn.new_session:
+        return 0, None
+    if turn.handle is HandleState.MISSING:
+        return 0, "missing"
+    if turn.handle is HandleState.EXPIRED:
+        return 0, "expired"
+    if turn.reuse_tokens is None or turn.handle_tokens is None or turn.prompt_tokens is None:
+        return 0, "refused_by_guard"
+    reuse = min(turn.reuse_tokens, turn.prompt_tokens - 1)
+    exact = reuse == turn.handle_tokens == turn.reuse_tokens
+    if reuse < turn.min_reuse_tokens:
+        return 0, "refused_by_guard"
+    if not exact and (not turn.partial_reuse or turn.handle_groups != 1):
+        return 0, "refused_by_guard"
+    return reuse, None
+
+
+def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: C.PolicyKnobs) -> Plan:
+    """The cost-based choice (costpolicy.choose) as a Plan.
+
+    Without a verified prompt length the cost model has nothing to weigh: the turn goes the "pull" rule's
+    way (cold unless a handle is verified, which needs the prompt's tokens anyway).
+    """
+    if turn.prompt_tokens is None or turn.prompt_tokens < 1:
+        decode, re_placed, d_reason = _choose_decode(turn, cluster)
+        return _choose_reuse(turn, cluster, decode, re_placed, d_reason)
+    reuse, refused = _usable_reuse(turn)
+    pinned = turn.pinned_decode
+    pinned_alive = pinned is not None and any(
+        n.url == pinned and n.healthy and n.url not in turn.exclude for n in cluster.decode)
+    facts = C.TurnFacts(
+        prompt_tokens=turn.prompt_tokens,
+        suffix_tokens=max(0, turn.suffix_tokens),
+        reuse_tokens=reuse,
+        handle_valid=reuse > 0 and pinned_alive,
+        handle_age_s=max(0.0, turn.handle_age_s),
+        decode_cached_tokens=max(0, turn.decode_cached_tokens) if pinned_alive else 0,
+        expected_output_tokens=max(0, turn.expected_output_tokens),
+        next_suffix_tokens=turn.next_suffix_tokens,
+    )
+    if not turn.allow_local:
+        # A decode-local leg just failed: an over-limit local turn stays possible only as the last resort.
+        knobs = replace(knobs, max_local_suffix_tokens=0)
+    try:
+        d = C.choose(facts, pinned if pinned_alive else None, cluster.prefill, cluster.decode, est, knobs,
+                     exclude=turn.exclude, round_robin=turn.round_robin)
+    except C.NoFeasibleOption as exc:
+        raise NoCapacity("decode" if "decode" in exc.why else "prefill") from None
+    re_placed = pinned is not None and d.decode_url != pinned
+    if re_placed and refused is None and turn.handle is HandleState.PRESENT:
+        refused = "missing"  # the handle is on the lost decode node, as the pull rule reports it
+    if d.option == "decode_local":
+        return Plan(None, d.decode_url, HandleAction.DECODE_LOCAL, 0, d.reason, refused, re_placed, d)
+    assert d.prefill_url is not None
+    if d.option == "pull":
+        exact = d.reuse_tokens == turn.handle_tokens == turn.reuse_tokens
+        action, outcome = (HandleAction.ATTACH, "attached") if exact else (HandleAction.TRUNCATE, "truncated")
+        return Plan(d.prefill_url, d.decode_url, action, d.reuse_tokens, d.reason, outcome, re_placed, d)
+    # A verified handle that cold leaves unused (pull was dearer) has no outcome of its own: the orchestrator
+    # drops it (the P/D turn leaves a fresh one behind).
+    return Plan(d.prefill_url, d.decode_url, HandleAction.NONE, 0, d.reason, refused, re_placed, d)
 
 
 def _plan_reference(turn: Turn, cluster: ClusterView) -> Plan:

@@ -6,6 +6,9 @@ Metrics never carry session ids or prefix hashes as labels (unbounded cardinalit
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Mapping
 from typing import Any
 
 from opentelemetry import trace
@@ -70,17 +73,41 @@ ATTR_REUSE_TOKENS = "kvtether.reuse.tokens"
 ATTR_REUSE_SOURCE = "kvtether.reuse.source"
 ATTR_TTFT = "kvtether.ttft_s"
 ATTR_RETRIED = "kvtether.retried"
+ATTR_PINNED = "kvtether.pinned.node"  # the decode node the session was pinned to before this turn
+ATTR_HANDLE_AGE = "kvtether.handle.age_s"
+ATTR_SUFFIX_TOKENS = "kvtether.suffix.tokens"  # prompt tokens prefill computes (prompt - reused)
+ATTR_GUARD_VERDICT = "kvtether.guard.verdict"  # match | partial | refused
+ATTR_GATEWAY_OVERHEAD = "kvtether.gateway.overhead_s"
+ATTR_MODE = "kvtether.mode"  # pd | aggregated
+# ---- cost-based placement (issue 8; the placement owner's block) ----
+ATTR_DECODE_CACHED_TOKENS = "kvtether.decode.cached_tokens"  # prompt prefix the pinned D's prefix cache holds
+ATTR_COST_PREFIX = "kvtether.plan.cost."  # + CostDecision.trace_attributes() keys (option, estimates, reason …)
+
+
+def cost_attributes(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """The cost decision's flat attributes under the telemetry prefix."""
+    return {ATTR_COST_PREFIX + k: v for k, v in attrs.items()}
+# ---- end of the cost-based placement block ----
+
 EVENT_FIRST_CHUNK = "first_chunk"
 EVENT_FIRST_TOKEN = "first_token"
+
+# Response headers: how this turn's KV was reused (the replay CLI and the demo read every x-kvtether-*).
+HEADER_REUSE_SOURCE = "x-kvtether-reuse-source"
+HEADER_REUSE_TOKENS = "x-kvtether-reuse-tokens"
+HEADER_PLAN = "x-kvtether-plan"
 
 PROVIDER = "openai"
 
 # Reuse sources (TTFT histogram label) and handle outcomes (counter label): closed sets.
 REUSE_SOURCES = ("decode_pull", "prefill_cache", "decode_local", "none")
+GUARD_VERDICTS = ("match", "partial", "refused")
+MODES = ("pd", "aggregated")
 HANDLE_OUTCOMES = ("attached", "truncated", "refused_by_guard", "expired", "missing", "lost_race", "retried_cold")
 PHASES = ("tokenize", "prefill", "decode", "aggregated", "metrics")
 
 M_TTFT = "kvtether_ttft_seconds"
+M_GATEWAY_OVERHEAD = "kvtether_gateway_overhead_seconds"
 M_REQUESTS = "kvtether_requests_total"
 M_HANDLE_OUTCOMES = "kvtether_handle_outcomes_total"
 M_PINNED_SESSIONS = "kvtether_pinned_sessions"
@@ -91,6 +118,8 @@ M_STREAM_HANDLE_MISSING = "kvtether_stream_handles_missing_total"
 
 # Server TTFT buckets of the GenAI conventions, stretched to long-context prefills.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+# The gateway's own share of a turn is meant to be a few milliseconds: finer buckets at the low end.
+OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
 
 
 class Metrics:
@@ -99,8 +128,12 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # mode = pd | aggregated (the gateway's), policy = the configured one (auto | pull | no-pull | reference).
         self.ttft = Histogram(M_TTFT, "Gateway-measured time to first token, by where the reused KV came from",
-                              ["reuse_source"], buckets=TTFT_BUCKETS, registry=r)
+                              ["reuse_source", "mode", "policy"], buckets=TTFT_BUCKETS, registry=r)
+        self.gateway_overhead = Histogram(
+            M_GATEWAY_OVERHEAD, "Time to first token spent in the gateway itself (TTFT minus time awaiting "
+            "tokenize, prefill and the decode leg's first token)", ["mode"], buckets=OVERHEAD_BUCKETS, registry=r)
         self.requests = Counter(M_REQUESTS, "Client requests by route and status class", ["route", "status"],
                                 registry=r)
         self.handle_outcomes = Counter(M_HANDLE_OUTCOMES, "What happened to a session's handle on a turn",
@@ -116,8 +149,21 @@ class Metrics:
             registry=r)
         for outcome in HANDLE_OUTCOMES:
             self.handle_outcomes.labels(outcome)
-        for source in REUSE_SOURCES:
-            self.ttft.labels(source)
+        self._policy = "auto"
+
+    def set_policy(self, policy: str) -> None:
+        """The configured policy (a label of the TTFT histogram); series are created for it up front."""
+        self._policy = policy
+        for mode in MODES:
+            self.gateway_overhead.labels(mode)
+            for source in REUSE_SOURCES:
+                self.ttft.labels(source, mode, policy)
+
+    def observe_ttft(self, source: str, mode: str, seconds: float, overhead_s: float | None = None) -> None:
+        """One turn's TTFT and, when known, the gateway's own share of it."""
+        self.ttft.labels(source, mode, self._policy).observe(seconds)
+        if overhead_s is not None:
+            self.gateway_overhead.labels(mode).observe(overhead_s)
 
 
 def tracer(provider: trace.TracerProvider | None = None) -> trace.Tracer:
@@ -133,13 +179,129 @@ def set_attrs(span: trace.Span, attrs: dict[str, Any]) -> None:
             span.set_attribute(key, value)
 
 
-def setup_otlp(endpoint: str, service_name: str = "kvtether-gateway") -> None:
-    """Install an OTLP/HTTP exporter as the global tracer provider (used by `kvtether serve`)."""
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+def guard_verdict(reuse: int, held: int, min_reuse: int) -> str:
+    """match: all of D's held tokens are a prefix of the prompt; partial: only some (the handle is truncated);
+    refused: fewer than ``min_reuse`` verified (the handle is not sent)."""
+    if reuse < min_reuse:
+        return "refused"
+    return "match" if reuse >= held else "partial"
+
+
+def reuse_headers(source: str, tokens: int | None, plan_action: str | None) -> dict[str, str]:
+    out = {HEADER_REUSE_SOURCE: source, HEADER_REUSE_TOKENS: str(tokens or 0)}
+    if plan_action:
+        out[HEADER_PLAN] = plan_action
+    return out
+
+
+# ---- exporters -----------------------------------------------------------------------------------------
+
+SERVICE_NAME = "kvtether-gateway"
+EXPORTERS = ("otlp", "console", "none")
+PROTOCOLS = ("http/protobuf", "grpc")
+_setup_lock = threading.Lock()
+_installed: trace.TracerProvider | None = None
+
+
+class TracingConfigError(ValueError):
+    """An OTEL_* value the gateway cannot honour; the message names the variable."""
+
+
+def exporter_names(env: Mapping[str, str], otlp_endpoint: str | None = None) -> list[str]:
+    """Which exporters ``OTEL_TRACES_EXPORTER`` asks for (comma-separated, like the SDK's auto-configuration).
+
+    Unset, the spec's default is ``otlp``; we only take it when an OTLP endpoint is configured (the variable, or
+    the gateway's ``otlp_endpoint``), so a plain ``kvtether serve`` does not retry a collector that is not there.
+    """
+    raw = env.get("OTEL_TRACES_EXPORTER")
+    if raw is None or not raw.strip():
+        configured = otlp_endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT")
+        return ["otlp"] if configured else []
+    names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+    for n in names:
+        if n not in EXPORTERS:
+            raise TracingConfigError(f"OTEL_TRACES_EXPORTER: {n!r} is not one of {', '.join(EXPORTERS)}")
+    return [] if "none" in names else names
+
+
+def otlp_protocol(env: Mapping[str, str]) -> str:
+    proto = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+             or "http/protobuf").strip().lower()
+    if proto not in PROTOCOLS:
+        raise TracingConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL: {proto!r} is not one of {', '.join(PROTOCOLS)}")
+    return proto
+
+
+def make_exporters(env: Mapping[str, str], otlp_endpoint: str | None = None) -> list[Any]:
+    """Span exporters from the standard variables. Endpoint, headers, timeout, TLS and compression are read
+    by the OTLP exporters themselves from ``OTEL_EXPORTER_OTLP_*``; ``otlp_endpoint`` (gateway config) only
+    fills in when no endpoint variable is set."""
+    out: list[Any] = []
+    for name in exporter_names(env, otlp_endpoint):
+        if name == "console":
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            out.append(ConsoleSpanExporter(service_name=SERVICE_NAME))
+            continue
+        has_env_endpoint = bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        endpoint = None if has_env_endpoint else otlp_endpoint
+        if otlp_protocol(env) == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+            out.append(GrpcExporter(endpoint=endpoint))
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+            out.append(HttpExporter(endpoint=_traces_url(endpoint) if endpoint else None))
+    return out
+
+
+def _traces_url(endpoint: str) -> str:
+    """A bare collector address gets OTLP/HTTP's signal path, as ``OTEL_EXPORTER_OTLP_ENDPOINT`` does; a URL
+    with a path is taken as the full traces URL (like ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``)."""
+    from urllib.parse import urlsplit
+
+    return endpoint.rstrip("/") + "/v1/traces" if urlsplit(endpoint).path in ("", "/") else endpoint
+
+
+def make_provider(exporters: list[Any], *, batch: bool = True) -> trace.TracerProvider:
+    """An SDK provider. The sampler comes from ``OTEL_TRACES_SAMPLER``/``OTEL_TRACES_SAMPLER_ARG`` (the SDK reads
+    them when none is passed; default parentbased_always_on), the resource from ``OTEL_SERVICE_NAME`` and
+    ``OTEL_RESOURCE_ATTRIBUTES`` (with ``kvtether-gateway`` as the service name when neither sets one)."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-    trace.set_tracer_provider(provider)
+    attrs = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": SERVICE_NAME}
+    provider = TracerProvider(resource=Resource.create(attrs))
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
+    return provider
+
+
+def in_memory_provider() -> tuple[trace.TracerProvider, Any]:
+    """A provider whose spans land in an ``InMemorySpanExporter`` as they end (tests, ``kvtether demo --trace``)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    return make_provider([exporter], batch=False), exporter
+
+
+def setup_tracing(otlp_endpoint: str | None = None,
+                  env: Mapping[str, str] | None = None) -> trace.TracerProvider | None:
+    """Install the exporters the ``OTEL_*`` variables ask for as the global provider (`kvtether serve`).
+
+    Once per process (OpenTelemetry's global provider can be set only once); returns the provider, or None
+    when nothing is to be exported — then spans cost nothing (the API's no-op tracer).
+    """
+    global _installed
+    with _setup_lock:
+        if _installed is not None:
+            return _installed
+        exporters = make_exporters(os.environ if env is None else env, otlp_endpoint)
+        if not exporters:
+            return None
+        _installed = make_provider(exporters)
+        trace.set_tracer_provider(_installed)
+        return _installed

@@ -253,7 +253,7 @@ def test_config_load_and_validate(tmp_path: Path) -> None:
                  "session_ttl_s = 100\n")
     cfg = load_config(f, port=9000, aggregated=[])
     assert cfg.prefill == ["http://p:1"] and cfg.policy == "no-pull" and cfg.port == 9000 and cfg.session_ttl_s == 100
-    assert load_config(None, prefill=["http://p:1"], decode=["http://d:1"]).effective_policy == "pull"
+    assert load_config(None, prefill=["http://p:1"], decode=["http://d:1"]).effective_policy == "auto"
     assert GatewayConfig(prefill=["http://p:1"], unidirectional_prefill=["http://p:1/"]).is_bidirectional(
         "http://p:1") is False
     bad: list[dict[str, object]] = [
@@ -360,3 +360,65 @@ vllm:cache_config_info{block_size="128",enable_prefix_caching="True"} 1.0
     assert Node("http://d:1", "decode", version="0.33.0").stream_handles
     node = Node("http://d:1", "decode", running=1, inflight=4)
     assert node.load().running == 4  # the gateway's own open requests count before the next poll
+
+
+# ---- policy "auto": the cost model's decision mapped onto a Plan -----------------------------------------
+
+
+def auto(**kw: object) -> Turn:
+    base: dict[str, object] = dict(policy="auto", new_session=False, pinned_decode=D2, handle=HandleState.PRESENT,
+                                   handle_tokens=12_000, prompt_tokens=12_200, reuse_tokens=12_000,
+                                   suffix_tokens=200, decode_cached_tokens=12_000, expected_output_tokens=100)
+    base.update(kw)
+    return Turn(**base)  # type: ignore[arg-type]
+
+
+def test_auto_short_suffix_runs_on_the_pinned_decode_without_a_prefill() -> None:
+    p = plan(auto(), cluster(d2=NodeLoad(D2)))
+    assert p.action is HandleAction.DECODE_LOCAL and p.prefill is None and p.decode == D2 and p.reuse_tokens == 0
+    assert p.decision is not None and p.decision.option == "decode_local"
+    assert p.reason.startswith("auto -> decode_local") and p.handle_outcome is None
+
+
+def test_auto_long_suffix_pulls_exact_or_truncated() -> None:
+    p = plan(auto(prompt_tokens=17_000, suffix_tokens=5_000, decode_cached_tokens=0), cluster())
+    assert p.action is HandleAction.ATTACH and p.prefill == P1 and p.decode == D2 and p.reuse_tokens == 12_000
+    assert p.handle_outcome == "attached" and p.decision is not None and p.decision.option == "pull"
+    p = plan(auto(prompt_tokens=17_000, suffix_tokens=5_000, reuse_tokens=8_000, decode_cached_tokens=8_000),
+             cluster())
+    assert p.action is HandleAction.TRUNCATE and p.reuse_tokens == 8_000 and p.handle_outcome == "truncated"
+
+
+def test_auto_busy_decode_refuses_a_large_local_suffix() -> None:
+    busy = NodeLoad(D2, running=64)
+    p = plan(auto(prompt_tokens=14_000, suffix_tokens=1_800, decode_cached_tokens=12_000), cluster(d2=busy))
+    assert p.action is not HandleAction.DECODE_LOCAL
+    # Its TTFT alone would win; the stall it causes to 64 running requests (interference) does not.
+    assert p.decision is not None and p.decision.estimates_s["decode_local"] < p.decision.estimates_s["pull"]
+    assert p.decision.scores_s["decode_local"] > p.decision.scores_s["pull"]
+    assert "decode_local interference" in p.reason
+
+
+def test_auto_falls_back_to_the_pull_rules_without_a_prompt_length_and_replaces_a_dead_decode() -> None:
+    p = plan(auto(prompt_tokens=None, reuse_tokens=None), cluster())
+    assert p.action is HandleAction.NONE and p.decision is None and p.handle_outcome == "refused_by_guard"
+    p = plan(Turn(policy="auto", new_session=True), cluster())
+    assert p.action is HandleAction.NONE and p.decode == D1
+    p = plan(auto(), cluster(d2=NodeLoad(D2, healthy=False)))
+    assert p.action is HandleAction.NONE and p.decode == D1 and p.re_placed and p.handle_outcome == "missing"
+
+
+def test_auto_local_failure_retry_never_goes_local_again() -> None:
+    p = plan(auto(allow_local=False), cluster(d2=NodeLoad(D2)))
+    assert p.action is not HandleAction.DECODE_LOCAL
+    # ... unless no prefill node is left: then the turn runs on D rather than failing.
+    down = cluster(d2=NodeLoad(D2), p1=NodeLoad(P1, healthy=False), p2=NodeLoad(P2, healthy=False))
+    p = plan(auto(allow_local=False), down)
+    assert p.action is HandleAction.DECODE_LOCAL and p.decision is not None and p.decision.forced
+
+
+def test_pull_prefers_the_sessions_previous_prefill_when_as_idle() -> None:
+    p = plan(existing(last_prefill=P2), cluster(p2=NodeLoad(P2)))
+    assert p.prefill == P2
+    p = plan(existing(last_prefill=P2), cluster())  # P2 is busier: least loaded wins
+    assert p.prefill == P1

@@ -53,6 +53,9 @@ class Rig:
 @contextlib.asynccontextmanager
 async def rig(*, prefill: int = 1, decode: int = 1, aggregated: int = 0, sim: dict[str, Any] | None = None,
               **gw: Any) -> AsyncIterator[Rig]:
+    # These tests pin down the pull mechanics: policy "pull" unless a test asks otherwise ("auto" may run a
+    # turn on D instead; tests/test_gateway_auto.py covers it).
+    gw.setdefault("policy", "pull")
     spec = ClusterSpec(prefill=prefill, decode=decode, aggregated=aggregated, speed=SPEED,
                        kv_recompute_threshold=4, kv_lease_duration=3600.0, **(sim or {}))
     async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
@@ -376,7 +379,7 @@ async def test_spans_per_request_and_leg() -> None:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0)
     async with SimCluster(spec) as cluster:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls)
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="pull")
         app = create_app(cfg, tracer_provider=provider)
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             messages = first_messages(30)

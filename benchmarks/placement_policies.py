@@ -1,0 +1,346 @@
+"""Per-turn placement policies side by side (issue 8): TTFT by turn bucket and decode TPOT, on the simulator.
+
+Policies (same generated sessions, a fresh simulated cluster each):
+
+  no-pull    classic P/D: every turn a cold prefill on P (P/D without bidirectional_kv_xfer)
+  reference  vLLM's reference multi-turn proxy: round-robin P and D, the last handle attached unchecked
+  pull       kvtether pinned + token guard, pull from D whenever verified
+  auto       kvtether's cost-based choice per turn: decode-local, pull or cold (the default)
+
+Sessions: agent loops with a shared system prompt; each turn appends a tool result whose size is drawn from
+``--suffix-mix`` (default mostly 50–500 tokens, some 2–8k) and the model's answer (``--output`` tokens, pinned
+with min_tokens + ignore_eos so every policy decodes the same amount). All sessions run at once, so both
+decode nodes carry a running batch while new turns arrive (what makes a local prefill cost the batch TPOT).
+
+Time: the simulator runs at ``--speed`` simulated seconds per real second (default 0.2, slower than real
+time) and every reported time is *simulated* (= client-measured real × speed). The gateway's and the
+simulator's own Python CPU time is then a fifth of what it would be at speed 1 relative to the simulated
+GPU time; what is left of it is still in every number (it is overhead a real deployment also pays, scaled).
+TTFT is measured at the client (first content/tool-call delta of a stream); TPOT is each request's mean
+inter-chunk gap after the first token, p95 over requests.
+
+The cost policy's estimator seeds are set from the preset's cost model (a calibration an operator would
+take from a short benchmark of the cluster), converted to real seconds at ``--speed``; it learns from there.
+
+    .venv/bin/python benchmarks/placement_policies.py [--preset glm-5-fp8-h200-tp8|qwen3-32b-h200-tp8|both]
+        [--sessions 8] [--turns 20] [--speed 0.2] [--policies no-pull,reference,pull,auto] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from kvtether.cli.generate import WORDS, parse_mix
+from kvtether.gateway.app import create_app
+from kvtether.gateway.config import load_config
+from kvtether.gateway.server import serve_gateway
+from kvtether.sim.cluster import ClusterSpec, SimCluster
+from kvtether.sim.presets import get_preset
+
+MODEL = "kvtether-sim"
+POLICIES = ("no-pull", "reference", "pull", "auto")
+BUCKETS = ((0, 4), (5, 9), (10, 19), (20, 10_000))
+TOKENS_PER_WORD = 1.37  # the simulator's tokenizer on the generator's vocabulary (measured)
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {
+        "name": "read_file", "description": "Read a file",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
+]
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    system: str
+    task: str
+    results: list[str]  # the tool result appended after each turn's answer
+    think_s: list[float]  # simulated think/tool time before each turn
+
+
+@dataclass
+class TurnResult:
+    session: int
+    turn: int
+    ttft_s: float  # simulated
+    tpot_s: float | None  # simulated mean inter-chunk gap after the first token
+    prompt_tokens: int
+
+
+@dataclass
+class Result:
+    policy: str
+    turns: list[TurnResult] = field(default_factory=list)
+    errors: int = 0
+    wall_s: float = 0.0
+    options: dict[str, int] = field(default_factory=dict)
+
+
+def _words(rng: random.Random, tokens: int) -> str:
+    return " ".join(rng.choices(WORDS, k=max(1, round(tokens / TOKENS_PER_WORD))))
+
+
+def make_plans(args: argparse.Namespace) -> list[SessionPlan]:
+    """The same sessions for every policy (seeded)."""
+    rng = random.Random(args.seed)
+    mix = parse_mix(args.suffix_mix)
+    system = "You are a coding agent. " + _words(rng, args.system_tokens)
+    plans = []
+    for s in range(args.sessions):
+        results = []
+        for _ in range(args.turns):
+            r = rng.choices(mix, weights=[m.weight for m in mix])[0]
+            results.append(_words(rng, rng.randint(r.lo, r.hi)))
+        think = [rng.uniform(0.5, 1.5) * args.think_s for _ in range(args.turns)]
+        plans.append(SessionPlan(system, f"Task {s}: " + _words(rng, 60), results, think))
+    return plans
+
+
+async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
+                speed: float) -> tuple[dict[str, Any], float, float | None, int]:
+    """Streamed call: (answer, TTFT simulated s, mean TPOT simulated s, prompt tokens)."""
+    t0 = time.perf_counter()
+    first: float | None = None
+    last: float | None = None
+    chunks = 0
+    content: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    prompt_tokens = 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(str(chunk["error"]))
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+            for ch in chunk.get("choices") or []:
+                d = ch.get("delta") or {}
+                if d.get("content") or d.get("tool_calls") or d.get("reasoning_content"):
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    else:
+                        last, chunks = now, chunks + 1
+                if d.get("content"):
+                    content.append(d["content"])
+                for c in d.get("tool_calls") or []:
+                    slot = calls.setdefault(c.get("index", 0), {"id": c.get("id"), "type": "function",
+                                                                "function": {"name": "", "arguments": ""}})
+                    fn = c.get("function") or {}
+                    slot["function"]["name"] += fn.get("name") or ""
+                    slot["function"]["arguments"] += fn.get("arguments") or ""
+    answer: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
+    if calls:
+        answer["tool_calls"] = [calls[i] for i in sorted(calls)]
+    ttft = ((first if first is not None else time.perf_counter()) - t0) * speed
+    tpot = (last - first) / chunks * speed if first is not None and last is not None and chunks else None
+    return answer, ttft, tpot, prompt_tokens
+
+
+async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan, args: argparse.Namespace,
+                   result: Result) -> None:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": plan.system},
+                                      {"role": "user", "content": plan.task}]
+    headers = {"x-session-id": f"bench-{s}"}
+    await asyncio.sleep(s * args.stagger_s / args.speed)  # staggered starts (simulated seconds)
+    for t in range(args.turns):
+        body = {"model": MODEL, "messages": messages, "tools": TOOLS, "temperature": 0,
+                "max_tokens": args.output, "min_tokens": args.output, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            answer, ttft, tpot, prompt_tokens = await _chat(client, gw, body, headers, args.speed)
+        except (RuntimeError, httpx.HTTPError) as exc:
+            result.errors += 1
+            print(f"  {result.policy} session {s} turn {t}: {exc!r}", file=sys.stderr)
+            return
+        result.turns.append(TurnResult(s, t, ttft, tpot, prompt_tokens))
+        # The history goes on with a tool result whatever the model said (live answers, same sizes).
+        answer = {"role": "assistant", "content": answer.get("content") or "",
+                  "tool_calls": [{"id": f"call_{s}_{t}", "type": "function",
+                                  "function": {"name": "read_file", "arguments": json.dumps({"path": f"f{t}"})}}]}
+        messages = [*messages, answer, {"role": "tool", "tool_call_id": f"call_{s}_{t}", "content": plan.results[t]}]
+        await asyncio.sleep(plan.think_s[t] / args.speed)
+
+
+def calibrated_seeds(preset_name: str, speed: float) -> dict[str, float]:
+    """Estimator seeds from the preset's cost model (simulated seconds → real seconds at `speed`).
+
+    prefill ≈ a + b·n + c·n·(ctx + n/2): least squares over a few sizes; transfer = latency + per token;
+    decode step = base + per sequence; queue = one typical prefill per request ahead.
+    """
+    p = get_preset(preset_name)
+    c = p.cost
+    pts = [(n, ctx) for n in (64, 512, 2048, 8192, 16384) for ctx in (0, 8192)]
+    rows = [(1.0, float(n), n * (ctx + n / 2)) for n, ctx in pts]
+    ys = [c.lone_prefill_seconds(n, ctx, p.max_num_batched_tokens) for n, ctx in pts]
+    coef = _lstsq(rows, ys)
+    t1, t2 = c.transfer_seconds(1000), c.transfer_seconds(20000)
+    per_tok = (t2 - t1) / 19000
+    step = c.hardware.step_overhead
+    d1, d16 = c.decode_seconds([12000]) + step, c.decode_seconds([12000] * 16) + step
+    per_seq = (d16 - d1) / 15
+    seeds = {
+        "seed_prefill_overhead_s": max(coef[0], 1e-4), "seed_prefill_s_per_token": max(coef[1], 1e-8),
+        "seed_prefill_s_per_pair": max(coef[2], 1e-13), "seed_transfer_latency_s": max(t1 - 1000 * per_tok, 1e-4),
+        "seed_transfer_s_per_token": per_tok, "seed_tpot_base_s": max(d1 - per_seq, 1e-4),
+        "seed_tpot_s_per_seq": max(per_seq, 1e-6),
+        "seed_queue_s_per_request": c.lone_prefill_seconds(4000, 0, p.max_num_batched_tokens),
+    }
+    return {k: v / speed for k, v in seeds.items()}
+
+
+def _lstsq(rows: list[tuple[float, float, float]], ys: list[float]) -> list[float]:
+    """Relative least squares (each point weighted by 1/y) for 3 unknowns, by normal equations."""
+    a = [[0.0] * 3 for _ in range(3)]
+    b = [0.0] * 3
+    for r, y in zip(rows, ys, strict=True):
+        w = 1.0 / (y * y)
+        for i in range(3):
+            b[i] += w * r[i] * y
+            for j in range(3):
+                a[i][j] += w * r[i] * r[j]
+    # Gaussian elimination (3×3, well conditioned after the 1/y² weights).
+    m = [[*a[i], b[i]] for i in range(3)]
+    for col in range(3):
+        piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, 3):
+            f = m[r][col] / m[col][col]
+            for k in range(col, 4):
+                m[r][k] -= f * m[col][k]
+    x = [0.0] * 3
+    for r in range(2, -1, -1):
+        x[r] = (m[r][3] - sum(m[r][k] * x[k] for k in range(r + 1, 3))) / m[r][r]
+    return x
+
+
+async def run_policy(policy: str, preset: str, plans: list[SessionPlan], args: argparse.Namespace) -> Result:
+    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, preset=preset, speed=args.speed,
+                       kv_lease_duration=600.0, bidirectional=policy != "no-pull",
+                       prefill_prefix_caching=args.prefill_prefix_caching == "on")
+    result = Result(policy)
+    t0 = time.perf_counter()
+    async with SimCluster(spec) as cluster:
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy=policy,
+                          metrics_poll_interval_s=1.0, bidirectional_prefill=policy != "no-pull",
+                          # the engines' decoder_kv_blocks_ttl is 480 simulated s = 480/speed real
+                          session_ttl_s=min(450.0, 450.0 / args.speed),
+                          engine_kv_ttl_s=max(480.0, 480.0 / args.speed),
+                          chunk_tokens=get_preset(preset).max_num_batched_tokens,
+                          **calibrated_seeds(preset, args.speed))
+        app = create_app(cfg)
+        async with serve_gateway(cfg, app=app) as gw, httpx.AsyncClient(
+                timeout=3600, limits=httpx.Limits(keepalive_expiry=2.0, max_connections=200)) as client:
+            await asyncio.gather(*(_session(client, gw, s, p, args, result) for s, p in enumerate(plans)))
+            text = (await client.get(f"{gw}/metrics")).text
+            for line in text.splitlines():
+                if line.startswith("kvtether_ttft_seconds_count{"):
+                    src = line.split('reuse_source="', 1)[1].split('"', 1)[0]
+                    result.options[src] = result.options.get(src, 0) + int(float(line.rsplit(" ", 1)[1]))
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+def table(results: dict[str, Result]) -> str:
+    pols = list(results)
+    lines = ["| turns | " + " | ".join(f"{p} TTFT p50 / p95 / p99 s" for p in pols) + " | prompt tokens |",
+             "|" + "---|" * (len(pols) + 2)]
+    for lo, hi in (*BUCKETS, (10, 10_000)):
+        cells = []
+        toks = [t.prompt_tokens for r in results.values() for t in r.turns if lo <= t.turn <= hi]
+        for p in pols:
+            v = [t.ttft_s for t in results[p].turns if lo <= t.turn <= hi]
+            cells.append(f"{_pct(v, .5):.3f} / {_pct(v, .95):.3f} / {_pct(v, .99):.3f}" if v else "–")
+        name = f"{lo}–{hi}" if hi < 10_000 else f"≥{lo}"
+        if (lo, hi) == (10, 10_000):
+            name = "**≥10 (all late)**"
+        lines.append(f"| {name} | " + " | ".join(cells) + (f" | {min(toks)}–{max(toks)} |" if toks else " | – |"))
+    tp = {p: [t.tpot_s for t in results[p].turns if t.tpot_s is not None] for p in pols}
+    lines.append("| decode TPOT p50 / p95 s | " + " | ".join(f"{_pct(tp[p], .5):.4f} / {_pct(tp[p], .95):.4f}"
+                                                          for p in pols) + " | |")
+    lines.append("| turns / errors | " + " | ".join(f"{len(results[p].turns)} / {results[p].errors}"
+                                                   for p in pols) + " | |")
+    lines.append("| turns by reuse source | " + " | ".join(
+        ", ".join(f"{k} {v}" for k, v in sorted(results[p].options.items()) if v) for p in pols) + " | |")
+    lines.append("| wall s | " + " | ".join(f"{results[p].wall_s:.0f}" for p in pols) + " | |")
+    return "\n".join(lines)
+
+
+def verdict(results: dict[str, Result]) -> str:
+    if not all(p in results for p in POLICIES):
+        return ""
+
+    def late(p: str, q: float) -> float:
+        return _pct([t.ttft_s for t in results[p].turns if t.turn >= 10], q)
+
+    def tpot95(p: str) -> float:
+        return _pct([t.tpot_s for t in results[p].turns if t.tpot_s is not None], 0.95)
+
+    a50, n50, r50 = late("auto", .5), late("no-pull", .5), late("reference", .5)
+    out = [f"auto late-turn p50 TTFT: {n50 / a50:.2f}× lower than no-pull (target ≥ 5), "
+           f"{r50 / a50:.2f}× lower than reference (target ≥ 1.5)",
+           f"auto late-turn p95 TTFT {late('auto', .95):.3f} s vs no-pull {late('no-pull', .95):.3f} s, "
+           f"reference {late('reference', .95):.3f} s (target: lower than both)",
+           f"auto decode TPOT p95 {tpot95('auto'):.4f} s vs no-pull {tpot95('no-pull'):.4f} s: "
+           f"{(tpot95('auto') / tpot95('no-pull') - 1) * 100:+.1f} % (target within 10 %)"]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="both", help="glm-5-fp8-h200-tp8, qwen3-32b-h200-tp8 or both")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--prefill", type=int, default=2)
+    ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--speed", type=float, default=0.2, help="simulated seconds per real second (< 1: slower)")
+    ap.add_argument("--system-tokens", type=int, default=2000)
+    ap.add_argument("--suffix-mix", default="50-500:0.9,2000-8000:0.1", help="tool-result tokens per turn")
+    ap.add_argument("--output", type=int, default=32, help="answer tokens per turn (pinned)")
+    ap.add_argument("--think-s", type=float, default=0.3, help="mean simulated think/tool time between turns")
+    ap.add_argument("--stagger-s", type=float, default=0.2, help="simulated seconds between session starts")
+    ap.add_argument("--prefill-prefix-caching", choices=("off", "on"), default="off")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    presets = ["glm-5-fp8-h200-tp8", "qwen3-32b-h200-tp8"] if args.preset == "both" else [args.preset]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    plans = make_plans(args)
+    for preset in presets:
+        results: dict[str, Result] = {}
+        for policy in policies:
+            results[policy] = asyncio.run(run_policy(policy, preset, plans, args))
+            r = results[policy]
+            print(f"  {preset} {policy}: {len(r.turns)} turns, {r.errors} errors, {r.wall_s:.0f} s", file=sys.stderr)
+        print(f"\n### {preset}: {args.prefill}P {args.decode}D, {args.sessions} concurrent sessions × {args.turns} "
+              f"turns, suffix mix {args.suffix_mix} tok, {args.output} output tok/turn, prefill prefix caching "
+              f"{args.prefill_prefix_caching}; times in SIMULATED seconds (speed {args.speed}: client real × "
+              f"{args.speed})\n")
+        print(table(results))
+        v = verdict(results)
+        if v:
+            print("\n" + v)
+        if args.json:
+            print(json.dumps({p: [t.__dict__ for t in r.turns] for p, r in results.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The cost-based "auto" policy through the gateway on the simulator: decode-local, pull, cold.
+
+Short suffixes run on the pinned decode node (no prefill request, D's prefix cache serves the history, no
+handle comes back); a suffix over ``max_local_suffix_tokens`` goes through P with a pull; every answer still
+equals the aggregated oracle's.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from gateway_agent import chat, comparable, first_messages, next_messages, request_body
+from kvtether.gateway.app import create_app
+from kvtether.gateway.config import load_config
+from kvtether.gateway.server import serve_gateway
+from kvtether.sim.cluster import ClusterSpec, SimCluster
+from test_gateway_sim import LIMITS, SPEED, metric
+
+pytestmark = pytest.mark.anyio
+
+
+async def _node_total(client: httpx.AsyncClient, urls: list[str], name: str, **labels: str) -> float:
+    return sum([await metric(client, u, name, **labels) for u in urls])
+
+
+async def test_auto_runs_short_suffixes_on_decode_and_long_ones_through_a_pull() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0)
+    async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
+                                                                    speed=SPEED)) as oracle:
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
+                          metrics_poll_interval_s=0.5, max_local_suffix_tokens=256, min_reuse_tokens=4,
+                          # Decisions from the seeds only: learned timings would make them depend on the CPU.
+                          learn_estimates=False)
+        app = create_app(cfg, tracer_provider=provider)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            p, d = cluster.prefill_urls, cluster.decode_urls
+            h = {"x-session-id": "auto-1"}
+            messages = first_messages(50)
+            # (suffix words of the next turn's tool result, what the turn after it must do)
+            # After the long suffix the session's mean suffix is over the local limit, so the look-ahead keeps
+            # the next short turn on P too (a local turn would leave no handle for the next long one).
+            plan = [(10, "first"), (10, "decode_local"), (10, "decode_local"), (600, "decode_local"),
+                    (10, "pull"), (10, "pull")]
+            for turn, (words, expect) in enumerate(plan):
+                p_before = await _node_total(client, p, "vllm:request_success_total")
+                hits_before = await _node_total(client, d, "vllm:prefix_cache_hits_total")
+                local_before = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
+                attached_before = await metric(client, url, "kvtether_handle_outcomes_total", outcome="attached")
+                p2p_before = await _node_total(client, p, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+                got = await chat(client, url, request_body(messages, stream=turn % 2 == 1), h)
+                want = await chat(client, oracle.aggregated_urls[0], request_body(messages, stream=False),
+                                  clean=False)
+                assert comparable(got) == comparable(want), f"turn {turn} differs from the oracle"
+                p_after = await _node_total(client, p, "vllm:request_success_total")
+                local_after = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
+                if expect == "decode_local":
+                    # No prefill request at all; D served the history from its prefix cache.
+                    assert p_after == p_before, f"turn {turn}: a prefill request was made"
+                    assert await _node_total(client, d, "vllm:prefix_cache_hits_total") > hits_before + 100
+                    assert local_after == local_before + 1
+                elif expect == "pull":
+                    assert p_after == p_before + 1 and local_after == local_before
+                    assert await metric(client, url, "kvtether_handle_outcomes_total",
+                                        outcome="attached") == attached_before + 1
+                    assert await _node_total(client, p, "vllm:prompt_tokens_cached_by_source_total",
+                                             source="p2p") > p2p_before
+                messages = next_messages(messages, got, 50, turn, result_words=words)
+            # Only the P/D turns left a handle; after a decode-local turn the store keeps the unused one.
+            sessions = (await client.get(f"{url}/admin/sessions")).json()
+            assert sessions[0]["turns"] == len(plan)
+    plans = [s for s in exporter.get_finished_spans() if s.name == "kvtether.plan"]
+    options = [dict(s.attributes or {}).get("kvtether.plan.cost.option") for s in plans]
+    # The first turn has nothing to weigh (no pin, no tokens): cold without a cost decision.
+    assert options == [None, "decode_local", "decode_local", "decode_local", "pull", "pull"]
+    local = dict(plans[1].attributes or {})
+    assert str(local["kvtether.plan.reason"]).startswith("auto -> decode_local")
+    assert local["kvtether.plan.cost.ttft_est_s.decode_local"] < local["kvtether.plan.cost.ttft_est_s.pull"]
+    long_turn = dict(plans[4].attributes or {})
+    assert "max_local_suffix_tokens" in str(long_turn["kvtether.plan.cost.rejected.decode_local"])
+    assert "horizon: pull over greedy decode_local" in str(dict(plans[5].attributes or {})["kvtether.plan.reason"])
+
+
+async def test_a_failed_decode_local_leg_is_retried_cold() -> None:
+    """A decode-local leg that fails (5xx from the pinned D) is retried as a cold P/D turn; answers stay right."""
+    spec = ClusterSpec(prefill=1, decode=2, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0)
+    async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
+                                                                    speed=SPEED)) as oracle:
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
+                          metrics_poll_interval_s=0.5, min_reuse_tokens=4, learn_estimates=False)
+        app = create_app(cfg)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            h = {"x-session-id": "auto-2"}
+            messages = first_messages(51)
+            for turn in range(4):
+                local_before = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
+                p_before = await _node_total(client, cluster.prefill_urls, "vllm:request_success_total")
+                if turn == 2:
+                    # The pinned decode node fails the next request: this turn's decode-local leg.
+                    pinned = (await client.get(f"{url}/admin/sessions")).json()[0]["decode"]
+                    await client.post(f"{pinned}/admin/fault", json={"fail_next": 1})
+                got = await chat(client, url, request_body(messages, stream=turn % 2 == 0), h)
+                want = await chat(client, oracle.aggregated_urls[0], request_body(messages, stream=False),
+                                  clean=False)
+                assert comparable(got) == comparable(want), f"turn {turn} differs from the oracle"
+                local_after = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
+                p_after = await _node_total(client, cluster.prefill_urls, "vllm:request_success_total")
+                if turn == 1:
+                    assert local_after == local_before + 1 and p_after == p_before
+                if turn == 2:
+                    # Retried cold: one prefill request, no decode-local answer.
+                    assert local_after == local_before and p_after == p_before + 1
+                messages = next_messages(messages, got, 51, turn, result_words=10)
+            assert await metric(client, url, "kvtether_upstream_errors_total", phase="decode") == 1
+            sessions = (await client.get(f"{url}/admin/sessions")).json()
+            assert sessions[0]["turns"] == 4
