@@ -12,6 +12,13 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvtether.gateway.costpolicy import PolicyKnobs
+from kvtether.gateway.estimates import EstimatorSeeds
+
+# The policy's and the estimator's own defaults are the single source of truth; the config only exposes them.
+_KNOBS = PolicyKnobs()
+_SEEDS = EstimatorSeeds()
+
 POLICIES: tuple[str, ...] = ("auto", "pull", "no-pull", "reference")
 
 
@@ -69,27 +76,27 @@ class GatewayConfig:
 
     # Cost-based placement ("auto"; costpolicy.PolicyKnobs has the reasons behind each default).
     # A decode-local turn never prefills more than this on D (≈ one chunked-prefill step).
-    max_local_suffix_tokens: int = 2048
+    max_local_suffix_tokens: int = _KNOBS.max_local_suffix_tokens
     # Requests decoding on D must keep their mean inter-token time under this, local prefill stall included.
-    tpot_budget_s: float = 0.100
-    tpot_window_tokens: int = 16
-    interference_weight: float = 0.5
+    tpot_budget_s: float = _KNOBS.tpot_budget_s
+    tpot_window_tokens: int = _KNOBS.tpot_window_tokens
+    interference_weight: float = _KNOBS.interference_weight
     # Look-ahead (0..3 turns) and its discount: a turn that is cheapest on D now may leave the session
     # without a handle (vLLM returns none for a locally prefilled request), making the next turn dear.
-    horizon_turns: int = 1
-    horizon_discount: float = 0.7
-    evict_kv_usage_knee: float = 0.8
-    chunk_tokens: int = 2048  # the engines' max_num_batched_tokens
+    horizon_turns: int = _KNOBS.horizon_turns
+    horizon_discount: float = _KNOBS.horizon_discount
+    evict_kv_usage_knee: float = _KNOBS.evict_kv_usage_knee
+    chunk_tokens: int = _KNOBS.chunk_tokens  # the engines' max_num_batched_tokens
     # Estimator seeds (seconds): what the policy assumes until it has observed turns, and what an idle
     # node's estimate decays back to. Set them from a short benchmark of the cluster (estimates.EstimatorSeeds).
-    seed_prefill_overhead_s: float = 0.010
-    seed_prefill_s_per_token: float = 1.0e-4
-    seed_prefill_s_per_pair: float = 1.5e-9
-    seed_transfer_latency_s: float = 0.005
-    seed_transfer_s_per_token: float = 5.0e-6
-    seed_tpot_base_s: float = 0.012
-    seed_tpot_s_per_seq: float = 2.0e-4
-    seed_queue_s_per_request: float = 0.100
+    seed_prefill_overhead_s: float = _SEEDS.prefill_overhead_s
+    seed_prefill_s_per_token: float = _SEEDS.prefill_s_per_token
+    seed_prefill_s_per_pair: float = _SEEDS.prefill_s_per_pair
+    seed_transfer_latency_s: float = _SEEDS.transfer_latency_s
+    seed_transfer_s_per_token: float = _SEEDS.transfer_s_per_token
+    seed_tpot_base_s: float = _SEEDS.tpot_base_s
+    seed_tpot_s_per_seq: float = _SEEDS.tpot_s_per_seq
+    seed_queue_s_per_request: float = _SEEDS.queue_s_per_request
     # Estimator learning: sample weight half-life and whether observed turns update the estimates at all.
     estimate_half_life_s: float = 600.0
     learn_estimates: bool = True
