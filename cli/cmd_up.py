@@ -275,6 +275,11 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option("--cpu-binds", help="VLLM_CPU_OMP_THREADS_BIND per instance, ';'-separated (P then D)."),
         ] = None,
+        no_prefill_cache: Annotated[
+            bool,
+            typer.Option("--no-prefill-prefix-caching", help="Prefill instances without prefix caching (as vLLM's "
+                         "published reverse-pull runs); decode keeps it."),
+        ] = False,
         no_gateway: Annotated[bool, typer.Option("--no-gateway", help="Start only the vLLM instances.")] = False,
         log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Per-child log files.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line with the URLs on stdout.")] = False,
@@ -303,6 +308,7 @@ def register(app: typer.Typer) -> None:
             side_channel_base_port=side_channel_base_port,
             kv_load_failure_policy="fail" if failure_policy == "fail" else "recompute",
             kv_cache_space_gib=kv_cache_gib,
+            prefill_prefix_caching=not no_prefill_cache,
             cpu_binds=cpu_binds.split(";") if cpu_binds else None,
             extra_vllm_args=extra,
             gateway=not no_gateway,

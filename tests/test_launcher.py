@@ -100,11 +100,23 @@ def test_cpu_plan_commands_and_env() -> None:
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(inst.side_channel_port)
         assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
         assert env["KVTETHER_NIXL_PTHR_DELAY_US"] == "1000"
+        assert env["KVTETHER_CPU_REQUEST_AMX"] == "1"
+        assert env["KVTETHER_VLLM_SHM_RECHECK_MS"] == "50"
         assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["VLLM_NO_USAGE_STATS"] == "1"
         assert "CUDA_VISIBLE_DEVICES" not in env
     assert p.side_channel_port != d.side_channel_port
     assert p.command.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert d.command.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_prefill_prefix_caching_can_be_turned_off_on_prefill_only() -> None:
+    plan = plan_cluster(_opts(prefill=2, decode=1, prefill_prefix_caching=False))
+    for p in plan.prefill:
+        assert "--no-enable-prefix-caching" in p.command.argv
+        assert "--enable-prefix-caching" not in p.command.argv
+    # Decode keeps its prefix cache: decode-local turns and P->D reads of what D already holds depend on it.
+    assert "--enable-prefix-caching" in plan.decode[0].command.argv
+    assert "--no-enable-prefix-caching" not in plan.decode[0].command.argv
 
 
 def test_gpu_plan_has_no_cpu_bits() -> None:
@@ -114,6 +126,7 @@ def test_gpu_plan_has_no_cpu_bits() -> None:
     for i in plan.instances:
         assert "--enforce-eager" not in i.command.argv
         assert "KVTETHER_NIXL_PTHR_DELAY_US" not in i.command.env
+        assert "KVTETHER_CPU_REQUEST_AMX" not in i.command.env
         assert "VLLM_CPU_OMP_THREADS_BIND" not in i.command.env
         assert "VLLM_CPU_KVCACHE_SPACE" not in i.command.env
         assert json.loads(_arg(i.command.argv, "--kv-transfer-config"))["kv_buffer_device"] == "cuda"

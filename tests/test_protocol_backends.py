@@ -211,6 +211,7 @@ async def test_chat_handle_round_trip(backend: Backend, client: httpx.AsyncClien
     assert len(res.decode["choices"][0]["token_ids"]) == usage["completion_tokens"]
 
 
+@pytest.mark.vllm_late
 async def test_expired_handle_fails_prefill_and_retry_without_it_works(
     backend: Backend, client: httpx.AsyncClient
 ) -> None:

@@ -283,6 +283,7 @@ def token_request(model: str, prompt: list[int]) -> dict[str, Any]:
     }
 
 
+@pytest.mark.vllm_late
 async def test_expired_handles_never_sent_and_failed_prefill_retried_without_handle(pair: Backend) -> None:
     """Right config: the gateway drops the handle before the engine does. Wrong config (the gateway believes a
     far longer engine TTL): the expired handle makes P fail (policy "fail"), the gateway retries it cold.
