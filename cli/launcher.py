@@ -234,6 +234,8 @@ def vllm_instance_command(
         env["KVTETHER_CPU_REQUEST_AMX"] = "1"
         # Bounds the cost of a lost engine-core <-> worker wake-up under CPU contention (cli/vllm_plugin.py).
         env["KVTETHER_VLLM_SHM_RECHECK_MS"] = str(CPU_SHM_RECHECK_MS)
+        # No sched_yield spinning after each message: a decode holding handles would starve the prefill.
+        env["KVTETHER_VLLM_SHM_BUSY_LOOP_MS"] = "0"
     env.update(opts.extra_env)
     return ChildCommand(
         name=f"{role}-{index}",

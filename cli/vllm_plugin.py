@@ -31,6 +31,13 @@ instance that turned single steps into 5-30 s stalls, long enough for a fresh ha
 prefill read it. `KVTETHER_VLLM_SHM_RECHECK_MS` (kvtether up: 50 on CPU) shortens the re-check: a lost
 notification then costs at most that long; an idle reader wakes that often to read one flag.
 
+Fourth: after each read, every reader of that queue spins on `sched_yield()` for `busy_loop_s` (1 s) before it
+parks. A decode instance that holds a handle keeps stepping until `decoder_kv_blocks_ttl` runs out, so its
+engine core and worker never stop spinning: on two cores that starved the prefill instance, whose next request
+then waited until decode released the previous turn's blocks (seen: every request ~TTL late while any handle
+was unconsumed). `KVTETHER_VLLM_SHM_BUSY_LOOP_MS` (kvtether up: 0 on CPU) sets that spin window: readers park
+on the notification at once. A CPU forward takes milliseconds, far above the wake-up's tens of microseconds.
+
 `register()` does nothing unless `KVTETHER_NIXL_PTHR_DELAY_US` / `KVTETHER_CPU_REQUEST_AMX` is set (`kvtether
 up` sets both on CPU only), and it never raises: any failure is logged and vLLM runs unpatched.
 """
@@ -50,6 +57,7 @@ from typing import Any
 ENV_VAR = "KVTETHER_NIXL_PTHR_DELAY_US"
 AMX_ENV_VAR = "KVTETHER_CPU_REQUEST_AMX"
 SHM_RECHECK_ENV_VAR = "KVTETHER_VLLM_SHM_RECHECK_MS"
+SHM_BUSY_LOOP_ENV_VAR = "KVTETHER_VLLM_SHM_BUSY_LOOP_MS"
 _SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 # linux/arch/x86/include/uapi/asm/prctl.h and asm/fpu/xstate.h; x86_64 syscall number of arch_prctl.
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -202,6 +210,28 @@ def set_shm_recheck_interval(ms: int) -> bool:
     return True
 
 
+def set_shm_busy_loop(ms: int) -> bool:
+    """Every `SpinCondition` created from now on spins `ms` milliseconds after a read instead of vLLM's 1 s."""
+    try:
+        mod = importlib.import_module(_SHM_MODULE)
+        cls = mod.SpinCondition
+    except Exception as e:
+        logger.warning("kvtether: vLLM's SpinCondition not found: %s", e)
+        return False
+    init = cls.__init__
+    if getattr(init, "_kvtether_busy_loop_ms", None) is not None:
+        init._kvtether_busy_loop_ms = ms
+        return True
+
+    def patched(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["busy_loop_s"] = patched._kvtether_busy_loop_ms / 1000.0  # type: ignore[attr-defined]
+        init(self, *args, **kwargs)
+
+    patched._kvtether_busy_loop_ms = ms  # type: ignore[attr-defined]
+    cls.__init__ = patched
+    return True
+
+
 def register() -> None:
     """vLLM general-plugin entry point. No-op unless one of its variables is set; never raises."""
     try:
@@ -210,6 +240,9 @@ def register() -> None:
         recheck = parse_delay(os.environ.get(SHM_RECHECK_ENV_VAR))
         if recheck:
             set_shm_recheck_interval(recheck)
+        busy = parse_delay(os.environ.get(SHM_BUSY_LOOP_ENV_VAR))
+        if busy is not None:
+            set_shm_busy_loop(busy)
         delay = parse_delay(os.environ.get(ENV_VAR))
         if delay is None:
             return

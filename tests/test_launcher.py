@@ -102,6 +102,7 @@ def test_cpu_plan_commands_and_env() -> None:
         assert env["KVTETHER_NIXL_PTHR_DELAY_US"] == "1000"
         assert env["KVTETHER_CPU_REQUEST_AMX"] == "1"
         assert env["KVTETHER_VLLM_SHM_RECHECK_MS"] == "50"
+        assert env["KVTETHER_VLLM_SHM_BUSY_LOOP_MS"] == "0"
         assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == env["VLLM_NO_USAGE_STATS"] == "1"
         assert "CUDA_VISIBLE_DEVICES" not in env
     assert p.side_channel_port != d.side_channel_port

@@ -132,3 +132,21 @@ def test_shm_recheck_interval_is_shortened_in_vllms_module(monkeypatch: pytest.M
     monkeypatch.setitem(sys.modules, P._SHM_MODULE, other)
     assert not P.set_shm_recheck_interval(50)
     assert not hasattr(other, "SHM_READER_RECHECK_INTERVAL_MS")
+
+
+def test_shm_busy_loop_is_set_on_every_new_spin_condition(monkeypatch: pytest.MonkeyPatch) -> None:
+    class SpinCondition:
+        def __init__(self, is_reader: bool, context: Any, notify_address: str, busy_loop_s: float = 1) -> None:
+            self.busy_loop_s = busy_loop_s
+
+    fake = types.ModuleType(P._SHM_MODULE)
+    fake.SpinCondition = SpinCondition  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, P._SHM_MODULE, fake)
+    for var in (P.ENV_VAR, P.AMX_ENV_VAR, P.SHM_RECHECK_ENV_VAR):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(P.SHM_BUSY_LOOP_ENV_VAR, "0")
+    P.register()
+    assert SpinCondition(True, None, "ipc://x").busy_loop_s == 0.0
+    assert SpinCondition(True, None, "ipc://x", busy_loop_s=1).busy_loop_s == 0.0  # vLLM's own value overridden
+    assert P.set_shm_busy_loop(5)  # a second call retunes the same wrapper instead of wrapping twice
+    assert SpinCondition(False, None, "ipc://x").busy_loop_s == 0.005
