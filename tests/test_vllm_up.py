@@ -74,9 +74,9 @@ def test_kvtether_up_serves_sessions_with_the_pull_and_stops_cleanly(pytestconfi
     reason = vllm_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    gw_port = _free_port_run(1)
-    vllm_port = _free_port_run(2)
-    side_port = _free_port_run(2)
+    # One run of free ports for all five servers (three HTTP, two NIXL side channels): separate picks collide.
+    base = _free_port_run(5)
+    gw_port, vllm_port, side_port = base, base + 1, base + 3
     cmd = [str(KVTETHER), "up", "--model", str(TINY_MODEL.resolve()), "--prefill", "1", "--decode", "1",
            "--device", "cpu", "--vllm-python", str(VLLM_PYTHON), "--decode-ttl", "60", "--port", str(gw_port),
            "--vllm-base-port", str(vllm_port), "--side-channel-base-port", str(side_port), "--json",

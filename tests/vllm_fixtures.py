@@ -317,6 +317,7 @@ _PAIR = _Shared()
 
 
 def pair_options(**overrides: Any) -> ClusterOptions:
+    base = _free_port_run(4)  # one run for both HTTP ports and both side channels: separate picks may overlap
     kw: dict[str, Any] = {
         "model": str(TINY_MODEL.resolve()),
         "prefill": 1,
@@ -324,8 +325,8 @@ def pair_options(**overrides: Any) -> ClusterOptions:
         "device": "cpu",
         "vllm_python": str(VLLM_PYTHON),
         "decode_ttl_s": DECODE_TTL_S,
-        "vllm_base_port": int(_VLLM_PORT_ENV) if _VLLM_PORT_ENV else _free_port_run(2),
-        "side_channel_base_port": int(_SIDE_PORT_ENV) if _SIDE_PORT_ENV else _free_port_run(2),
+        "vllm_base_port": int(_VLLM_PORT_ENV) if _VLLM_PORT_ENV else base,
+        "side_channel_base_port": int(_SIDE_PORT_ENV) if _SIDE_PORT_ENV else base + 2,
         "gateway": False,
         "kv_load_failure_policy": "fail",
         "extra_vllm_args": ["--max-model-len", "4096", "--max-num-seqs", "8"],
