@@ -53,6 +53,9 @@ class Node:
     last_error: str | None = None
     consecutive_errors: int = 0
     inflight: int = 0  # requests this gateway has open on the node: fresher than the polled gauges
+    # Of those, how many were open at the last poll (and so are inside `running`); when one ends, the polled
+    # gauge is known to be one too high until the next poll.
+    inflight_at_poll: int = 0
 
     @property
     def host(self) -> str:
@@ -145,6 +148,11 @@ class Cluster:
         node = self.nodes.get(url)
         if node is not None:
             node.inflight = max(0, node.inflight - 1)
+            if node.inflight_at_poll > 0:
+                # An agent's next turn often comes within a poll interval of the last one: without this the
+                # finished request still looks like a running batch member on its decode node.
+                node.inflight_at_poll -= 1
+                node.running = max(0.0, node.running - 1.0)
 
     def mark_ok(self, url: str) -> None:
         node = self.nodes.get(url)
@@ -167,6 +175,7 @@ class Cluster:
             resp.raise_for_status()
             parsed = parse_metrics(resp.text)
             node.running = float(parsed["running"])
+            node.inflight_at_poll = node.inflight
             node.waiting = float(parsed["waiting"])
             node.kv_usage = float(parsed["kv_usage"])
             if "block_size" in parsed:

@@ -362,6 +362,22 @@ vllm:cache_config_info{block_size="128",enable_prefix_caching="True"} 1.0
     assert node.load().running == 4  # the gateway's own open requests count before the next poll
 
 
+def test_own_requests_that_end_after_a_poll_leave_the_polled_running_gauge() -> None:
+    import httpx
+    from kvtether.gateway.cluster import Cluster
+
+    c = Cluster(GatewayConfig(prefill=["http://p:1"], decode=["http://d:1"]), httpx.AsyncClient())
+    node = c.nodes["http://d:1"]
+    c.begin(node.url)
+    # A poll while the request runs: the gauge counts it (and one request of another client).
+    node.running, node.inflight_at_poll = 2.0, node.inflight
+    c.begin(node.url)  # opened after the poll: not inside the gauge
+    c.end(node.url)
+    assert node.load().running == 1.0  # one of ours ended: the other client's request and ours still open
+    c.end(node.url)
+    assert node.inflight == 0 and node.load().running == 1.0  # the polled-in one was already taken off
+
+
 # ---- policy "auto": the cost model's decision mapped onto a Plan -----------------------------------------
 
 
