@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import sys
 import time
@@ -41,6 +42,7 @@ import httpx
 from kvtether.cli.generate import WORDS, parse_mix
 from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
+from kvtether.gateway.costpolicy import PolicyKnobs
 from kvtether.gateway.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from kvtether.sim.presets import get_preset
@@ -71,6 +73,13 @@ class TurnResult:
     ttft_s: float  # simulated
     tpot_s: float | None  # simulated mean inter-chunk gap after the first token
     prompt_tokens: int
+    source: str = ""  # x-kvtether-reuse-source: decode_local | decode_pull | none | prefill_cache
+    # Simulated seconds since the policy's run started: request sent, first token, last token (diagnostics:
+    # how many requests decode at once, and whose decode a decode-local prefill overlapped).
+    sent_s: float = 0.0
+    first_s: float = 0.0
+    last_s: float = 0.0
+    repeat: int = 0
 
 
 @dataclass
@@ -80,15 +89,16 @@ class Result:
     errors: int = 0
     wall_s: float = 0.0
     options: dict[str, int] = field(default_factory=dict)
+    overhead_s: float = 0.0  # simulated seconds of TTFT spent in the gateway itself, all turns together
 
 
 def _words(rng: random.Random, tokens: int) -> str:
     return " ".join(rng.choices(WORDS, k=max(1, round(tokens / TOKENS_PER_WORD))))
 
 
-def make_plans(args: argparse.Namespace) -> list[SessionPlan]:
+def make_plans(args: argparse.Namespace, seed: int | None = None) -> list[SessionPlan]:
     """The same sessions for every policy (seeded)."""
-    rng = random.Random(args.seed)
+    rng = random.Random(args.seed if seed is None else seed)
     mix = parse_mix(args.suffix_mix)
     system = "You are a coding agent. " + _words(rng, args.system_tokens)
     plans = []
@@ -102,9 +112,21 @@ def make_plans(args: argparse.Namespace) -> list[SessionPlan]:
     return plans
 
 
+@dataclass
+class Chat:
+    answer: dict[str, Any]
+    ttft_s: float  # simulated
+    tpot_s: float | None  # simulated
+    prompt_tokens: int
+    source: str
+    t0: float  # perf_counter (real) at send, first token, last token
+    first: float
+    last: float
+
+
 async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
-                speed: float) -> tuple[dict[str, Any], float, float | None, int]:
-    """Streamed call: (answer, TTFT simulated s, mean TPOT simulated s, prompt tokens)."""
+                speed: float) -> Chat:
+    """Streamed call: the answer, TTFT and mean TPOT (simulated s), prompt tokens, the gateway's reuse source."""
     t0 = time.perf_counter()
     first: float | None = None
     last: float | None = None
@@ -115,6 +137,7 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        source = resp.headers.get("x-kvtether-reuse-source", "")
         async for line in resp.aiter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
@@ -142,13 +165,15 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
     answer: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
     if calls:
         answer["tool_calls"] = [calls[i] for i in sorted(calls)]
-    ttft = ((first if first is not None else time.perf_counter()) - t0) * speed
+    end = time.perf_counter()
+    first_at = first if first is not None else end
+    ttft = (first_at - t0) * speed
     tpot = (last - first) / chunks * speed if first is not None and last is not None and chunks else None
-    return answer, ttft, tpot, prompt_tokens
+    return Chat(answer, ttft, tpot, prompt_tokens, source, t0, first_at, last if last is not None else first_at)
 
 
 async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan, args: argparse.Namespace,
-                   result: Result) -> None:
+                   result: Result, start: float, repeat: int) -> None:
     messages: list[dict[str, Any]] = [{"role": "system", "content": plan.system},
                                       {"role": "user", "content": plan.task}]
     headers = {"x-session-id": f"bench-{s}"}
@@ -158,12 +183,15 @@ async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan
                 "max_tokens": args.output, "min_tokens": args.output, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         try:
-            answer, ttft, tpot, prompt_tokens = await _chat(client, gw, body, headers, args.speed)
+            c = await _chat(client, gw, body, headers, args.speed)
         except (RuntimeError, httpx.HTTPError) as exc:
             result.errors += 1
             print(f"  {result.policy} session {s} turn {t}: {exc!r}", file=sys.stderr)
             return
-        result.turns.append(TurnResult(s, t, ttft, tpot, prompt_tokens))
+        sim = args.speed
+        result.turns.append(TurnResult(s, t, c.ttft_s, c.tpot_s, c.prompt_tokens, c.source, (c.t0 - start) * sim,
+                                       (c.first - start) * sim, (c.last - start) * sim, repeat))
+        answer = c.answer
         # The history goes on with a tool result whatever the model said (live answers, same sizes).
         answer = {"role": "assistant", "content": answer.get("content") or "",
                   "tool_calls": [{"id": f"call_{s}_{t}", "type": "function",
@@ -224,11 +252,27 @@ def _lstsq(rows: list[tuple[float, float, float]], ys: list[float]) -> list[floa
     return x
 
 
-async def run_policy(policy: str, preset: str, plans: list[SessionPlan], args: argparse.Namespace) -> Result:
+def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
+    """``auto`` or a variant ``auto@interference_weight=2+horizon_turns=2``: the policy and gateway config
+    overrides (JSON values). Variants run side by side with the others, on the same sessions."""
+    policy, _, rest = name.partition("@")
+    knobs: dict[str, Any] = {}
+    for kv in rest.split("+") if rest else ():
+        key, _, value = kv.partition("=")
+        knobs[key] = json.loads(value)
+        if isinstance(knobs[key], int) and key not in ("horizon_turns", "max_local_suffix_tokens",
+                                                       "tpot_window_tokens", "chunk_tokens"):
+            knobs[key] = float(knobs[key])
+    return policy, knobs
+
+
+async def run_policy(name: str, preset: str, plans: list[SessionPlan], args: argparse.Namespace,
+                     repeat: int = 0) -> Result:
+    policy, knobs = parse_policy(name)
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, preset=preset, speed=args.speed,
                        kv_lease_duration=600.0, bidirectional=policy != "no-pull",
                        prefill_prefix_caching=args.prefill_prefix_caching == "on")
-    result = Result(policy)
+    result = Result(name)
     t0 = time.perf_counter()
     async with SimCluster(spec) as cluster:
         cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy=policy,
@@ -237,16 +281,23 @@ async def run_policy(policy: str, preset: str, plans: list[SessionPlan], args: a
                           session_ttl_s=min(450.0, 450.0 / args.speed),
                           engine_kv_ttl_s=max(480.0, 480.0 / args.speed),
                           chunk_tokens=get_preset(preset).max_num_batched_tokens,
-                          **calibrated_seeds(preset, args.speed))
+                          # The TPOT objective is in simulated seconds like every other time here; the
+                          # gateway measures real ones, `1/speed` times longer.
+                          tpot_budget_s=PolicyKnobs().tpot_budget_s / args.speed,
+                          **{**calibrated_seeds(preset, args.speed), **knobs})
         app = create_app(cfg)
         async with serve_gateway(cfg, app=app) as gw, httpx.AsyncClient(
                 timeout=3600, limits=httpx.Limits(keepalive_expiry=2.0, max_connections=200)) as client:
-            await asyncio.gather(*(_session(client, gw, s, p, args, result) for s, p in enumerate(plans)))
+            start = time.perf_counter()
+            await asyncio.gather(*(_session(client, gw, s, p, args, result, start, repeat)
+                                   for s, p in enumerate(plans)))
             text = (await client.get(f"{gw}/metrics")).text
             for line in text.splitlines():
                 if line.startswith("kvtether_ttft_seconds_count{"):
                     src = line.split('reuse_source="', 1)[1].split('"', 1)[0]
                     result.options[src] = result.options.get(src, 0) + int(float(line.rsplit(" ", 1)[1]))
+                elif line.startswith("kvtether_gateway_overhead_seconds_sum"):
+                    result.overhead_s += float(line.rsplit(" ", 1)[1]) * args.speed  # real → simulated
     result.wall_s = time.perf_counter() - t0
     return result
 
@@ -279,12 +330,14 @@ def table(results: dict[str, Result]) -> str:
                                                    for p in pols) + " | |")
     lines.append("| turns by reuse source | " + " | ".join(
         ", ".join(f"{k} {v}" for k, v in sorted(results[p].options.items()) if v) for p in pols) + " | |")
+    lines.append("| gateway's own TTFT share, mean s | " + " | ".join(
+        f"{results[p].overhead_s / max(1, len(results[p].turns)):.3f}" for p in pols) + " | |")
     lines.append("| wall s | " + " | ".join(f"{results[p].wall_s:.0f}" for p in pols) + " | |")
     return "\n".join(lines)
 
 
-def verdict(results: dict[str, Result]) -> str:
-    if not all(p in results for p in POLICIES):
+def verdict(results: dict[str, Result], cand: str = "auto") -> str:
+    if not all(p in results for p in (*POLICIES, cand)):
         return ""
 
     def late(p: str, q: float) -> float:
@@ -293,13 +346,97 @@ def verdict(results: dict[str, Result]) -> str:
     def tpot95(p: str) -> float:
         return _pct([t.tpot_s for t in results[p].turns if t.tpot_s is not None], 0.95)
 
-    a50, n50, r50 = late("auto", .5), late("no-pull", .5), late("reference", .5)
-    out = [f"auto late-turn p50 TTFT: {n50 / a50:.2f}× lower than no-pull (target ≥ 5), "
+    a50, n50, r50 = late(cand, .5), late("no-pull", .5), late("reference", .5)
+    out = [f"{cand} late-turn p50 TTFT: {n50 / a50:.2f}× lower than no-pull (target ≥ 5), "
            f"{r50 / a50:.2f}× lower than reference (target ≥ 1.5)",
-           f"auto late-turn p95 TTFT {late('auto', .95):.3f} s vs no-pull {late('no-pull', .95):.3f} s, "
+           f"{cand} late-turn p95 TTFT {late(cand, .95):.3f} s vs no-pull {late('no-pull', .95):.3f} s, "
            f"reference {late('reference', .95):.3f} s (target: lower than both)",
-           f"auto decode TPOT p95 {tpot95('auto'):.4f} s vs no-pull {tpot95('no-pull'):.4f} s: "
-           f"{(tpot95('auto') / tpot95('no-pull') - 1) * 100:+.1f} % (target within 10 %)"]
+           f"{cand} decode TPOT p95 {tpot95(cand):.4f} s vs no-pull {tpot95('no-pull'):.4f} s: "
+           f"{(tpot95(cand) / tpot95('no-pull') - 1) * 100:+.1f} % (target within 10 %)"]
+    return "\n".join(out)
+
+
+def _overlap(t: TurnResult, others: list[TurnResult]) -> tuple[float, int]:
+    """During `t`'s decode (first → last token): the mean number of other requests decoding (cluster-wide),
+    and how many decode-local first tokens (each the end of a local prefill step) fell inside it."""
+    span = t.last_s - t.first_s
+    if span <= 0:
+        return 0.0, 0
+    busy = sum(max(0.0, min(t.last_s, o.last_s) - max(t.first_s, o.first_s)) for o in others if o is not t)
+    local = sum(1 for o in others if o is not t and o.source == "decode_local" and t.first_s < o.first_s <= t.last_s)
+    return busy / span, local
+
+
+def _fit(rows: list[tuple[float, ...]], ys: list[float]) -> list[float] | None:
+    """Ordinary least squares by normal equations (tiny systems); None when singular."""
+    d = len(rows[0]) if rows else 0
+    if len(rows) <= d:
+        return None
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(d)] for i in range(d)]
+    b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(d)]
+    m = [[*a[i], b[i]] for i in range(d)]
+    for col in range(d):
+        piv = max(range(col, d), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        if abs(m[col][col]) < 1e-12:
+            return None
+        for r in range(col + 1, d):
+            f = m[r][col] / m[col][col]
+            for k in range(col, d + 1):
+                m[r][k] -= f * m[col][k]
+    x = [0.0] * d
+    for r in range(d - 1, -1, -1):
+        x[r] = (m[r][d] - sum(m[r][k] * x[k] for k in range(r + 1, d))) / m[r][r]
+    return x
+
+
+def diagnostics(results: dict[str, Result], n_decode: int) -> str:
+    """Where the time goes: late-turn TTFT by reuse source, and what decode TPOT is made of (batch size vs
+    decode-local prefills overlapping a request's decode)."""
+    lines = ["| policy | late TTFT p50 by source (n) | decode concurrency per D | local prefills per request's "
+             "decode | TPOT p95, no local overlap (n) | TPOT p95, ≥1 local overlap (n) | "
+             "TPOT fit: s + s/decoding req + s/local overlap |",
+             "|---|---|---|---|---|---|---|"]
+    for p, r in results.items():
+        late = [t for t in r.turns if t.turn >= 10]
+        srcs = sorted({t.source for t in late})
+        by_src = ", ".join(f"{src or '?'} {_pct([t.ttft_s for t in late if t.source == src], .5):.3f} "
+                           f"({sum(1 for t in late if t.source == src)})" for src in srcs)
+        rows: list[tuple[float, ...]] = []
+        ys: list[float] = []
+        conc: list[float] = []
+        overlaps: list[int] = []
+        quiet: list[float] = []
+        hit: list[float] = []
+        for rep in sorted({t.repeat for t in r.turns}):
+            same = [t for t in r.turns if t.repeat == rep]
+            for t in same:
+                if t.tpot_s is None:
+                    continue
+                c, k = _overlap(t, same)
+                conc.append(c)
+                overlaps.append(k)
+                rows.append((1.0, c, float(k)))
+                ys.append(t.tpot_s)
+                (hit if k else quiet).append(t.tpot_s)
+        fit = _fit(rows, ys) if any(row[2] for row in rows) else _fit([row[:2] for row in rows], ys)
+        fit_s = " + ".join(f"{v * 1e3:.2f} ms" for v in fit) if fit else "–"
+        mean_c = (1.0 + sum(conc) / len(conc)) / n_decode if conc else float("nan")
+        mean_k = sum(overlaps) / len(overlaps) if overlaps else float("nan")
+        lines.append(f"| {p} | {by_src} | {mean_c:.2f} | {mean_k:.2f} | {_pct(quiet, .95):.4f} ({len(quiet)}) | "
+                     f"{_pct(hit, .95):.4f} ({len(hit)}) | {fit_s} |")
+    return "\n".join(lines)
+
+
+def per_repeat(results: dict[str, Result], cand: str = "auto") -> str:
+    """The verdict's lines for each repeat on its own: how far run-to-run noise moves them."""
+    reps = sorted({t.repeat for r in results.values() for t in r.turns})
+    if len(reps) < 2 or not all(p in results for p in (*POLICIES, cand)):
+        return ""
+    out = []
+    for rep in reps:
+        sub = {p: Result(p, [t for t in r.turns if t.repeat == rep]) for p, r in results.items()}
+        out.append(f"- repeat {rep}: " + " | ".join(verdict(sub, cand).splitlines()))
     return "\n".join(out)
 
 
@@ -319,25 +456,52 @@ def main() -> None:
     ap.add_argument("--stagger-s", type=float, default=0.2, help="simulated seconds between session starts")
     ap.add_argument("--prefill-prefix-caching", choices=("off", "on"), default="off")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of all policies, each on its own sessions (seed, seed+1, ...); turns are pooled and "
+                         "each run's ratios printed; the policies' order rotates so machine load drift is shared")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plan-log", default=None, help="append every turn's placement reason (debug log) to this file")
     args = ap.parse_args()
+    if args.plan_log:
+        handler = logging.FileHandler(args.plan_log)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        plan_log = logging.getLogger("kvtether.gateway.orchestrator")
+        plan_log.setLevel(logging.DEBUG)
+        plan_log.addHandler(handler)
     presets = ["glm-5-fp8-h200-tp8", "qwen3-32b-h200-tp8"] if args.preset == "both" else [args.preset]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    plans = make_plans(args)
     for preset in presets:
-        results: dict[str, Result] = {}
-        for policy in policies:
-            results[policy] = asyncio.run(run_policy(policy, preset, plans, args))
-            r = results[policy]
-            print(f"  {preset} {policy}: {len(r.turns)} turns, {r.errors} errors, {r.wall_s:.0f} s", file=sys.stderr)
+        results: dict[str, Result] = {p: Result(p) for p in policies}
+        for rep in range(args.repeat):
+            plans = make_plans(args, args.seed + rep)
+            for i in range(len(policies)):
+                policy = policies[(i + rep) % len(policies)]
+                r = asyncio.run(run_policy(policy, preset, plans, args, rep))
+                print(f"  {preset} {policy} (repeat {rep}): {len(r.turns)} turns, {r.errors} errors, {r.wall_s:.0f} s",
+                      file=sys.stderr)
+                acc = results[policy]
+                acc.turns += r.turns
+                acc.errors += r.errors
+                acc.wall_s += r.wall_s
+                acc.overhead_s += r.overhead_s
+                for k, v in r.options.items():
+                    acc.options[k] = acc.options.get(k, 0) + v
+        runs = ""
+        if args.repeat > 1:
+            runs = f", {args.repeat} runs pooled (seeds {args.seed}–{args.seed + args.repeat - 1})"
         print(f"\n### {preset}: {args.prefill}P {args.decode}D, {args.sessions} concurrent sessions × {args.turns} "
-              f"turns, suffix mix {args.suffix_mix} tok, {args.output} output tok/turn, prefill prefix caching "
-              f"{args.prefill_prefix_caching}; times in SIMULATED seconds (speed {args.speed}: client real × "
-              f"{args.speed})\n")
+              f"turns, suffix mix {args.suffix_mix} tok, {args.output} output tok/turn, think {args.think_s} s, "
+              f"prefill prefix caching {args.prefill_prefix_caching}{runs}; times in SIMULATED seconds "
+              f"(speed {args.speed}: client real × {args.speed})\n")
         print(table(results))
-        v = verdict(results)
-        if v:
-            print("\n" + v)
+        for cand in [p for p in policies if parse_policy(p)[0] == "auto"]:
+            v = verdict(results, cand)
+            if v:
+                print("\n" + v)
+            rv = per_repeat(results, cand)
+            if rv:
+                print("\n" + rv)
+        print("\n" + diagnostics(results, args.decode))
         if args.json:
             print(json.dumps({p: [t.__dict__ for t in r.turns] for p, r in results.items()}))
 

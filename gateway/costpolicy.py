@@ -28,8 +28,10 @@ Score = TTFT + interference + horizon (the policy minimises the score, reports b
   not delay requests already there; that asymmetry is why only D's batch is charged.
 - horizon = ``horizon_discount`` × E[best score of the next turn | what this option leaves behind], recursively
   for ``horizon_turns`` turns, with the same loads and a typical next suffix. After pull/cold D holds a fresh
-  handle (next turn may pull); after decode_local it holds none and its prefix cache may be evicted (likely
-  once D's KV usage passes ``evict_kv_usage_knee``), so the next turn can only go local or cold. This is what
+  handle (next turn may pull all of it); after decode_local it holds no fresh one: only the handle this turn
+  did not use (the gateway puts it back, older by this turn), whose prefix the next turn may still pull,
+  and the rest in D's prefix cache, which may be evicted (likely once D's KV usage passes
+  ``evict_kv_usage_knee``). Without a live old handle the next turn can only go local or cold. This is what
   stops the policy from greedily running a turn locally when the session would then be stuck with large
   local prefills on a busy D or a cold prefill of the whole history.
 
@@ -131,6 +133,9 @@ class PolicyKnobs:
     tpot_window_tokens: int = 16
     # Seconds of this turn's TTFT that one second of delay on *each* running request of D is worth. 1 would
     # count a token's delay like a first token's; lower, because users notice a mid-stream hiccup less.
+    # Measured on the simulator (docs/placement.md, 2026-12-01), 2 instead of 0.5 moved GLM-5's TPOT p95
+    # from +27 % to +10 % over classic P/D but lost the late-turn TTFT gain over pull/reference, and cost
+    # Qwen3-32B a third of its local turns for no TPOT gain: neither meets GLM-5's targets, 0.5 meets Qwen's.
     interference_weight: float = 0.5
     # Look-ahead: turns considered after this one, and the weight of each (the session may end, loads change).
     horizon_turns: int = 1
@@ -387,15 +392,24 @@ def _after(turn: TurnFacts, o: OptionEstimate, c: _Cluster) -> list[tuple[float,
     )
     if o.option != "decode_local":
         return [(1.0, nxt, o.decode_url)]
-    # No handle; the history sits in D's prefix cache, which is evicted more likely the fuller D is.
-    # vLLM's KV usage counts blocks of running requests; cached-but-free blocks are evicted (LRU) only when
-    # that usage leaves no free block, so the risk is ~0 below a knee and rises to 1 as usage nears full.
+    # vLLM returns no handle for a turn D prefilled itself. But the handle this turn did *not* use is still
+    # held on D (the gateway puts it back), and its blocks still cover a prefix of the next prompt: the next
+    # turn may pull that prefix and let P compute the rest (this turn's suffix and answer, then its own),
+    # provided the handle is still alive by then (it is older by this turn and its answer). Without it, the
+    # history sits only in D's prefix cache, which is evicted more likely the fuller D is: vLLM's KV usage
+    # counts blocks of running requests; cached-but-free blocks are evicted (LRU) only when that usage leaves
+    # no free block, so the risk is ~0 below a knee and rises to 1 as usage nears full. The handle's own
+    # blocks are pinned (not evictable) for as long as it lives.
     d = c.decode(o.decode_url)
     usage = d.kv_usage if d is not None else 1.0
     knee = c.knobs.evict_kv_usage_knee
     p_keep = 1.0 - min(1.0, max(0.0, (usage - knee) / (1.0 - knee)))
-    hit = replace(nxt, reuse_tokens=0, handle_valid=False)
-    miss = replace(hit, decode_cached_tokens=0)
+    keeps = turn.handle_valid and turn.reuse_tokens > 0
+    gap = o.ttft_s + out_toks * (c.est.tpot_s(d.url, d.running + 1) if d is not None else 0.0)
+    pinned_prefix = min(turn.reuse_tokens, held) if keeps else 0
+    hit = replace(nxt, reuse_tokens=pinned_prefix, handle_valid=keeps,
+                  handle_age_s=turn.handle_age_s + gap if keeps else 0.0)
+    miss = replace(hit, decode_cached_tokens=pinned_prefix)
     return [(p, t, o.decode_url) for p, t in ((p_keep, hit), (1.0 - p_keep, miss)) if p > 0.0]
 
 

@@ -28,6 +28,12 @@ D0, D1 = "http://d0", "http://d1"
 P0, P1 = "http://p0", "http://p1"
 SEEDS = EstimatorSeeds()
 SNAP = EstimatorSnapshot(SEEDS)
+# A large MoE decode node (GLM-5-FP8 on 8 x H200, the simulator's cost model): a prefill step reads nearly
+# every expert (~70 ms even for a short suffix) while a decode step of a small batch reads few (~7 ms + 2 ms
+# per sequence); a pull reads ~6 us of KV per history token.
+MOE = EstimatorSnapshot(EstimatorSeeds(
+    prefill_overhead_s=0.063, prefill_s_per_token=1.3e-5, prefill_s_per_pair=7e-10, transfer_latency_s=0.001,
+    transfer_s_per_token=6e-6, tpot_base_s=0.0047, tpot_s_per_seq=0.002, queue_s_per_request=0.1))
 
 
 def history_turn(prompt: int, suffix: int, **kw: Any) -> TurnFacts:
@@ -62,6 +68,7 @@ class Case:
     decode_url: str = D0
     reuse: int | None = None  # expected reuse_tokens of the decision, when it matters
     forced: bool = False
+    est: EstimatorSnapshot = SNAP
 
 
 CASES = {
@@ -107,6 +114,17 @@ CASES = {
     "every-prefill-dead-forces-local": Case(
         history_turn(12000, 6000), "decode_local", ("forced", "no healthy prefill node"),
         prefills=(p(P0, healthy=False),), forced=True),
+    # MoE decode: a short local suffix costs the running batch ~7 decode steps. Idle D: free, run it there.
+    # One running request: at the default weight the TTFT a pull loses (~0.1 s) still outweighs the stall;
+    # an operator who weighs TPOT higher (interference_weight 2) sends it through P.
+    "moe-idle-decode-short-suffix": Case(
+        history_turn(16000, 300, expected_output_tokens=32), "decode_local", ("D 0 running",), est=MOE),
+    "moe-one-running-short-suffix": Case(
+        history_turn(16000, 300, expected_output_tokens=32), "decode_local", ("decode_local interference",),
+        decodes=(d(D0, running=1), d(D1)), est=MOE),
+    "moe-one-running-short-suffix-tpot-weighted": Case(
+        history_turn(16000, 300, expected_output_tokens=32), "pull", ("decode_local interference", "D 1 running"),
+        decodes=(d(D0, running=1), d(D1)), est=MOE, reuse=15700, knobs=PolicyKnobs(interference_weight=2.0)),
     "pull-policy-short-suffix": Case(
         history_turn(8000, 200), "pull", ("pull -> pull",), knobs=PolicyKnobs(mode="pull"), reuse=7800),
     "pull-policy-without-handle": Case(
@@ -122,7 +140,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_choose_situations(case: Case) -> None:
-    dec = choose(case.turn, case.pinned, case.prefills, case.decodes, SNAP, case.knobs)
+    dec = choose(case.turn, case.pinned, case.prefills, case.decodes, case.est, case.knobs)
     assert dec.option == case.option, dec.reason
     assert dec.decode_url == case.decode_url, dec.reason
     assert dec.forced is case.forced
@@ -145,10 +163,11 @@ def test_choose_situations(case: Case) -> None:
 
 
 def test_horizon_changes_a_borderline_decision() -> None:
-    # This turn's suffix is small enough to run locally on a moderately busy D, but the session's turns
-    # typically add 3000 tokens (tool results): after a local turn there is no handle, so the next turn
-    # would have to recompute the whole history cold. Looking one turn ahead keeps the handle alive.
-    turn = history_turn(20000, 700, next_suffix_tokens=3000)
+    # This turn's suffix is small enough to run locally, but the session's turns typically add 3000 tokens
+    # (tool results, over max_local_suffix_tokens) and the handle is about to expire: a local turn leaves
+    # no fresh handle, the old one is dead by the next turn, so that turn would recompute the whole history
+    # cold. Looking one turn ahead pulls now, which leaves a fresh handle.
+    turn = history_turn(20000, 700, next_suffix_tokens=3000, handle_age_s=444.0)
     decodes = (d(D0), d(D1))
     greedy = choose(turn, D0, (p(P0),), decodes, SNAP, PolicyKnobs(horizon_turns=0))
     ahead = choose(turn, D0, (p(P0),), decodes, SNAP, PolicyKnobs(horizon_turns=1))
@@ -160,6 +179,23 @@ def test_horizon_changes_a_borderline_decision() -> None:
     # A session whose next suffix is small again does not need the handle: local stays.
     calm = choose(replace(turn, next_suffix_tokens=200), D0, (p(P0),), decodes, SNAP, PolicyKnobs())
     assert calm.option == "decode_local", calm.reason
+
+
+def test_local_turn_keeps_the_unused_handle_for_the_next_turn() -> None:
+    # vLLM returns no handle for a decode-local turn, but the gateway puts back the one the turn did not
+    # use: its blocks still cover the history up to the last P/D turn, so the next turn may pull that
+    # prefix (P computes this turn's suffix and answer too). With a young handle, a large next suffix is
+    # no reason to avoid running this turn locally; without any handle it is (the next turn goes cold).
+    turn = history_turn(20000, 700, next_suffix_tokens=3000)
+    with_handle = choose(turn, D0, (p(P0),), (d(D0), d(D1)), SNAP)
+    assert with_handle.option == "decode_local", with_handle.reason
+    local = next(o for o in with_handle.options if o.option == "decode_local")
+    pull = next(o for o in with_handle.options if o.option == "pull")
+    # The next turn pulls (a bit more to compute on P than after a pull, far from a cold recompute).
+    assert pull.horizon_s < local.horizon_s < 1.5 * pull.horizon_s, with_handle.reason
+    no_handle = choose(replace(turn, handle_valid=False, reuse_tokens=0), D0, (p(P0),), (d(D0), d(D1)), SNAP)
+    stuck = next(o for o in no_handle.options if o.option == "decode_local")
+    assert stuck.horizon_s > 3 * local.horizon_s, no_handle.reason
 
 
 def test_horizon_accounts_for_eviction_risk_on_full_decode() -> None:

@@ -44,10 +44,11 @@ async def test_auto_runs_short_suffixes_on_decode_and_long_ones_through_a_pull()
             h = {"x-session-id": "auto-1"}
             messages = first_messages(50)
             # (suffix words of the next turn's tool result, what the turn after it must do)
-            # After the long suffix the session's mean suffix is over the local limit, so the look-ahead keeps
-            # the next short turn on P too (a local turn would leave no handle for the next long one).
+            # After the long suffix the session's mean suffix is over the local limit, yet the next short turn
+            # still runs locally: the handle the pull left stays held on D (a local turn returns none, the
+            # gateway keeps the unused one), so the long turn after it pulls that handle's prefix, not cold.
             plan = [(10, "first"), (10, "decode_local"), (10, "decode_local"), (600, "decode_local"),
-                    (10, "pull"), (10, "pull")]
+                    (10, "pull"), (600, "decode_local"), (10, "pull")]
             for turn, (words, expect) in enumerate(plan):
                 p_before = await _node_total(client, p, "vllm:request_success_total")
                 hits_before = await _node_total(client, d, "vllm:prefix_cache_hits_total")
@@ -78,13 +79,17 @@ async def test_auto_runs_short_suffixes_on_decode_and_long_ones_through_a_pull()
     plans = [s for s in exporter.get_finished_spans() if s.name == "kvtether.plan"]
     options = [dict(s.attributes or {}).get("kvtether.plan.cost.option") for s in plans]
     # The first turn has nothing to weigh (no pin, no tokens): cold without a cost decision.
-    assert options == [None, "decode_local", "decode_local", "decode_local", "pull", "pull"]
+    assert options == [None, "decode_local", "decode_local", "decode_local", "pull", "decode_local", "pull"]
     local = dict(plans[1].attributes or {})
     assert str(local["kvtether.plan.reason"]).startswith("auto -> decode_local")
     assert local["kvtether.plan.cost.ttft_est_s.decode_local"] < local["kvtether.plan.cost.ttft_est_s.pull"]
     long_turn = dict(plans[4].attributes or {})
     assert "max_local_suffix_tokens" in str(long_turn["kvtether.plan.cost.rejected.decode_local"])
-    assert "horizon: pull over greedy decode_local" in str(dict(plans[5].attributes or {})["kvtether.plan.reason"])
+    # The look-ahead of the local turn counted on that held handle (a pull next turn, not a cold recompute).
+    after_long = dict(plans[5].attributes or {})
+    assert str(after_long["kvtether.plan.reason"]).startswith("auto -> decode_local"), after_long
+    assert "horizon" not in str(after_long["kvtether.plan.reason"])
+    assert "max_local_suffix_tokens" in str(dict(plans[6].attributes or {})["kvtether.plan.cost.rejected.decode_local"])
 
 
 async def test_a_failed_decode_local_leg_is_retried_cold() -> None:
