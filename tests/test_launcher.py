@@ -214,6 +214,7 @@ def test_cli_dry_run_json() -> None:
             "/v/python",
             "--dry-run",
             "--json",
+            "--no-prefill-prefix-caching",
             "--",
             "--max-model-len",
             "1024",
@@ -224,6 +225,9 @@ def test_cli_dry_run_json() -> None:
         timeout=60,
     ).stdout
     assert "--max-model-len 1024" in out
+    blocks = out.split("# ")
+    assert "--no-enable-prefix-caching" in next(b for b in blocks if b.startswith("prefill-0"))
+    assert "--enable-prefix-caching" in next(b for b in blocks if b.startswith("decode-0"))
     assert json.loads(out.strip().splitlines()[-1])["prefill"] == ["http://127.0.0.1:8100"]
 
 
