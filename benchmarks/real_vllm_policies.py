@@ -52,9 +52,9 @@ import httpx
 from kvtether.cli.cmd_up import running_cluster
 from kvtether.cli.launcher import ClusterOptions, gateway_session_ttl, plan_cluster
 from kvtether.gateway.app import create_app
+from kvtether.gateway.cluster import sample_sum
 from kvtether.gateway.config import load_config
 from kvtether.gateway.server import serve_gateway
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("no-pull", "reference", "pull", "auto")
@@ -108,15 +108,7 @@ def token_block(seed: str, n: int, lo: int = 16, hi: int = 4000) -> list[int]:
 
 
 async def metric_sum(client: httpx.AsyncClient, url: str, name: str, suffix: str, **labels: str) -> float:
-    text = (await client.get(url + "/metrics")).text
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        if fam.name != name:
-            continue
-        for s in fam.samples:
-            if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+    return sample_sum((await client.get(url + "/metrics")).text, name + suffix, **labels)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""A vLLM general plugin for CPU machines: NIXL's busy-polling progress thread, and AMX permission.
+"""A vLLM general plugin for CPU machines: NIXL busy-polling, AMX permission, and two SHM-queue stalls.
 
 vLLM loads every `vllm.general_plugins` entry point in each of its processes (API server, engine core,
 workers) before the model and the KV connector are built. kvtether declares one in pyproject.toml:
@@ -38,8 +38,8 @@ then waited until decode released the previous turn's blocks (seen: every reques
 was unconsumed). `KVTETHER_VLLM_SHM_BUSY_LOOP_MS` (kvtether up: 0 on CPU) sets that spin window: readers park
 on the notification at once. A CPU forward takes milliseconds, far above the wake-up's tens of microseconds.
 
-`register()` does nothing unless `KVTETHER_NIXL_PTHR_DELAY_US` / `KVTETHER_CPU_REQUEST_AMX` is set (`kvtether
-up` sets both on CPU only), and it never raises: any failure is logged and vLLM runs unpatched.
+`register()` applies each fix only when its variable is set (`kvtether up` sets all four on CPU only), and it
+never raises: any failure is logged and vLLM runs unpatched.
 """
 
 from __future__ import annotations
@@ -90,17 +90,17 @@ class _BindingsProxy:
         return getattr(self._kvtether_real, attr)
 
 
-def parse_delay(value: str | None) -> int | None:
-    """The delay in microseconds from the env value; None when unset, empty or invalid."""
+def parse_delay(value: str | None, var: str = ENV_VAR) -> int | None:
+    """A non-negative integer setting (µs or ms) from the env value of `var`; None when unset, empty or invalid."""
     if value is None or not value.strip():
         return None
     try:
         delay = int(value.strip())
     except ValueError:
-        logger.warning("kvtether: ignoring %s=%r (not an integer)", ENV_VAR, value)
+        logger.warning("kvtether: ignoring %s=%r (not an integer)", var, value)
         return None
     if delay < 0:
-        logger.warning("kvtether: ignoring %s=%r (negative)", ENV_VAR, value)
+        logger.warning("kvtether: ignoring %s=%r (negative)", var, value)
         return None
     return delay
 
@@ -237,10 +237,10 @@ def register() -> None:
     try:
         if os.environ.get(AMX_ENV_VAR, "") not in ("", "0"):
             request_amx_permission()
-        recheck = parse_delay(os.environ.get(SHM_RECHECK_ENV_VAR))
+        recheck = parse_delay(os.environ.get(SHM_RECHECK_ENV_VAR), SHM_RECHECK_ENV_VAR)
         if recheck:
             set_shm_recheck_interval(recheck)
-        busy = parse_delay(os.environ.get(SHM_BUSY_LOOP_ENV_VAR))
+        busy = parse_delay(os.environ.get(SHM_BUSY_LOOP_ENV_VAR), SHM_BUSY_LOOP_ENV_VAR)
         if busy is not None:
             set_shm_busy_loop(busy)
         delay = parse_delay(os.environ.get(ENV_VAR))

@@ -74,6 +74,17 @@ class Node:
         return NodeLoad(self.url, self.healthy, running, self.waiting, self.kv_usage, self.bidirectional)
 
 
+def sample_sum(text: str, sample: str, **labels: str) -> float:
+    """Sum of the Prometheus samples named exactly `sample` (e.g. ``vllm:…_total``, ``…_count``) whose labels
+    include `labels`, over every label set."""
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
 def parse_metrics(text: str) -> dict[str, float | int]:
     """The few vLLM gauges placement uses, summed over label sets (one engine per node here)."""
     out: dict[str, float | int] = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}

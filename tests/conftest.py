@@ -14,8 +14,8 @@ def anyio_backend() -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Real-vLLM ordering: tests that start their own cluster (`vllm_first`) run before the shared pair
-    exists, so two pairs never share the two cores; tests that leave the real engine degraded (`vllm_late`:
-    an expired handle can stall vLLM's prefill engine for up to a minute) run after every other test."""
+    exists, so two pairs never share the two cores; tests that wait out the decode TTL and send expired
+    handles (`vllm_late`) run after every other test, so no other test's handles age or fail beside them."""
 
     def rank(item: pytest.Item) -> int:
         if item.get_closest_marker("vllm_first"):

@@ -25,10 +25,10 @@ from gateway_agent import (
     request_body,
 )
 from kvtether.gateway.app import create_app
+from kvtether.gateway.cluster import sample_sum
 from kvtether.gateway.config import GatewayConfig, load_config
 from kvtether.gateway.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
-from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.anyio
 
@@ -71,13 +71,7 @@ async def rig(*, prefill: int = 1, decode: int = 1, aggregated: int = 0, sim: di
 
 
 async def metric(client: httpx.AsyncClient, url: str, name: str, **labels: str) -> float:
-    text = (await client.get(f"{url}/metrics")).text
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+    return sample_sum((await client.get(f"{url}/metrics")).text, name, **labels)
 
 
 async def p2p_tokens(r: Rig) -> float:

@@ -19,6 +19,7 @@ import anyio
 import httpx
 import pytest
 from kvtether.cli.launcher import gateway_session_ttl
+from kvtether.gateway.cluster import sample_sum
 from vllm_fixtures import DECODE_TTL_S, M_CACHED_BY_SOURCE, Backend, metric_sum, vllm_pair
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -97,15 +98,7 @@ async def reference(client: httpx.AsyncClient, b: Backend, messages: list[dict[s
 
 
 async def metric(client: httpx.AsyncClient, url: str, name: str, **labels: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = (await client.get(url + "/metrics")).text
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
+    return sample_sum((await client.get(url + "/metrics")).text, name, **labels)
 
 
 @dataclass

@@ -29,6 +29,7 @@ import httpx
 import pytest
 from kvtether.cli.cmd_up import running_cluster
 from kvtether.cli.launcher import ClusterOptions, plan_cluster
+from kvtether.gateway.cluster import sample_sum
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,16 +245,7 @@ def completion_token_ids(resp: dict[str, Any]) -> list[int]:
 async def metric_sum(client: httpx.AsyncClient, url: str, name: str, **labels: str) -> float:
     """Sum of every sample of `name` (a counter's `_total` or a histogram's `_count`) matching the labels."""
     text = (await client.get(url + "/metrics")).text
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        if fam.name != name:
-            continue
-        for s in fam.samples:
-            if not (s.name.endswith("_total") or s.name.endswith("_count") or s.name == name):
-                continue
-            if all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+    return sum(sample_sum(text, name + suffix, **labels) for suffix in ("_total", "_count", ""))
 
 
 async def metric_names(client: httpx.AsyncClient, url: str) -> set[str]:
