@@ -63,7 +63,7 @@ class SessionPlan:
     system: str
     task: str
     results: list[str]  # the tool result appended after each turn's answer
-    think_s: list[float]  # simulated think/tool time before each turn
+    think_s: list[float]  # simulated think/tool time after each turn (paced: gap from this send to the next)
 
 
 @dataclass
@@ -90,6 +90,7 @@ class Result:
     wall_s: float = 0.0
     options: dict[str, int] = field(default_factory=dict)
     overhead_s: float = 0.0  # simulated seconds of TTFT spent in the gateway itself, all turns together
+    late_sends: int = 0  # paced runs: turns sent after their slot because the previous answer was not done
 
 
 def _words(rng: random.Random, tokens: int) -> str:
@@ -108,6 +109,8 @@ def make_plans(args: argparse.Namespace, seed: int | None = None) -> list[Sessio
             r = rng.choices(mix, weights=[m.weight for m in mix])[0]
             results.append(_words(rng, rng.randint(r.lo, r.hi)))
         think = [rng.uniform(0.5, 1.5) * args.think_s for _ in range(args.turns)]
+        if args.pace_s > 0:  # paced: the gap between two sends, not the time after an answer
+            think = [rng.uniform(0.75, 1.25) * args.pace_s for _ in range(args.turns)]
         plans.append(SessionPlan(system, f"Task {s}: " + _words(rng, 60), results, think))
     return plans
 
@@ -178,7 +181,15 @@ async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan
                                       {"role": "user", "content": plan.task}]
     headers = {"x-session-id": f"bench-{s}"}
     await asyncio.sleep(s * args.stagger_s / args.speed)  # staggered starts (simulated seconds)
+    slot = time.perf_counter()  # paced: when this turn is due (real clock)
     for t in range(args.turns):
+        if args.pace_s > 0:
+            wait = slot - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            elif t > 0 and -wait * args.speed > 0.05:  # more than 50 simulated ms behind its slot
+                result.late_sends += 1
+            slot += plan.think_s[t] / args.speed
         body = {"model": MODEL, "messages": messages, "tools": TOOLS, "temperature": 0,
                 "max_tokens": args.output, "min_tokens": args.output, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
@@ -197,7 +208,8 @@ async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan
                   "tool_calls": [{"id": f"call_{s}_{t}", "type": "function",
                                   "function": {"name": "read_file", "arguments": json.dumps({"path": f"f{t}"})}}]}
         messages = [*messages, answer, {"role": "tool", "tool_call_id": f"call_{s}_{t}", "content": plan.results[t]}]
-        await asyncio.sleep(plan.think_s[t] / args.speed)
+        if args.pace_s <= 0:
+            await asyncio.sleep(plan.think_s[t] / args.speed)
 
 
 def calibrated_seeds(preset_name: str, speed: float) -> dict[str, float]:
@@ -309,7 +321,7 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
 
 
-def table(results: dict[str, Result]) -> str:
+def table(results: dict[str, Result], paced: bool = False) -> str:
     pols = list(results)
     lines = ["| turns | " + " | ".join(f"{p} TTFT p50 / p95 / p99 s" for p in pols) + " | prompt tokens |",
              "|" + "---|" * (len(pols) + 2)]
@@ -332,6 +344,9 @@ def table(results: dict[str, Result]) -> str:
         ", ".join(f"{k} {v}" for k, v in sorted(results[p].options.items()) if v) for p in pols) + " | |")
     lines.append("| gateway's own TTFT share, mean s | " + " | ".join(
         f"{results[p].overhead_s / max(1, len(results[p].turns)):.3f}" for p in pols) + " | |")
+    if paced:
+        lines.append("| paced turns sent late (> 50 ms) | " + " | ".join(
+            f"{results[p].late_sends}" for p in pols) + " | |")
     lines.append("| wall s | " + " | ".join(f"{results[p].wall_s:.0f}" for p in pols) + " | |")
     return "\n".join(lines)
 
@@ -453,6 +468,11 @@ def main() -> None:
     ap.add_argument("--suffix-mix", default="50-500:0.9,2000-8000:0.1", help="tool-result tokens per turn")
     ap.add_argument("--output", type=int, default=32, help="answer tokens per turn (pinned)")
     ap.add_argument("--think-s", type=float, default=0.3, help="mean simulated think/tool time between turns")
+    ap.add_argument("--pace-s", type=float, default=0.0,
+                    help="paced (open-loop) turns: each session sends a turn every PACE simulated s (± 25 %%), "
+                         "or as soon as its previous answer is done if that is later; every policy then offers "
+                         "the same load, so decode TPOT compares at equal concurrency. 0: closed loop "
+                         "(--think-s after each answer)")
     ap.add_argument("--stagger-s", type=float, default=0.2, help="simulated seconds between session starts")
     ap.add_argument("--prefill-prefix-caching", choices=("off", "on"), default="off")
     ap.add_argument("--seed", type=int, default=0)
@@ -484,16 +504,19 @@ def main() -> None:
                 acc.errors += r.errors
                 acc.wall_s += r.wall_s
                 acc.overhead_s += r.overhead_s
+                acc.late_sends += r.late_sends
                 for k, v in r.options.items():
                     acc.options[k] = acc.options.get(k, 0) + v
         runs = ""
         if args.repeat > 1:
             runs = f", {args.repeat} runs pooled (seeds {args.seed}–{args.seed + args.repeat - 1})"
+        arrivals = (f"paced: a turn every {args.pace_s} s ± 25 %" if args.pace_s > 0
+                    else f"think {args.think_s} s after each answer")
         print(f"\n### {preset}: {args.prefill}P {args.decode}D, {args.sessions} concurrent sessions × {args.turns} "
-              f"turns, suffix mix {args.suffix_mix} tok, {args.output} output tok/turn, think {args.think_s} s, "
+              f"turns, suffix mix {args.suffix_mix} tok, {args.output} output tok/turn, {arrivals}, "
               f"prefill prefix caching {args.prefill_prefix_caching}{runs}; times in SIMULATED seconds "
               f"(speed {args.speed}: client real × {args.speed})\n")
-        print(table(results))
+        print(table(results, paced=args.pace_s > 0))
         for cand in [p for p in policies if parse_policy(p)[0] == "auto"]:
             v = verdict(results, cand)
             if v:

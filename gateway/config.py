@@ -87,6 +87,10 @@ class GatewayConfig:
     tpot_budget_s: float = _KNOBS.tpot_budget_s
     tpot_window_tokens: int = _KNOBS.tpot_window_tokens
     interference_weight: float = _KNOBS.interference_weight
+    # Local prefills may stall D's running batch for at most this share of its time (≈ the TPOT increase
+    # they may cause), as a token bucket with a burst of share × window (gateway/stallbudget.py).
+    decode_stall_share: float = _KNOBS.decode_stall_share
+    decode_stall_window_s: float = _KNOBS.decode_stall_window_s
     # Look-ahead (0..3 turns) and its discount: a turn that is cheapest on D now may leave the session
     # without a handle (vLLM returns none for a locally prefilled request), making the next turn dear.
     horizon_turns: int = _KNOBS.horizon_turns
@@ -158,6 +162,8 @@ class GatewayConfig:
             raise ConfigError("tpot_budget_s must be > 0 and interference_weight >= 0")
         if not 0 <= self.horizon_turns <= 3:
             raise ConfigError("horizon_turns must be in [0, 3]")
+        if not 0.0 <= self.decode_stall_share <= 1.0 or self.decode_stall_window_s <= 0:
+            raise ConfigError("decode_stall_share must be in [0, 1] and decode_stall_window_s > 0")
         if not 0.0 <= self.horizon_discount <= 1.0:
             raise ConfigError("horizon_discount must be in [0, 1]")
         if not 0.0 <= self.evict_kv_usage_knee < 1.0:

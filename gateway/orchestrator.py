@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -37,6 +38,7 @@ from kvtether.gateway.placement import (
     plan_aggregated,
 )
 from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
+from kvtether.gateway.stallbudget import StallBudget
 from kvtether.sdk.contract import session_id_from_headers
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -143,6 +145,10 @@ class Orchestrator:
         # One estimator per gateway: node speeds learned from the turns it serves (cost policy, "auto").
         self.estimator = Estimator(_seeds(config), LearningParams(half_life_s=config.estimate_half_life_s))
         self.knobs = _knobs(config)
+        # Per decode node: how much more its running batch may be stalled by decode-local prefills.
+        self.stall_budgets: dict[str, StallBudget] = {}
+        for node in config.decode:
+            metrics.decode_stall.labels(node)  # every series shows zero before the first local turn
 
     # ---- entry -------------------------------------------------------------------------------
 
@@ -360,16 +366,31 @@ class Orchestrator:
             gap = (result.out_last_at - result.out_first_at) / result.out_tokens_timed
             self.estimator.observe_tpot(node, running + 1, gap, now=now)
 
+    def _stall_budget(self, node: str, now: float) -> StallBudget:
+        budget = self.stall_budgets.get(node)
+        if budget is None:
+            budget = StallBudget.full(self.knobs.decode_stall_share, self.knobs.decode_stall_window_s, now)
+            self.stall_budgets[node] = budget
+        return budget
+
     def _plan(self, ctx: TurnContext, turn: Turn) -> Plan:
-        turn = replace(turn, exclude=frozenset(ctx.exclude))
+        now = self.clock()
+        credit = self._stall_budget(turn.pinned_decode, now).credit(now) if turn.pinned_decode else math.inf
+        turn = replace(turn, exclude=frozenset(ctx.exclude), decode_stall_credit_s=credit)
         with self.tracer.start_as_current_span(T.SPAN_PLAN, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
             view = self.cluster.view()
             ctx.plan_view = view
             try:
-                p = plan(turn, view, self.estimator.snapshot(self.clock()), self.knobs)
+                p = plan(turn, view, self.estimator.snapshot(now), self.knobs)
             except NoCapacity as exc:
                 span.set_attribute(T.ERROR_TYPE, "no_capacity")
                 raise GatewayError(503, str(exc), code="no_capacity") from None
+            if p.decision is not None and p.action is HandleAction.DECODE_LOCAL:
+                # Planning and spending happen without an await between them, so two turns planned at once
+                # on the same D cannot both take the last of its budget.
+                stall = next((o.stall_s for o in p.decision.options if o.option == "decode_local"), 0.0)
+                self.stall_budgets[p.decode] = self._stall_budget(p.decode, now).spend(stall, now)
+                self.metrics.decode_stall.labels(p.decode).inc(stall)
             if p.decision is not None:
                 T.set_attrs(span, T.cost_attributes(p.decision.trace_attributes()))
             T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_ACTION: p.action.value,
@@ -825,6 +846,7 @@ def _knobs(config: GatewayConfig) -> PolicyKnobs:
     return PolicyKnobs(
         mode="auto", max_local_suffix_tokens=config.max_local_suffix_tokens, tpot_budget_s=config.tpot_budget_s,
         tpot_window_tokens=config.tpot_window_tokens, interference_weight=config.interference_weight,
+        decode_stall_share=config.decode_stall_share, decode_stall_window_s=config.decode_stall_window_s,
         horizon_turns=config.horizon_turns, horizon_discount=config.horizon_discount,
         recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,
         block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,

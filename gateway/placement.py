@@ -11,6 +11,7 @@ against "prefill + pull from decode" and "cold prefill", and maps its decision o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -75,6 +76,7 @@ class Turn:
     next_suffix_tokens: int | None = None  # the session's running mean suffix; None = this turn's
     allow_local: bool = True  # False on a retry after a failed decode-local leg
     last_prefill: str | None = None  # P of the session's previous P/D turn: its prefix cache may hold the history
+    decode_stall_credit_s: float = math.inf  # the pinned D's stall budget left (stallbudget.py); inf: none kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +230,7 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
         decode_cached_tokens=max(0, turn.decode_cached_tokens) if pinned_alive else 0,
         expected_output_tokens=max(0, turn.expected_output_tokens),
         next_suffix_tokens=turn.next_suffix_tokens,
+        decode_stall_credit_s=turn.decode_stall_credit_s,
     )
     if not turn.allow_local:
         # A decode-local leg just failed: an over-limit local turn stays possible only as the last resort.

@@ -115,6 +115,7 @@ M_UPSTREAM_ERRORS = "kvtether_upstream_errors_total"
 M_REUSED_TOKENS = "kvtether_reused_tokens_total"
 M_PROMPT_TOKENS = "kvtether_prompt_tokens_total"
 M_STREAM_HANDLE_MISSING = "kvtether_stream_handles_missing_total"
+M_DECODE_STALL = "kvtether_decode_stall_seconds_total"
 
 # Server TTFT buckets of the GenAI conventions, stretched to long-context prefills.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -147,6 +148,11 @@ class Metrics:
         self.stream_handles_missing = Counter(
             M_STREAM_HANDLE_MISSING, "Finished turns whose decode node returned no handle (e.g. streams before 0.33)",
             registry=r)
+        # rate() of it is the share of the node's time its running batch lost to local prefills (the stall
+        # budget's share, costpolicy.PolicyKnobs.decode_stall_share, is its ceiling).
+        self.decode_stall = Counter(
+            M_DECODE_STALL, "Estimated seconds decode-local prefills stalled the running batch of a decode node",
+            ["node"], registry=r)
         for outcome in HANDLE_OUTCOMES:
             self.handle_outcomes.labels(outcome)
         self._policy = "auto"

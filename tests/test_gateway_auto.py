@@ -125,3 +125,59 @@ async def test_a_failed_decode_local_leg_is_retried_cold() -> None:
             assert await metric(client, url, "kvtether_upstream_errors_total", phase="decode") == 1
             sessions = (await client.get(f"{url}/admin/sessions")).json()
             assert sessions[0]["turns"] == 4
+
+
+async def test_decode_local_turns_spend_the_decode_nodes_stall_budget() -> None:
+    """While a long answer decodes on D, a first short follow-up runs locally and spends D's stall budget;
+    a second one right after it would stall that answer beyond the budget and goes through P."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    # Speed 1: the long answer (3000 tokens) keeps decoding for a few real seconds.
+    spec = ClusterSpec(prefill=1, decode=1, speed=1.0, kv_recompute_threshold=4, kv_lease_duration=3600.0)
+    async with SimCluster(spec) as cluster:
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
+                          metrics_poll_interval_s=0.5, min_reuse_tokens=4, learn_estimates=False,
+                          # A local prefill is estimated at ~0.2 s, nearly all of it a stall of the running
+                          # answer; only the budget's price weighs it (interference weight 0). The burst
+                          # (0.001 × 300 s = 0.3 s) holds one such stall, not two, and barely refills here.
+                          seed_prefill_overhead_s=0.2, seed_tpot_base_s=0.001, seed_tpot_s_per_seq=1e-4,
+                          seed_transfer_latency_s=0.1,  # a pull is clearly dearer than a local turn
+                          interference_weight=0.0, decode_stall_share=0.001, decode_stall_window_s=300.0)
+        app = create_app(cfg, tracer_provider=provider)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            histories = {}
+            for s in ("a", "b"):
+                first = first_messages(60 if s == "a" else 61)
+                got = await chat(client, url, request_body(first, stream=False), {"x-session-id": s})
+                histories[s] = next_messages(first, got, 60, 0, result_words=10)
+            long_body = {**request_body(first_messages(62), stream=True, max_tokens=3000),
+                         "min_tokens": 3000, "ignore_eos": True}
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=long_body,
+                                     headers={"x-session-id": "long"}) as resp:
+                assert resp.status_code == 200
+                lines = resp.aiter_lines()
+                async for line in lines:  # the long answer is decoding once its first chunk is out
+                    if line.startswith("data:"):
+                        break
+                exporter.clear()
+                sources = []
+                for s in ("a", "b"):
+                    before = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
+                    await chat(client, url, request_body(histories[s], stream=False), {"x-session-id": s})
+                    after = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
+                    sources.append("decode_local" if after > before else "through P")
+                plans = [dict(p.attributes or {}) for p in exporter.get_finished_spans() if p.name == "kvtether.plan"]
+                stalled = await metric(client, url, "kvtether_decode_stall_seconds_total", node=cluster.decode_urls[0])
+                await resp.aclose()  # the client walks away from the long answer
+    reasons = [p["kvtether.plan.reason"] for p in plans]
+    assert len(plans) == 2 and plans[0]["kvtether.plan.cost.option"] == "decode_local", reasons
+    assert plans[1]["kvtether.plan.cost.option"] in ("pull", "cold"), reasons
+    assert sources == ["decode_local", "through P"]
+    assert "D 1 running" in str(plans[0]["kvtether.plan.reason"])
+    assert "stall budget" in str(plans[1]["kvtether.plan.cost.rejected.decode_local"])
+    assert 0.15 < stalled < 0.3  # the one local turn's estimated stall (~0.2 s), counted per decode node

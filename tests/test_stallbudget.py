@@ -1,0 +1,79 @@
+"""The decode-node stall budget (pure token bucket) and how the cost policy uses it."""
+
+from __future__ import annotations
+
+import pytest
+from kvtether.gateway.costpolicy import NodeState, PolicyKnobs, choose
+from kvtether.gateway.stallbudget import StallBudget
+from test_costpolicy import D0, D1, MOE, P0, history_turn
+
+
+def test_a_full_budget_holds_the_burst_and_refills_at_the_share() -> None:
+    b = StallBudget.full(0.04, 4.0, now=100.0)
+    assert b.burst_s == pytest.approx(0.16)
+    assert b.credit(100.0) == pytest.approx(0.16)
+    spent = b.spend(0.07, now=100.0).spend(0.07, now=100.5)
+    # 0.16 − 0.07 − 0.07 + 0.04 × 0.5 s of refill
+    assert spent.credit(100.5) == pytest.approx(0.04)
+    assert spent.credit(101.5) == pytest.approx(0.08)
+    assert spent.credit(1000.0) == pytest.approx(0.16)  # capped at the burst, however long D was quiet
+
+
+def test_overspending_is_carried_as_debt_and_a_clock_going_back_refills_nothing() -> None:
+    b = StallBudget.full(0.05, 2.0, now=0.0).spend(0.3, now=0.0)  # e.g. a forced local turn
+    assert b.credit(0.0) == pytest.approx(-0.2)
+    assert b.credit(2.0) == pytest.approx(-0.1)
+    assert b.credit(-5.0) == pytest.approx(-0.2)
+    assert b.spend(-1.0, now=0.0).credit(0.0) == pytest.approx(-0.2)  # a negative stall is no refund
+
+
+@pytest.mark.parametrize("share,window", [(-0.1, 1.0), (1.5, 1.0), (0.1, 0.0)])
+def test_invalid_budget(share: float, window: float) -> None:
+    with pytest.raises(ValueError):
+        StallBudget.full(share, window, now=0.0)
+    with pytest.raises(ValueError):
+        PolicyKnobs(decode_stall_share=share, decode_stall_window_s=window)
+
+
+BUSY = (NodeState(D0, running=1), NodeState(D1))
+
+
+def test_a_spent_budget_sends_a_turn_that_would_stall_the_batch_through_p() -> None:
+    turn = history_turn(16000, 300, expected_output_tokens=32)
+    full = choose(turn, D0, (NodeState(P0),), BUSY, MOE)
+    assert full.option == "decode_local", full.reason
+    stall = next(o for o in full.options if o.option == "decode_local").stall_s
+    assert 0.03 < stall < 0.1  # a MoE prefill step: ~7 decode steps of a small batch
+    spent = choose(history_turn(16000, 300, expected_output_tokens=32, decode_stall_credit_s=stall / 2),
+                   D0, (NodeState(P0),), BUSY, MOE)
+    assert spent.option == "pull", spent.reason
+    assert "stall budget" in spent.trace_attributes()["rejected.decode_local"]
+    assert "D stall budget" in spent.reason
+
+
+def test_an_empty_budget_does_not_stop_a_local_turn_on_an_idle_decode() -> None:
+    # Nobody decodes on D: the local prefill stalls no one, whatever the budget says.
+    turn = history_turn(16000, 300, expected_output_tokens=32, decode_stall_credit_s=-0.5)
+    dec = choose(turn, D0, (NodeState(P0),), (NodeState(D0), NodeState(D1)), MOE)
+    assert dec.option == "decode_local", dec.reason
+    assert next(o for o in dec.options if o.option == "decode_local").stall_s == 0.0
+
+
+def test_a_draining_budget_keeps_the_turns_with_most_to_gain() -> None:
+    # With the interference weight at 0 only the budget's shadow price weighs the stall: 0 while it is full,
+    # burst/credit − 1 below. At half the burst a long history (its pull reads 16k tokens of KV) still runs
+    # locally; a short one (its pull is cheap) goes through P and leaves the budget to the long ones.
+    knobs = PolicyKnobs(interference_weight=0.0)
+    half = knobs.stall_burst_s / 2
+    for prompt in (4000, 16000):
+        full = choose(history_turn(prompt, 300, expected_output_tokens=32, decode_stall_credit_s=knobs.stall_burst_s),
+                      D0, (NodeState(P0),), BUSY, MOE, knobs)
+        assert full.option == "decode_local", full.reason
+    long = choose(history_turn(16000, 300, expected_output_tokens=32, decode_stall_credit_s=half),
+                  D0, (NodeState(P0),), BUSY, MOE, knobs)
+    short = choose(history_turn(4000, 300, expected_output_tokens=32, decode_stall_credit_s=half),
+                   D0, (NodeState(P0),), BUSY, MOE, knobs)
+    assert long.option == "decode_local", long.reason
+    assert short.option == "pull", short.reason
+    local = next(o for o in short.options if o.option == "decode_local")
+    assert local.interference_s == pytest.approx(local.stall_s)  # price 1 at half the burst
