@@ -289,7 +289,7 @@ async def _stream(c: Completion) -> AsyncIterator[bytes]:
             ch["token_ids"] = token_ids
         return ch
 
-    if c.chat:
+    def role_chunk() -> bytes:
         first: dict[str, Any] = {
             "index": 0,
             "delta": {"role": "assistant", "content": ""},
@@ -297,9 +297,18 @@ async def _stream(c: Completion) -> AsyncIterator[bytes]:
             "finish_reason": None,
         }
         extra = {"prompt_token_ids": list(c.engine_request.prompt_ids)} if c.req.return_token_ids else {}
-        yield _sse(chunk(first, **extra))
+        return _sse(chunk(first, **extra))
+
     pending_ids: list[int] = []
+    # vLLM's serving_chat sends the role chunk on the first engine output (its stream generator's
+    # `first_iteration`, after prefill or the KV load and the first token), not on acceptance; an error
+    # before any output is the stream's first event instead. So the first chunk marks the first token,
+    # which is what `vllm bench serve` times as TTFT.
+    role_pending = c.chat
     async for ev in c.events():
+        if role_pending and not isinstance(ev, ErrorEvent):
+            role_pending = False
+            yield role_chunk()
         if isinstance(ev, TokenEvent):
             d = c.delta_for(ev.token_id)
             pending_ids.append(ev.token_id)

@@ -245,3 +245,24 @@ async def test_cache_salt_isolates_the_prefix_cache(node_url: str, http: httpx.A
     assert cold[1] == warm[1] == salted[1] == salted_again[1] == other[1]  # the salt never changes the answer
     bad = await http.post(url, json={**body, "cache_salt": ""})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+@pytest.mark.anyio
+async def test_a_stream_sends_nothing_before_the_first_token(node_url: str, http: httpx.AsyncClient) -> None:
+    # vLLM's serving_chat sends the role chunk with the first engine output, so the first chunk marks the
+    # first token (what `vllm bench serve` times as TTFT). A request that never produces one (parked by
+    # the hang fault) streams its headers and nothing else.
+    await http.post(node_url + "/admin/fault", json={"hang_next": 1})
+    body = {"messages": MSGS, "stream": True}
+    async with http.stream("POST", node_url + "/v1/chat/completions", json=body,
+                           timeout=httpx.Timeout(5.0, read=0.5)) as r:
+        assert r.status_code == 200
+        got: list[str] = []
+        with pytest.raises(httpx.ReadTimeout):
+            async for line in r.aiter_lines():
+                if line:
+                    got.append(line)
+        assert got == []
+    chunks = await sse(http, node_url + "/v1/chat/completions", body)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert any(ch["choices"] and ch["choices"][0]["delta"].get("content") for ch in chunks[1:])
