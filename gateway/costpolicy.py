@@ -321,7 +321,9 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
     if n > c.knobs.max_local_suffix_tokens:
         return replace(base, feasible=False, soft=True,
                        why_not=f"local suffix {n} tok > max_local_suffix_tokens {c.knobs.max_local_suffix_tokens}")
-    if stall > 0.0 and stall > credit:
+    # A stall larger than the whole burst (a slow node's prefill) may still run from a full budget, which it
+    # then overdraws: the long-run share holds, such turns are just spaced further apart.
+    if stall > 0.0 and credit < min(stall, c.knobs.stall_burst_s):
         why = (f"stall budget: D's batch would lose {stall:.3f}s, {max(0.0, credit):.3f}s left "
                f"({c.knobs.decode_stall_share:.1%} of D's time)")
         return replace(base, feasible=False, soft=True, why_not=why)

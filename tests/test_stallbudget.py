@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from kvtether.gateway.costpolicy import NodeState, PolicyKnobs, choose
+from kvtether.gateway.estimates import EstimatorSeeds, EstimatorSnapshot
 from kvtether.gateway.stallbudget import StallBudget
 from test_costpolicy import D0, D1, MOE, P0, history_turn
 
@@ -77,3 +80,25 @@ def test_a_draining_budget_keeps_the_turns_with_most_to_gain() -> None:
     assert short.option == "pull", short.reason
     local = next(o for o in short.options if o.option == "decode_local")
     assert local.interference_s == pytest.approx(local.stall_s)  # price 1 at half the burst
+
+
+def test_a_stall_larger_than_the_burst_runs_only_from_a_full_budget() -> None:
+    # A slow decode node (every local prefill stalls its batch ~1 s) with a 0.16 s burst: from a full
+    # budget the turn may run (overdrawing it; the share still holds over time), from a partial one it may
+    # not, and after the overdraft the budget needs (stall − 0.16) / 0.04 ≈ 25 s before the next.
+    slow = EstimatorSnapshot(EstimatorSeeds(prefill_overhead_s=1.0, tpot_base_s=0.01, tpot_s_per_seq=0.001))
+    knobs = PolicyKnobs(interference_weight=0.0)
+    turn = history_turn(16000, 300, expected_output_tokens=32)
+    full = choose(replace(turn, decode_stall_credit_s=knobs.stall_burst_s), D0, (NodeState(P0),), BUSY, slow, knobs)
+    assert full.option == "decode_local", full.reason
+    stall = next(o for o in full.options if o.option == "decode_local").stall_s
+    assert stall > knobs.stall_burst_s
+    after = StallBudget.full(knobs.decode_stall_share, knobs.decode_stall_window_s, now=0.0).spend(stall, now=0.0)
+    for t in (1.0, 20.0):
+        credit = after.credit(t)
+        dec = choose(replace(turn, decode_stall_credit_s=credit), D0, (NodeState(P0),), BUSY, slow, knobs)
+        assert dec.option != "decode_local", (t, dec.reason)
+    full_again = stall / knobs.decode_stall_share  # from −(stall − burst) back up to the burst
+    assert after.credit(full_again - 1.0) < knobs.stall_burst_s
+    assert after.credit(full_again) == pytest.approx(knobs.stall_burst_s)
+
