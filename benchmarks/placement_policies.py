@@ -16,8 +16,15 @@ Time: the simulator runs at ``--speed`` simulated seconds per real second (defau
 time) and every reported time is *simulated* (= client-measured real × speed). The gateway's and the
 simulator's own Python CPU time is then a fifth of what it would be at speed 1 relative to the simulated
 GPU time; what is left of it is still in every number (it is overhead a real deployment also pays, scaled).
-TTFT is measured at the client (first content/tool-call delta of a stream); TPOT is each request's mean
-inter-chunk gap after the first token, p95 over requests.
+TTFT is measured at the client (first content/tool-call delta of a stream, the project's definition), TTFC
+too (first chunk of any kind: the simulator, like vLLM, sends its role chunk with the first engine output, so
+this is the first *token*; TTFT also waits for the tool-call parser to release the function name, several
+decode steps later); TPOT is each request's mean inter-chunk gap after the first token, p95 over requests.
+
+Arrivals: closed loop by default (each session thinks ``--think-s`` after an answer, so a faster policy
+also raises the load it offers), or paced with ``--pace-s`` (each session sends a turn every PACE seconds,
+or when its previous answer is done if that is later): every policy then offers the same load, and decode
+TPOT compares at equal decode concurrency (what "without hurting the other sessions" is about).
 
 The cost policy's estimator seeds are set from the preset's cost model (a calibration an operator would
 take from a short benchmark of the cluster), converted to real seconds at ``--speed``; it learns from there.

@@ -316,7 +316,7 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
     marginal = c.est.prefill_s(d.url, n, cached)
     stall = max(0.0, marginal - steps * c.est.tpot_s(d.url, d.running)) if d.running > 0 else 0.0
     credit = turn.decode_stall_credit_s
-    interference = (c.knobs.interference_weight * d.running + _stall_price(credit, c.knobs)) * stall
+    interference = (c.knobs.interference_weight * d.running + _stall_price(credit, c.knobs)) * stall if stall else 0.0
     base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall)
     if n > c.knobs.max_local_suffix_tokens:
         return replace(base, feasible=False, soft=True,
@@ -337,11 +337,12 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
 
 def _stall_price(credit_s: float, knobs: PolicyKnobs) -> float:
     """TTFT-seconds one second of D's stall costs on top of the interference weight: 0 while the stall budget
-    is full (or not kept), rising as it drains (burst/credit − 1: 1 at half, 3 at a quarter)."""
+    is full (or not kept), rising as it drains (burst/credit − 1: 1 at half, 3 at a quarter; at most 99, so
+    a forced local turn on an overdrawn budget still has a finite score)."""
     burst = knobs.stall_burst_s
     if math.isinf(credit_s) or credit_s >= burst:
         return 0.0
-    return burst / credit_s - 1.0 if credit_s > 0.0 else math.inf
+    return burst / max(credit_s, 0.01 * burst) - 1.0
 
 
 def _pd(option: Option, turn: TurnFacts, p: NodeLike, d: NodeLike, holder: str | None, reuse: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -102,3 +103,15 @@ def test_a_stall_larger_than_the_burst_runs_only_from_a_full_budget() -> None:
     assert after.credit(full_again - 1.0) < knobs.stall_burst_s
     assert after.credit(full_again) == pytest.approx(knobs.stall_burst_s)
 
+
+
+def test_an_overdrawn_budget_keeps_every_score_finite() -> None:
+    # Every P is down: the local turn is forced although the budget is overdrawn; its score stays a number.
+    turn = history_turn(16000, 300, expected_output_tokens=32, decode_stall_credit_s=-1.0)
+    dec = choose(turn, D0, (NodeState(P0, healthy=False),), BUSY, MOE)
+    assert dec.option == "decode_local" and dec.forced, dec.reason
+    local = next(o for o in dec.options if o.option == "decode_local")
+    assert "stall budget" in local.why_not
+    assert math.isfinite(local.interference_s) and local.interference_s > 0
+    idle = choose(turn, D0, (NodeState(P0),), (NodeState(D0), NodeState(D1)), MOE)
+    assert all(math.isfinite(s) for s in idle.scores_s.values()), idle.reason
