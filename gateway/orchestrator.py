@@ -124,6 +124,10 @@ class LegResult:
     usage: Any = None
     finish_reasons: list[str] = field(default_factory=list)
     ttft: float | None = None
+    # Since the turn's start, the stream's first chunk with choices: vLLM sends its role chunk with the first
+    # engine output, so this is when D produced the first token. TTFT (above) may come several decode steps
+    # later, once the tool-call parser releases the function name: not prefill time, so not learned from.
+    first_chunk: float | None = None
     # Stream timing of output chunks (first, last, how many tokens between): the decode TPOT sample.
     out_first_at: float | None = None
     out_last_at: float | None = None
@@ -354,10 +358,15 @@ class Orchestrator:
         running, waiting = self._load_at_plan(ctx, node)
         usage = result.usage if isinstance(result.usage, dict) else {}
         prompt = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
-        if (result.ttft is not None and ctx.final_leg_at is not None and prompt is not None and waiting == 0):
-            d_ttft = ctx.t0 + result.ttft - ctx.final_leg_at
+        if prompt is None and result.prompt_ids is not None:
+            prompt = len(result.prompt_ids)  # a stream without usage: D's first chunk carries the prompt ids
+        # Streams only: a non-streamed answer has no first-token time (its latency is the whole decode).
+        if (result.first_chunk is not None and ctx.final_leg_at is not None and prompt is not None
+                and waiting == 0):
+            d_ttft = ctx.t0 + result.first_chunk - ctx.final_leg_at
             if the_plan.action is HandleAction.DECODE_LOCAL:
-                cached = B.cached_tokens(usage)
+                # D's own count when usage came back, else what the gateway verified it holds.
+                cached = B.cached_tokens(usage) if usage else ctx.decode_cached
                 self.estimator.observe_prefill(node, prompt - cached, cached, d_ttft, now=now)
             # Not learned here: the P→D transfer from D's first token after a P leg. That time is mostly D's
             # request handling (template, tokenizing, admission) for a read of a few blocks, and the link's
@@ -629,6 +638,8 @@ class Orchestrator:
             return None
         if not isinstance(chunk, dict):
             return None
+        if result.first_chunk is None and chunk.get("choices"):
+            result.first_chunk = time.perf_counter() - ctx.t0
         if result.ttft is None and B.has_first_token(chunk):
             result.ttft = time.perf_counter() - ctx.t0
             span.add_event(T.EVENT_FIRST_TOKEN)

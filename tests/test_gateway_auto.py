@@ -7,6 +7,8 @@ equals the aggregated oracle's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 from gateway_agent import chat, comparable, first_messages, next_messages, request_body
@@ -181,3 +183,42 @@ async def test_decode_local_turns_spend_the_decode_nodes_stall_budget() -> None:
     assert "D 1 running" in str(plans[0]["kvtether.plan.reason"])
     assert "stall budget" in str(plans[1]["kvtether.plan.cost.rejected.decode_local"])
     assert 0.15 < stalled < 0.3  # the one local turn's estimated stall (~0.2 s), counted per decode node
+
+
+async def test_a_local_prefill_is_learned_from_ds_first_token_not_from_the_first_tool_call_delta() -> None:
+    """vLLM sends a stream's role chunk with the first engine output; the first tool-call delta follows once
+    the parser has the function name, several decode steps later. The local-prefill sample the estimator
+    learns must end at the first chunk: the hold-back is decode time, and counting it as prefill made the
+    policy (and its stall budget) overcharge every local turn."""
+    from test_gateway_sim import rig
+
+    async with rig(policy="auto", min_reuse_tokens=4, max_local_suffix_tokens=256) as r:
+        orch = r.gw.orchestrator
+        pending: list[tuple[float, float]] = []  # (from the first chunk, from the first delta) of the leg
+        samples: list[tuple[float, float, float]] = []
+        learn_decode, observe_prefill = orch._learn_decode, orch.estimator.observe_prefill
+
+        def spy_learn(ctx: Any, the_plan: Any, result: Any, now: float) -> None:
+            if the_plan.action.value == "decode_local" and ctx.final_leg_at is not None:
+                assert result.first_chunk is not None and result.ttft is not None
+                pending[:] = [(ctx.t0 + result.first_chunk - ctx.final_leg_at, ctx.t0 + result.ttft - ctx.final_leg_at)]
+            learn_decode(ctx, the_plan, result, now)
+            pending.clear()
+
+        def spy_observe(node: str, tokens: int, context: int, seconds: float, *, now: float) -> None:
+            if pending:
+                samples.append((*pending[0], seconds))
+            observe_prefill(node, tokens, context, seconds, now=now)
+
+        orch._learn_decode, orch.estimator.observe_prefill = spy_learn, spy_observe
+        h = {"x-session-id": "learn-1"}
+        messages = first_messages(70)
+        for turn in range(4):
+            body = {**request_body(messages, stream=True), "tool_choice": "required"}
+            got = await chat(r.client, r.url, body, h)
+            assert got.get("tool_calls"), got
+            messages = next_messages(messages, got, 70, turn, result_words=10)
+    assert samples, "no decode-local turn was learned from"
+    for from_first_chunk, from_first_delta, seconds in samples:
+        assert seconds == pytest.approx(from_first_chunk)
+        assert from_first_chunk < from_first_delta  # the tool-call parser held the first delta back
