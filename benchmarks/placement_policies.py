@@ -12,9 +12,9 @@ Sessions: agent loops with a shared system prompt; each turn appends a tool resu
 with min_tokens + ignore_eos so every policy decodes the same amount). All sessions run at once, so both
 decode nodes carry a running batch while new turns arrive (what makes a local prefill cost the batch TPOT).
 
-Time: the simulator runs at ``--speed`` simulated seconds per real second (default 0.2, slower than real
+Time: the simulator runs at ``--speed`` simulated seconds per real second (default 0.25, slower than real
 time) and every reported time is *simulated* (= client-measured real × speed). The gateway's and the
-simulator's own Python CPU time is then a fifth of what it would be at speed 1 relative to the simulated
+simulator's own Python CPU time is then a quarter of what it would be at speed 1 relative to the simulated
 GPU time; what is left of it is still in every number (it is overhead a real deployment also pays, scaled).
 TTFT is measured at the client (first content/tool-call delta of a stream, the project's definition), TTFC
 too (first chunk of any kind: the simulator, like vLLM, sends its role chunk with the first engine output, so
@@ -30,7 +30,9 @@ The cost policy's estimator seeds are set from the preset's cost model (a calibr
 take from a short benchmark of the cluster), converted to real seconds at ``--speed``; it learns from there.
 
     .venv/bin/python benchmarks/placement_policies.py [--preset glm-5-fp8-h200-tp8|qwen3-32b-h200-tp8|both]
-        [--sessions 8] [--turns 20] [--speed 0.2] [--policies no-pull,reference,pull,auto] [--json]
+        [--sessions 16] [--turns 20] [--output 128] [--pace-s 4] [--speed 0.25] [--policies no-pull,reference,pull,auto]
+        [--json]
+    # --pace-s 0 --sessions 8 --output 32 --speed 0.2: the closed-loop workload measured until 2026-12-01
 """
 
 from __future__ import annotations
@@ -485,16 +487,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="both", help="glm-5-fp8-h200-tp8, qwen3-32b-h200-tp8 or both")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=2)
-    ap.add_argument("--speed", type=float, default=0.2, help="simulated seconds per real second (< 1: slower)")
+    ap.add_argument("--speed", type=float, default=0.25, help="simulated seconds per real second (< 1: slower)")
     ap.add_argument("--system-tokens", type=int, default=2000)
     ap.add_argument("--suffix-mix", default="50-500:0.9,2000-8000:0.1", help="tool-result tokens per turn")
-    ap.add_argument("--output", type=int, default=32, help="answer tokens per turn (pinned)")
+    ap.add_argument("--output", type=int, default=128, help="answer tokens per turn (pinned)")
     ap.add_argument("--think-s", type=float, default=0.3, help="mean simulated think/tool time between turns")
-    ap.add_argument("--pace-s", type=float, default=0.0,
+    ap.add_argument("--pace-s", type=float, default=4.0,
                     help="paced (open-loop) turns: each session sends a turn every PACE simulated s (± 25 %%), "
                          "or as soon as its previous answer is done if that is later; every policy then offers "
                          "the same load, so decode TPOT compares at equal concurrency. 0: closed loop "
