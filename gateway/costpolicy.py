@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, get_args
 
 from kvtether.gateway.estimates import EstimatorSnapshot
+from kvtether.gateway.stallbudget import StallBudget
 
 Option = Literal["decode_local", "pull", "cold"]
 OPTIONS: tuple[Option, ...] = ("decode_local", "pull", "cold")  # also the tie-break order
@@ -449,7 +450,8 @@ def _after(turn: TurnFacts, o: OptionEstimate, c: _Cluster) -> list[tuple[float,
     # The stall budget after this turn spent its stall and refilled over the turn's answer.
     credit = turn.decode_stall_credit_s
     if not math.isinf(credit):
-        credit = min(c.knobs.stall_burst_s, credit - o.stall_s + c.knobs.decode_stall_share * gap)
+        budget = StallBudget(c.knobs.decode_stall_share, c.knobs.decode_stall_window_s, credit, 0.0)
+        credit = budget.spend(o.stall_s, 0.0).credit(gap)
     hit = replace(nxt, reuse_tokens=pinned_prefix, handle_valid=keeps,
                   handle_age_s=turn.handle_age_s + gap if keeps else 0.0, decode_stall_credit_s=credit)
     miss = replace(hit, decode_cached_tokens=pinned_prefix)

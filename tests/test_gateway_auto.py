@@ -16,7 +16,7 @@ from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
 from kvtether.gateway.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
-from test_gateway_sim import LIMITS, SPEED, metric
+from test_gateway_sim import LIMITS, SPEED, metric, rig
 
 pytestmark = pytest.mark.anyio
 
@@ -190,8 +190,6 @@ async def test_a_local_prefill_is_learned_from_ds_first_token_not_from_the_first
     the parser has the function name, several decode steps later. The local-prefill sample the estimator
     learns must end at the first chunk: the hold-back is decode time, and counting it as prefill made the
     policy (and its stall budget) overcharge every local turn."""
-    from test_gateway_sim import rig
-
     async with rig(policy="auto", min_reuse_tokens=4, max_local_suffix_tokens=256) as r:
         orch = r.gw.orchestrator
         pending: list[tuple[float, float]] = []  # (from the first chunk, from the first delta) of the leg
