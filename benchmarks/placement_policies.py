@@ -314,11 +314,10 @@ async def run_policy(name: str, preset: str, plans: list[SessionPlan], args: arg
                           session_ttl_s=min(450.0, 450.0 / args.speed),
                           engine_kv_ttl_s=max(480.0, 480.0 / args.speed),
                           chunk_tokens=get_preset(preset).max_num_batched_tokens,
-                          # The TPOT objective is in simulated seconds like every other time here; the
-                          # gateway measures real ones, `1/speed` times longer.
-                          tpot_budget_s=PolicyKnobs().tpot_budget_s / args.speed,
-                          decode_stall_window_s=PolicyKnobs().decode_stall_window_s / args.speed,
-                          **{**calibrated_seeds(preset, args.speed), **knobs})
+                          # The TPOT objective and the stall window are in simulated seconds like every other
+                          # time here; the gateway measures real ones, `1/speed` times longer.
+                          **{**{k: getattr(PolicyKnobs(), k) / args.speed for k in SIM_SECONDS_KNOBS},
+                             **calibrated_seeds(preset, args.speed), **knobs})
         app = create_app(cfg)
         async with serve_gateway(cfg, app=app) as gw, httpx.AsyncClient(
                 timeout=3600, limits=httpx.Limits(keepalive_expiry=2.0, max_connections=200)) as client:
