@@ -91,6 +91,8 @@ class GatewayConfig:
     # they may cause), as a token bucket with a burst of share × window (gateway/stallbudget.py).
     decode_stall_share: float = _KNOBS.decode_stall_share
     decode_stall_window_s: float = _KNOBS.decode_stall_window_s
+    # A P/D turn may decode on a less loaded D than the pinned one (the pin moves): balance across D's.
+    rebalance_decode: bool = _KNOBS.rebalance_decode
     # Look-ahead (0..3 turns) and its discount: a turn that is cheapest on D now may leave the session
     # without a handle (vLLM returns none for a locally prefilled request), making the next turn dear.
     horizon_turns: int = _KNOBS.horizon_turns

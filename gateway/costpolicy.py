@@ -166,6 +166,11 @@ class PolicyKnobs:
     # Look-ahead: above this KV usage of D, a decode-local turn's history (no handle, only prefix cache)
     # may be evicted before the next turn; the probability rises linearly to 1 at full usage.
     evict_kv_usage_knee: float = 0.8
+    # auto: a P/D turn (pull or cold) may decode on another D than the pinned one when that D is less loaded
+    # enough to pay for moving the whole prompt's KV there (the session's pin moves with it). Without it a
+    # pinned session keeps whatever imbalance its turns' timing gave its D, which every one of them pays in
+    # TPOT; vLLM's reference proxy spreads turns round-robin and wins on balance alone.
+    rebalance_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in POLICY_MODES:
@@ -208,10 +213,13 @@ class OptionEstimate:
     computed_tokens: int = 0  # tokens prefilled
     moved_tokens: int = 0  # tokens whose KV crosses the network (both directions)
     stall_s: float = 0.0  # decode_local: seconds the running batch on D loses (what the stall budget spends)
+    # P/D on another D than the pinned one: what its answer's decode adds to that D's batch less what it would
+    # add to the pinned D's (negative when the other D is lighter; 0 on the pinned D). See _balance_s.
+    balance_s: float = 0.0
 
     @property
     def score_s(self) -> float:
-        return self.ttft_s + self.interference_s + self.horizon_s
+        return self.ttft_s + self.interference_s + self.horizon_s + self.balance_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,8 +355,9 @@ def _stall_price(credit_s: float, knobs: PolicyKnobs) -> float:
 
 
 def _pd(option: Option, turn: TurnFacts, p: NodeLike, d: NodeLike, holder: str | None, reuse: int,
-        d_cached: int, c: _Cluster) -> OptionEstimate:
-    """A P/D turn on the given nodes: P pulls `reuse` tokens from `holder` (0: cold), D lacks the rest."""
+        d_cached: int, c: _Cluster, pinned: NodeLike | None = None) -> OptionEstimate:
+    """A P/D turn on the given nodes: P pulls `reuse` tokens from `holder` (0: cold), D lacks the rest.
+    `pinned`: the session's D, when `d` may be another one (rebalancing)."""
     p_cached = 0
     if reuse == 0:
         p_cached = _floor_block(min(turn.prefill_cached_tokens, turn.prompt_tokens - 1), c.knobs.block_size)
@@ -358,11 +367,44 @@ def _pd(option: Option, turn: TurnFacts, p: NodeLike, d: NodeLike, holder: str |
     back_tokens = turn.prompt_tokens - d_cached
     ttft = (_p_queue_s(c, p) + read + c.est.prefill_s(p.url, computed, context)
             + c.est.transfer_s(p.url, d.url, back_tokens) + _d_leg_s(c, d))
-    return OptionEstimate(option, True, "", False, ttft, 0.0, 0.0, p.url, d.url, reuse, computed, reuse + back_tokens)
+    balance = _balance_s(turn, d, pinned, c) if pinned is not None else 0.0
+    return OptionEstimate(option, True, "", False, ttft, 0.0, 0.0, p.url, d.url, reuse, computed, reuse + back_tokens,
+                          balance_s=balance)
 
 
 def _best(cands: Iterable[OptionEstimate]) -> OptionEstimate | None:
-    return min(cands, key=lambda o: (o.ttft_s, o.prefill_url or ""), default=None)
+    return min(cands, key=lambda o: (o.ttft_s + o.balance_s, o.prefill_url or "", o.balance_s != 0.0),
+               default=None)
+
+
+def _decode_choices(pinned: NodeLike, c: _Cluster) -> tuple[NodeLike, ...]:
+    """Where a P/D turn of a session pinned to `pinned` may decode: there, or (auto, rebalancing on) any D."""
+    if c.knobs.mode != "auto" or not c.knobs.rebalance_decode:
+        return (pinned,)
+    return (pinned, *(d for d in c.decodes if d.url != pinned.url))
+
+
+def _load(d: NodeLike) -> float:
+    return d.running + d.waiting
+
+
+def _balance_s(turn: TurnFacts, d: NodeLike, pinned: NodeLike, c: _Cluster) -> float:
+    """Decoding this turn's answer on `d` instead of the pinned D, in TTFT-seconds (interference_weight).
+
+    Each request a new one joins is delayed by one sequence's share of a decode step (tpot's per-sequence
+    term) for as long as both decode, about the answer's length; the new answer itself decodes at the
+    step time of its node's batch. Both scale with the node's load, so the difference between two nodes is
+    (load_d − load_pinned) × per-sequence step × answer tokens, for the others and for itself.
+    """
+    if d.url == pinned.url:
+        return 0.0
+    out = turn.expected_output_tokens
+
+    def cost(n: NodeLike) -> float:
+        per_seq = max(0.0, c.est.tpot_s(n.url, 2.0) - c.est.tpot_s(n.url, 1.0))
+        return _load(n) * per_seq * out + out * c.est.tpot_s(n.url, _load(n) + 1.0)
+
+    return c.knobs.interference_weight * (cost(d) - cost(pinned))
 
 
 def _pull(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
@@ -380,7 +422,8 @@ def _pull(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
     ps = [p for p in c.prefills if p.bidirectional]
     if not ps:
         return no("no healthy bidirectional prefill node")
-    best = _best(_pd("pull", turn, p, d, d.url, reuse, _d_cached(turn, c), c) for p in ps)
+    best = _best(_pd("pull", turn, p, dd, d.url, reuse, _d_cached(turn, c) if dd is d else 0, c, d)
+                 for p in ps for dd in _decode_choices(d, c))
     assert best is not None
     p_url = best.prefill_url or ""
     # P reads after its queue: the handle must still be alive (with the engine's decline margin) by then.
@@ -400,7 +443,12 @@ def _cold(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
         d = min(c.decodes, key=lambda n: (_d_leg_s(c, n), n.url), default=None)
         if d is None:
             return OptionEstimate("cold", False, "no healthy decode node")
-    best = _best(_pd("cold", turn, p, d, None, 0, d_cached, c) for p in c.prefills)
+    pinned_d = c.decode(pinned)
+    if pinned_d is None:
+        best = _best(_pd("cold", turn, p, d, None, 0, d_cached, c) for p in c.prefills)
+    else:
+        best = _best(_pd("cold", turn, p, dd, None, 0, d_cached if dd is d else 0, c, d)
+                     for p in c.prefills for dd in _decode_choices(d, c))
     assert best is not None
     return best
 
@@ -538,7 +586,7 @@ def choose(
     assert pick.decode_url is not None
     return CostDecision(
         option=pick.option,
-        reason=_reason(knobs.mode, pick, opts, turn, c, forced, greedy),
+        reason=_reason(knobs.mode, pick, opts, turn, c, forced, greedy, pinned_decode),
         estimates_s={o.option: round(o.ttft_s, 6) for o in opts if o.feasible},
         prefill_url=pick.prefill_url,
         decode_url=pick.decode_url,
@@ -580,15 +628,16 @@ def _reference(turn: TurnFacts, pinned: str | None, c: _Cluster, rr: int) -> Cos
 
 
 def _reason(mode: PolicyMode, pick: OptionEstimate, opts: Sequence[OptionEstimate], turn: TurnFacts,
-            c: _Cluster, forced: bool, greedy: Option | None) -> str:
+            c: _Cluster, forced: bool, greedy: Option | None, pinned: str | None = None) -> str:
     """E.g. ``auto -> pull: pull 0.210s < decode_local 0.260s < cold 0.900s [ttft …] (suffix …; …)``."""
     feasible = sorted((o for o in opts if o.feasible), key=lambda o: (o.score_s, OPTIONS.index(o.option)))
     head = f"{mode} -> {pick.option}" + (" (forced)" if forced else "") + ": "
     head += " < ".join(f"{o.option} {o.score_s:.3f}s" for o in feasible) or "no option within limits"
     detail = []
-    if any(o.interference_s or o.horizon_s for o in feasible):
+    if any(o.interference_s or o.horizon_s or o.balance_s for o in feasible):
         detail.append("ttft " + ", ".join(f"{o.option} {o.ttft_s:.3f}s" for o in feasible))
         detail += [f"{o.option} interference {o.interference_s:.3f}s" for o in feasible if o.interference_s]
+        detail += [f"{o.option} on {o.decode_url} balance {o.balance_s:.3f}s" for o in feasible if o.balance_s]
         detail.append("next turn " + ", ".join(f"{o.option} {o.horizon_s:.3f}s" for o in feasible))
     if greedy is not None and greedy != pick.option:
         detail.append(f"horizon: {pick.option} over greedy {greedy}")
@@ -596,6 +645,9 @@ def _reason(mode: PolicyMode, pick: OptionEstimate, opts: Sequence[OptionEstimat
     d = c.decode(pick.decode_url)
     if d is not None:
         facts.append(f"D {d.running:g} running/{d.waiting:g} waiting")
+    home = c.decode(pinned)
+    if home is not None and d is not None and d is not home:
+        facts.append(f"moves the pin from {home.url} ({home.running:g} running/{home.waiting:g} waiting)")
     if not math.isinf(turn.decode_stall_credit_s):
         facts.append(f"D stall budget {turn.decode_stall_credit_s:.3f}s of {c.knobs.stall_burst_s:.3f}s")
     # The P this turn uses, or (decode_local) the one the best P/D option would have used: its queue is

@@ -39,6 +39,7 @@ from kvtether.gateway.placement import (
 )
 from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
 from kvtether.gateway.stallbudget import StallBudget
+from kvtether.gateway.steps import ChunkTimes, step_start
 from kvtether.sdk.contract import session_id_from_headers
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -132,6 +133,9 @@ class LegResult:
     out_first_at: float | None = None
     out_last_at: float | None = None
     out_tokens_timed: int = 0
+    # Other streams' chunk arrivals on the same D between this leg's send and its first chunk (the last few):
+    # the step boundaries a decode-local prefill's mixed step is read from (steps.step_start).
+    arrivals_before_first: tuple[float, ...] = ()
 
 
 class Orchestrator:
@@ -151,6 +155,8 @@ class Orchestrator:
         self.knobs = _knobs(config)
         # Per decode node: how much more its running batch may be stalled by decode-local prefills.
         self.stall_budgets: dict[str, StallBudget] = {}
+        # Per decode node: when its streamed chunks arrived (one burst per engine step).
+        self.chunk_times = ChunkTimes()
         for node in config.decode:
             metrics.decode_stall.labels(node)  # every series shows zero before the first local turn
 
@@ -363,17 +369,42 @@ class Orchestrator:
         # Streams only: a non-streamed answer has no first-token time (its latency is the whole decode).
         if (result.first_chunk is not None and ctx.final_leg_at is not None and prompt is not None
                 and waiting == 0):
-            d_ttft = ctx.t0 + result.first_chunk - ctx.final_leg_at
+            first_at = ctx.t0 + result.first_chunk
             if the_plan.action is HandleAction.DECODE_LOCAL:
                 # D's own count when usage came back, else what the gateway verified it holds.
                 cached = B.cached_tokens(usage) if usage else ctx.decode_cached
-                self.estimator.observe_prefill(node, prompt - cached, cached, d_ttft, now=now)
+                seconds: float | None = first_at - ctx.final_leg_at
+                if running > 0:
+                    seconds = self._mixed_step_s(ctx, node, running, result, prompt - cached, first_at, now)
+                log.debug("local prefill %s on %s: %d tok after %d, %g running: first chunk %.4fs after send, "
+                          "learned %s", ctx.session_id, node, prompt - cached, cached, running,
+                          first_at - ctx.final_leg_at, "-" if seconds is None else f"{seconds:.4f}s")
+                if seconds is not None:
+                    self.estimator.observe_prefill(node, prompt - cached, cached, seconds, now=now)
             # Not learned here: the P→D transfer from D's first token after a P leg. That time is mostly D's
             # request handling (template, tokenizing, admission) for a read of a few blocks, and the link's
             # fit is shared with the D→P pull: it taught the policy that every pull is slow.
         if result.out_first_at is not None and result.out_last_at is not None and result.out_tokens_timed >= 2:
             gap = (result.out_last_at - result.out_first_at) / result.out_tokens_timed
             self.estimator.observe_tpot(node, running + 1, gap, now=now)
+
+    def _mixed_step_s(self, ctx: TurnContext, node: str, running: float, result: LegResult, tokens: int,
+                      first_at: float, now: float) -> float | None:
+        """How long the engine step that prefilled a local suffix took, read off the other streams on D.
+
+        On a busy D this, not the turn's time to first token, is the local prefill's cost: the running
+        requests waited exactly this step for their next token (the stall is it less a plain decode step),
+        while the turn's own wait also holds D's request handling and the step in flight when it arrived.
+        Learning the TTFT instead made every stall look about twice its size on GLM-5 (docs/placement.md).
+        None when it cannot be read: a suffix over several chunked steps, or no other stream's chunk between
+        this leg's send and its first chunk (nothing streaming there, or only non-streamed requests).
+        """
+        if tokens > self.knobs.chunk_tokens or ctx.final_leg_at is None:
+            return None
+        # Chunks of one step arrive within relay jitter of each other; a step apart, a decode step or more.
+        same_step = 0.5 * self.estimator.snapshot(now).tpot_s(node, running)
+        start = step_start(result.arrivals_before_first, ctx.final_leg_at, first_at, same_step)
+        return None if start is None else first_at - start
 
     def _stall_budget(self, node: str, now: float) -> StallBudget:
         budget = self.stall_budgets.get(node)
@@ -611,7 +642,10 @@ class Orchestrator:
                         result.answer = answer.message()
                         await self._finish(ctx, the_plan, result, span, source)
                     elif payload and payload != "[DONE]":
+                        seen_first = result.first_chunk is not None
                         line = self._relay_chunk(ctx, payload, result, answer, span) or line
+                        if result.first_chunk is not None:
+                            self._time_chunk(ctx, the_plan.decode, result, seen_first)
                 yield (line + "\n").encode()
         except httpx.HTTPError as exc:
             failure = UpstreamFailure(the_plan.decode, "aggregated" if self.config.mode == "aggregated" else "decode",
@@ -628,6 +662,13 @@ class Orchestrator:
                     # The client left or the stream broke: keep the pin; keep the handle only if D finished.
                     result.answer = answer.message()
                     await self._finish(ctx, the_plan, result, span, source)
+
+    def _time_chunk(self, ctx: TurnContext, node: str, result: LegResult, seen_first: bool) -> None:
+        at = time.perf_counter()
+        if not seen_first and ctx.final_leg_at is not None:
+            # Recorded before this stream's own first chunk joins them: only other streams' bursts.
+            result.arrivals_before_first = self.chunk_times.since(node, ctx.final_leg_at)[-_STEP_ARRIVALS:]
+        self.chunk_times.record(node, at)
 
     def _relay_chunk(self, ctx: TurnContext, payload: str, result: LegResult, answer: B.StreamAnswer,
                      span: trace.Span) -> str | None:
@@ -777,9 +818,14 @@ class Orchestrator:
 
 
 async def _read_preamble(resp: httpx.Response, lines: AsyncIterator[str], node: str, leg: str) -> list[str]:
-    """Hold back the stream's lines up to its first token (or end): an error event there means the
-    client has seen nothing yet, so the turn can still be retried as a whole (e.g. D failed to read
-    P's KV). After the first token, lines are relayed as they come."""
+    """Hold back the stream's lines up to its first chunk with choices (or end): an error event there means
+    the client has seen nothing yet, so the turn can still be retried as a whole (e.g. D failed to read
+    P's KV). vLLM sends that chunk (the role chunk) with the first engine output, i.e. once D has the KV and
+    the first token, so nothing retryable comes after it; from there lines are relayed as they come.
+
+    Not up to the first content or tool-call delta: a tool-call parser holds that back for several decode
+    steps, and holding the stream meanwhile delayed the client's first chunk and stamped the turn's first
+    token (and every chunk held with it) that much late, which the estimator then learned as prefill."""
     held: list[str] = []
     try:
         async for line in lines:
@@ -800,8 +846,7 @@ async def _read_preamble(resp: httpx.Response, lines: AsyncIterator[str], node: 
                 code = err.get("code") if isinstance(err, dict) else None
                 status = code if isinstance(code, int) and 400 <= code < 600 else 500
                 raise UpstreamFailure(node, leg, f"error event before the first token: {err}", status, chunk)
-            choices = chunk.get("choices") or []
-            if B.has_first_token(chunk) or any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+            if chunk.get("choices") or B.has_first_token(chunk):
                 break
     except httpx.HTTPError as exc:
         await resp.aclose()
@@ -861,7 +906,10 @@ def _knobs(config: GatewayConfig) -> PolicyKnobs:
         horizon_turns=config.horizon_turns, horizon_discount=config.horizon_discount,
         recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,
         block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,
-        evict_kv_usage_knee=config.evict_kv_usage_knee)
+        evict_kv_usage_knee=config.evict_kv_usage_knee, rebalance_decode=config.rebalance_decode)
+
+
+_STEP_ARRIVALS = 16  # chunk arrivals kept per leg to find the step before its first chunk
 
 
 def _time_output(result: LegResult, n: int) -> None:

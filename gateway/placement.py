@@ -240,8 +240,9 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
                      exclude=turn.exclude, round_robin=turn.round_robin)
     except C.NoFeasibleOption as exc:
         raise NoCapacity("decode" if "decode" in exc.why else "prefill") from None
+    # Off the pinned D: it is lost, or (rebalancing) a P/D turn decodes on a lighter D and the pin moves.
     re_placed = pinned is not None and d.decode_url != pinned
-    if re_placed and refused is None and turn.handle is HandleState.PRESENT:
+    if re_placed and not pinned_alive and refused is None and turn.handle is HandleState.PRESENT:
         refused = "missing"  # the handle is on the lost decode node, as the pull rule reports it
     if d.option == "decode_local":
         return Plan(None, d.decode_url, HandleAction.DECODE_LOCAL, 0, d.reason, refused, re_placed, d)

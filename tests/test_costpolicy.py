@@ -71,12 +71,16 @@ class Case:
     est: EstimatorSnapshot = SNAP
 
 
+# The cases about a turn on its pinned D (local or not) keep the other D out of it; rebalancing has its own.
+STAY = PolicyKnobs(rebalance_decode=False)
+
 CASES = {
     "idle-decode-short-suffix": Case(history_turn(8000, 200), "decode_local", ("suffix 200 tok", "pull", "cold")),
     "idle-decode-long-suffix-valid-handle": Case(
         history_turn(12000, 6000), "pull", ("max_local_suffix_tokens",), reuse=6000),
     "busy-decode-medium-suffix": Case(
-        history_turn(12000, 1000), "pull", ("interference", "D 32 running"), decodes=(d(D0, running=32), d(D1))),
+        history_turn(12000, 1000), "pull", ("interference", "D 32 running"), decodes=(d(D0, running=32), d(D1)),
+        knobs=STAY),
     "busy-decode-tight-tpot-budget": Case(
         history_turn(12000, 600), "pull", ("TPOT",), decodes=(d(D0, running=48), d(D1)),
         knobs=PolicyKnobs(tpot_budget_s=0.022, interference_weight=0.0)),
@@ -104,7 +108,7 @@ CASES = {
         history_turn(8000, 300), "decode_local", ("P 4 running/20 waiting",),
         prefills=(p(P0, running=4, waiting=20), p(P1, running=4, waiting=25)), decodes=(d(D0, running=8), d(D1))),
     "busy-decode-short-suffix-idle-prefill": Case(
-        history_turn(12000, 1200), "pull", ("interference",), decodes=(d(D0, running=16), d(D1))),
+        history_turn(12000, 1200), "pull", ("interference",), decodes=(d(D0, running=16), d(D1)), knobs=STAY),
     "least-loaded-prefill-for-pull": Case(
         history_turn(12000, 6000), "pull", ("P 0 running/1 waiting",),
         prefills=(p(P0, running=2, waiting=6), p(P1, waiting=1))),
@@ -124,7 +128,28 @@ CASES = {
         decodes=(d(D0, running=1), d(D1)), est=MOE),
     "moe-one-running-short-suffix-tpot-weighted": Case(
         history_turn(16000, 300, expected_output_tokens=32), "pull", ("decode_local interference", "D 1 running"),
-        decodes=(d(D0, running=1), d(D1)), est=MOE, reuse=15700, knobs=PolicyKnobs(interference_weight=2.0)),
+        decodes=(d(D0, running=1), d(D1)), est=MOE, reuse=15700,
+        knobs=PolicyKnobs(interference_weight=2.0, rebalance_decode=False)),
+    # Rebalancing (auto): a P/D turn decodes on a lighter D when the balance pays for moving the whole
+    # prompt's KV there; the pull still reads the history from the pinned D.
+    "rebalance-pull-onto-the-idle-decode": Case(
+        history_turn(12000, 1000), "pull", ("moves the pin from http://d0 (32 running", "balance"),
+        decodes=(d(D0, running=32), d(D1)), decode_url=D1, reuse=11000),
+    "rebalance-not-worth-moving-a-long-history-for-a-short-answer": Case(
+        history_turn(30000, 3000, expected_output_tokens=16), "pull", (), est=MOE,
+        decodes=(d(D0, running=3), d(D1, running=2)), reuse=27000),
+    "rebalance-worth-it-for-a-long-answer": Case(
+        history_turn(30000, 3000, expected_output_tokens=512), "pull", ("moves the pin",), est=MOE,
+        decodes=(d(D0, running=3), d(D1, running=2)), decode_url=D1, reuse=27000),
+    "rebalance-off-stays-pinned": Case(
+        history_turn(30000, 3000, expected_output_tokens=512), "pull", (), est=MOE,
+        decodes=(d(D0, running=3), d(D1, running=2)), reuse=27000, knobs=STAY),
+    "rebalance-cold-onto-the-idle-decode": Case(
+        TurnFacts(9000, 3000, decode_cached_tokens=6000), "cold", ("moves the pin",),
+        decodes=(d(D0, running=8, waiting=2), d(D1)), decode_url=D1),
+    "pull-policy-never-rebalances": Case(
+        history_turn(8000, 3000), "pull", ("pull -> pull",), knobs=PolicyKnobs(mode="pull"),
+        decodes=(d(D0, running=32, waiting=4), d(D1)), reuse=5000),
     "pull-policy-short-suffix": Case(
         history_turn(8000, 200), "pull", ("pull -> pull",), knobs=PolicyKnobs(mode="pull"), reuse=7800),
     "pull-policy-without-handle": Case(

@@ -220,3 +220,64 @@ async def test_a_local_prefill_is_learned_from_ds_first_token_not_from_the_first
     for from_first_chunk, from_first_delta, seconds in samples:
         assert seconds == pytest.approx(from_first_chunk)
         assert from_first_chunk < from_first_delta  # the tool-call parser held the first delta back
+
+
+async def test_a_local_prefill_on_a_busy_decode_node_is_learned_from_its_mixed_step() -> None:
+    """While another answer decodes on D, a local turn's cost is the engine step that prefilled its suffix
+    (what the running answer waited for its next token), read off that answer's chunk arrivals: not the
+    turn's own time to first token, which also holds D's request handling and the step in flight when it
+    arrived. Learning the latter made every stall look about twice its size on GLM-5."""
+    from kvtether.sim.presets import get_preset
+
+    speed = 0.5  # GLM-5's steps: a plain decode step ~14 ms, the mixed step ~150 ms (real)
+    spec = ClusterSpec(prefill=1, decode=1, preset="glm-5-fp8-h200-tp8", speed=speed, kv_recompute_threshold=4,
+                       kv_lease_duration=3600.0)
+    async with SimCluster(spec) as cluster:
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
+                          metrics_poll_interval_s=0.5, min_reuse_tokens=4, max_local_suffix_tokens=256,
+                          interference_weight=0.0, decode_stall_share=1.0, seed_tpot_base_s=0.01,
+                          seed_transfer_latency_s=1.0)  # a pull is clearly dearer: the follow-up runs on D
+        app = create_app(cfg)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            orch = app.state.gateway.orchestrator
+            samples: list[tuple[int, int, float, float]] = []  # tokens, context, learned seconds, own TTFT
+            ttft: list[float] = []
+            learn_decode, observe_prefill = orch._learn_decode, orch.estimator.observe_prefill
+
+            def spy_learn(ctx: Any, the_plan: Any, result: Any, now: float) -> None:
+                if the_plan.action.value == "decode_local" and result.first_chunk is not None:
+                    ttft[:] = [ctx.t0 + result.first_chunk - ctx.final_leg_at]
+                learn_decode(ctx, the_plan, result, now)
+                ttft.clear()
+
+            def spy_observe(node: str, tokens: int, context: int, seconds: float, *, now: float) -> None:
+                if ttft:
+                    samples.append((tokens, context, seconds, ttft[0]))
+                observe_prefill(node, tokens, context, seconds, now=now)
+
+            orch._learn_decode, orch.estimator.observe_prefill = spy_learn, spy_observe
+            h = {"x-session-id": "a"}
+            first = first_messages(80)
+            got = await chat(client, url, request_body(first, stream=True), h)
+            follow_up = next_messages(first, got, 80, 0, result_words=20)
+            long_body = {**request_body(first_messages(81), stream=True, max_tokens=2000),
+                         "min_tokens": 2000, "ignore_eos": True}
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=long_body,
+                                     headers={"x-session-id": "long"}) as resp:
+                assert resp.status_code == 200
+                lines = resp.aiter_lines()  # kept: a dropped iterator would close the stream
+                async for line in lines:  # the long answer is decoding once its first chunk is out
+                    if line.startswith("data:"):
+                        break
+                before = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
+                await chat(client, url, request_body(follow_up, stream=True), h)
+                after = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
+                await resp.aclose()
+    assert after == before + 1, "the follow-up did not run on D"
+    assert len(samples) == 1, samples
+    tokens, context, seconds, own_ttft = samples[0]
+    long_context = 200  # about what the long answer has decoded by then (its step cost barely depends on it)
+    cost = get_preset("glm-5-fp8-h200-tp8").cost
+    mixed = cost.step_seconds([(tokens, context)], [long_context]) / speed
+    assert seconds < own_ttft  # not the turn's own time to first token
+    assert seconds == pytest.approx(mixed, rel=0.3), (seconds, mixed, own_ttft)

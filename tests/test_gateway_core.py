@@ -397,11 +397,12 @@ def test_auto_short_suffix_runs_on_the_pinned_decode_without_a_prefill() -> None
 
 
 def test_auto_long_suffix_pulls_exact_or_truncated() -> None:
-    p = plan(auto(prompt_tokens=17_000, suffix_tokens=5_000, decode_cached_tokens=0), cluster())
+    idle = cluster(d2=NodeLoad(D2))  # as idle as D1: no reason to move the pin
+    p = plan(auto(prompt_tokens=17_000, suffix_tokens=5_000, decode_cached_tokens=0), idle)
     assert p.action is HandleAction.ATTACH and p.prefill == P1 and p.decode == D2 and p.reuse_tokens == 12_000
     assert p.handle_outcome == "attached" and p.decision is not None and p.decision.option == "pull"
     p = plan(auto(prompt_tokens=17_000, suffix_tokens=5_000, reuse_tokens=8_000, decode_cached_tokens=8_000),
-             cluster())
+             idle)
     assert p.action is HandleAction.TRUNCATE and p.reuse_tokens == 8_000 and p.handle_outcome == "truncated"
 
 
