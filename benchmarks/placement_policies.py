@@ -291,7 +291,7 @@ def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
     for kv in rest.split("+") if rest else ():
         key, _, value = kv.partition("=")
         knobs[key] = json.loads(value)
-        if isinstance(knobs[key], int) and key not in ("horizon_turns", "max_local_suffix_tokens",
+        if isinstance(knobs[key], int) and not isinstance(knobs[key], bool) and key not in ("horizon_turns", "max_local_suffix_tokens",
                                                        "tpot_window_tokens", "chunk_tokens"):
             knobs[key] = float(knobs[key])
     return policy, knobs
@@ -517,6 +517,9 @@ def main() -> None:
         plan_log.addHandler(handler)
     presets = ["glm-5-fp8-h200-tp8", "qwen3-32b-h200-tp8"] if args.preset == "both" else [args.preset]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for name in policies:  # a misspelt variant fails now, not after the policies before it have run
+        policy, knobs = parse_policy(name)
+        load_config(None, prefill=["http://p:1"], decode=["http://d:1"], policy=policy, **knobs)
     for preset in presets:
         results: dict[str, Result] = {p: Result(p) for p in policies}
         for rep in range(args.repeat):

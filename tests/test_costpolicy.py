@@ -83,7 +83,7 @@ CASES = {
         knobs=STAY),
     "busy-decode-tight-tpot-budget": Case(
         history_turn(12000, 600), "pull", ("TPOT",), decodes=(d(D0, running=48), d(D1)),
-        knobs=PolicyKnobs(tpot_budget_s=0.022, interference_weight=0.0)),
+        knobs=PolicyKnobs(tpot_budget_s=0.022, interference_weight=0.0, rebalance_decode=False)),
     "first-turn-no-handle-no-cache": Case(
         TurnFacts(3000, 3000), "cold", ("no valid handle", "no pinned decode node"), pinned=None, decode_url=D0),
     "no-handle-short-cached-suffix": Case(

@@ -281,3 +281,38 @@ async def test_a_local_prefill_on_a_busy_decode_node_is_learned_from_its_mixed_s
     mixed = cost.step_seconds([(tokens, context)], [long_context]) / speed
     assert seconds < own_ttft  # not the turn's own time to first token
     assert seconds == pytest.approx(mixed, rel=0.3), (seconds, mixed, own_ttft)
+
+
+async def test_a_pull_turn_moves_the_pin_to_a_lighter_decode_node() -> None:
+    """Rebalancing: the pinned D looks busy, the other idle, the suffix is too long to run locally. P pulls
+    the history from the pinned D, the answer decodes on the idle one, and the session's pin (and its next
+    handle) moves there; the answers still equal the aggregated oracle's."""
+    async with rig(policy="auto", decode=2, min_reuse_tokens=4, max_local_suffix_tokens=16,
+                   learn_estimates=False, metrics_poll_interval_s=600.0) as r:
+        orch = r.gw.orchestrator
+        h = {"x-session-id": "move-1"}
+
+        async def pin() -> str:
+            sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
+            return str(next(s["decode"] for s in sessions if s["session_id"] == "move-1"))
+
+        async def turn(messages: list[dict[str, Any]], t: int) -> list[dict[str, Any]]:
+            got = await chat(r.client, r.url, request_body(messages, stream=t % 2 == 0), h)
+            want = await chat(r.client, r.oracle, request_body(messages, stream=False), clean=False)
+            assert comparable(got) == comparable(want), f"turn {t} differs from the oracle"
+            return next_messages(messages, got, 90, t, result_words=60)
+
+        messages = await turn(first_messages(90), 0)
+        home = await pin()
+        other = next(u for u in r.cluster.decode_urls if u != home)
+        orch.cluster.nodes[home].running = 12.0  # polled gauge (the next poll is minutes away)
+        attached = await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached")
+        messages = await turn(messages, 1)
+        assert await pin() == other, "the pin did not move to the idle decode node"
+        # P was sent the old D's handle (and read it: the answer matches the oracle's, and the handle is gone).
+        assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == attached + 1
+        assert len(r.cluster.node(home).engine.holds) == 0, "the old decode node still holds the history"
+        orch.cluster.nodes[home].running = 0.0
+        await turn(messages, 2)  # both idle now: stays, pulling the handle the moved turn left on its new D
+        assert await pin() == other
+        assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == attached + 2

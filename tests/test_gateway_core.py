@@ -406,6 +406,18 @@ def test_auto_long_suffix_pulls_exact_or_truncated() -> None:
     assert p.action is HandleAction.TRUNCATE and p.reuse_tokens == 8_000 and p.handle_outcome == "truncated"
 
 
+def test_auto_pull_onto_a_lighter_decode_moves_the_pin_and_still_attaches_the_handle() -> None:
+    busy = NodeLoad(D2, running=16, waiting=2)
+    p = plan(auto(prompt_tokens=17_000, suffix_tokens=5_000, decode_cached_tokens=0), cluster(d2=busy))
+    # P reads the history from D2 (the handle's node), the answer decodes on idle D1: the pin moves.
+    assert p.action is HandleAction.ATTACH and p.decode == D1 and p.reuse_tokens == 12_000
+    assert p.re_placed and p.handle_outcome == "attached"
+    assert f"moves the pin from {D2}" in p.reason
+    # The pull rule keeps its pin whatever the load (the baseline auto is compared with).
+    p = plan(existing(prompt_tokens=17_000, handle_tokens=12_000, reuse_tokens=12_000), cluster(d2=busy))
+    assert p.decode == D2 and p.action is HandleAction.ATTACH
+
+
 def test_auto_busy_decode_refuses_a_large_local_suffix() -> None:
     busy = NodeLoad(D2, running=64)
     p = plan(auto(prompt_tokens=14_000, suffix_tokens=1_800, decode_cached_tokens=12_000), cluster(d2=busy))

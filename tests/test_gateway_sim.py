@@ -56,15 +56,15 @@ async def rig(*, prefill: int = 1, decode: int = 1, aggregated: int = 0, sim: di
     # These tests pin down the pull mechanics: policy "pull" unless a test asks otherwise ("auto" may run a
     # turn on D instead; tests/test_gateway_auto.py covers it).
     gw.setdefault("policy", "pull")
+    gw.setdefault("metrics_poll_interval_s", 0.5)
     spec = ClusterSpec(prefill=prefill, decode=decode, aggregated=aggregated, speed=SPEED,
                        kv_recompute_threshold=4, kv_lease_duration=3600.0, **(sim or {}))
     async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
                                                                     speed=SPEED)) as oracle:
         if aggregated:
-            cfg = load_config(None, aggregated=cluster.aggregated_urls, metrics_poll_interval_s=0.5, **gw)
+            cfg = load_config(None, aggregated=cluster.aggregated_urls, **gw)
         else:
-            cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls,
-                              metrics_poll_interval_s=0.5, **gw)
+            cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, **gw)
         app = create_app(cfg)
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             yield Rig(cluster, oracle.aggregated_urls[0], url, app, client)

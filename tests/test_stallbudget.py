@@ -40,6 +40,8 @@ def test_invalid_budget(share: float, window: float) -> None:
 
 
 BUSY = (NodeState(D0, running=1), NodeState(D1))
+# The budget's own arithmetic (a 4 % share: 0.16 s burst), with the turn staying on its pinned D.
+BUDGET_ONLY = PolicyKnobs(interference_weight=0.0, decode_stall_share=0.04, rebalance_decode=False)
 
 
 def test_a_spent_budget_sends_a_turn_that_would_stall_the_batch_through_p() -> None:
@@ -67,7 +69,7 @@ def test_a_draining_budget_keeps_the_turns_with_most_to_gain() -> None:
     # With the interference weight at 0 only the budget's shadow price weighs the stall: 0 while it is full,
     # burst/credit − 1 below. At half the burst a long history (its pull reads 16k tokens of KV) still runs
     # locally; a short one (its pull is cheap) goes through P and leaves the budget to the long ones.
-    knobs = PolicyKnobs(interference_weight=0.0)
+    knobs = BUDGET_ONLY
     half = knobs.stall_burst_s / 2
     for prompt in (4000, 16000):
         full = choose(history_turn(prompt, 300, expected_output_tokens=32, decode_stall_credit_s=knobs.stall_burst_s),
@@ -88,7 +90,7 @@ def test_a_stall_larger_than_the_burst_runs_only_from_a_full_budget() -> None:
     # budget the turn may run (overdrawing it; the share still holds over time), from a partial one it may
     # not, and after the overdraft the budget needs (stall − 0.16) / 0.04 ≈ 25 s before the next.
     slow = EstimatorSnapshot(EstimatorSeeds(prefill_overhead_s=1.0, tpot_base_s=0.01, tpot_s_per_seq=0.001))
-    knobs = PolicyKnobs(interference_weight=0.0)
+    knobs = BUDGET_ONLY
     turn = history_turn(16000, 300, expected_output_tokens=32)
     full = choose(replace(turn, decode_stall_credit_s=knobs.stall_burst_s), D0, (NodeState(P0),), BUSY, slow, knobs)
     assert full.option == "decode_local", full.reason
