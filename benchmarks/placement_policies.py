@@ -291,8 +291,8 @@ def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
     for kv in rest.split("+") if rest else ():
         key, _, value = kv.partition("=")
         knobs[key] = json.loads(value)
-        if isinstance(knobs[key], int) and not isinstance(knobs[key], bool) and key not in ("horizon_turns", "max_local_suffix_tokens",
-                                                       "tpot_window_tokens", "chunk_tokens"):
+        integral = ("horizon_turns", "max_local_suffix_tokens", "tpot_window_tokens", "chunk_tokens")
+        if isinstance(knobs[key], int) and not isinstance(knobs[key], bool) and key not in integral:
             knobs[key] = float(knobs[key])
     return policy, knobs
 
