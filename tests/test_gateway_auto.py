@@ -127,6 +127,8 @@ async def test_a_failed_decode_local_leg_is_retried_cold() -> None:
             assert await metric(client, url, "kvtether_upstream_errors_total", phase="decode") == 1
             sessions = (await client.get(f"{url}/admin/sessions")).json()
             assert sessions[0]["turns"] == 4
+            nodes = app.state.gateway.orchestrator.cluster.nodes.values()
+            assert all(n.inflight == 0 and n.starting == 0 for n in nodes), "a failed leg left a request open"
 
 
 async def test_decode_local_turns_spend_the_decode_nodes_stall_budget() -> None:
@@ -316,3 +318,45 @@ async def test_a_pull_turn_moves_the_pin_to_a_lighter_decode_node() -> None:
         await turn(messages, 2)  # both idle now: stays, pulling the handle the moved turn left on its new D
         assert await pin() == other
         assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == attached + 2
+
+
+async def test_a_request_is_starting_on_its_decode_node_until_its_client_sees_a_token() -> None:
+    """What the policy prices at first_token_weight: a non-streamed answer in flight, a stream before its first
+    content delta. A stream past it is an ordinary running request; a client that leaves frees its slot."""
+    import json
+
+    import anyio
+    from kvtether.gateway.body import has_first_token
+
+    spec = ClusterSpec(prefill=1, decode=1, speed=1.0, kv_recompute_threshold=4, kv_lease_duration=3600.0)
+    async with SimCluster(spec) as cluster:
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
+                          metrics_poll_interval_s=0.5, min_reuse_tokens=4, learn_estimates=False)
+        app = create_app(cfg)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            d = app.state.gateway.orchestrator.cluster.nodes[cluster.decode_urls[0]]
+            long = {"min_tokens": 3000, "ignore_eos": True, "max_tokens": 3000}
+
+            async def non_streamed() -> None:
+                await client.post(f"{url}/v1/chat/completions", json={**request_body(first_messages(63),
+                                  stream=False), **long}, headers={"x-session-id": "quiet"})
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(non_streamed)
+                with anyio.fail_after(30):
+                    while d.inflight < 1:  # noqa: ASYNC110 - polling the gateway's own counter, no event to wait on
+                        await anyio.sleep(0.01)
+                assert (d.inflight, d.starting) == (1, 1)  # decoding, its client has seen nothing
+                body = {**request_body(first_messages(64), stream=True), **long}
+                async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
+                                         headers={"x-session-id": "loud"}) as resp:
+                    lines = resp.aiter_lines()  # kept: a dropped iterator would close the stream
+                    async for line in lines:
+                        payload = line[5:].strip() if line.startswith("data:") else ""
+                        if payload and payload != "[DONE]" and has_first_token(json.loads(payload)):
+                            break  # the stream's first content or tool-call delta reached the client
+                    assert (d.inflight, d.starting) == (2, 1)
+                tg.cancel_scope.cancel()  # both clients walk away
+            with anyio.fail_after(10):
+                while d.inflight or d.starting:  # noqa: ASYNC110 - as above
+                    await anyio.sleep(0.01)
