@@ -56,8 +56,6 @@ class Node:
     # Of those, how many were open at the last poll (and so are inside `running`); when one ends, the polled
     # gauge is known to be one too high until the next poll.
     inflight_at_poll: int = 0
-    # Of `inflight`, final legs whose client has seen nothing yet (before the first visible delta).
-    starting: int = 0
 
     @property
     def host(self) -> str:
@@ -73,8 +71,7 @@ class Node:
         # Polled gauges lag by up to a poll interval; the gateway's own open requests do not, so a burst
         # of new sessions spreads instead of herding onto the node that looked idle at the last poll.
         running = max(self.running, float(self.inflight))
-        return NodeLoad(self.url, self.healthy, running, self.waiting, self.kv_usage, self.bidirectional,
-                        float(min(self.starting, self.inflight)))
+        return NodeLoad(self.url, self.healthy, running, self.waiting, self.kv_usage, self.bidirectional)
 
 
 def sample_sum(text: str, sample: str, **labels: str) -> float:
@@ -167,12 +164,6 @@ class Cluster:
                 # finished request still looks like a running batch member on its decode node.
                 node.inflight_at_poll -= 1
                 node.running = max(0.0, node.running - 1.0)
-
-    def mark_starting(self, url: str, delta: int) -> None:
-        """A final leg on `url` begins (+1) or ends (-1) the phase before its client sees anything."""
-        node = self.nodes.get(url)
-        if node is not None:
-            node.starting = max(0, node.starting + delta)
 
     def mark_ok(self, url: str) -> None:
         node = self.nodes.get(url)

@@ -87,7 +87,6 @@ class GatewayConfig:
     tpot_budget_s: float = _KNOBS.tpot_budget_s
     tpot_window_tokens: int = _KNOBS.tpot_window_tokens
     interference_weight: float = _KNOBS.interference_weight
-    first_token_weight: float = _KNOBS.first_token_weight
     # Local prefills may stall D's running batch for at most this share of its time (≈ the TPOT increase
     # they may cause), as a token bucket with a burst of share × window (gateway/stallbudget.py).
     decode_stall_share: float = _KNOBS.decode_stall_share
@@ -161,8 +160,8 @@ class GatewayConfig:
             raise ConfigError("read_timeout_s must be > 0 or unset (no read timeout)")
         if self.max_local_suffix_tokens < 0 or self.tpot_window_tokens < 1 or self.chunk_tokens < 1:
             raise ConfigError("max_local_suffix_tokens must be >= 0, tpot_window_tokens and chunk_tokens >= 1")
-        if self.tpot_budget_s <= 0 or self.interference_weight < 0 or self.first_token_weight < 0:
-            raise ConfigError("tpot_budget_s must be > 0, interference_weight and first_token_weight >= 0")
+        if self.tpot_budget_s <= 0 or self.interference_weight < 0:
+            raise ConfigError("tpot_budget_s must be > 0 and interference_weight >= 0")
         if not 0 <= self.horizon_turns <= 3:
             raise ConfigError("horizon_turns must be in [0, 3]")
         if not 0.0 <= self.decode_stall_share <= 1.0 or self.decode_stall_window_s <= 0:

@@ -20,14 +20,15 @@ Estimated TTFT of each (all terms from an :class:`EstimatorSnapshot`, learned on
     cold  = queue_P(...) + prefill_P(prompt−cached_P | cached_P) + transfer(P→D, prompt−cached_D)
             + queue_D(waiting_D) + tpot_D(running_D+1)
 
-Score = TTFT + interference + horizon (the policy minimises the score, reports both):
+Score = TTFT + interference + horizon + balance (the policy minimises the score, reports both):
 
-- interference (local only) = (``interference_weight`` × running_D + (``first_token_weight`` −
-  ``interference_weight``) × starting_D) × stall, starting_D = D's running requests whose client has seen
-  nothing yet (their stall is TTFT), stall = max(0, local prefill
+- interference (local only) = ``interference_weight`` × running_D × stall, stall = max(0, local prefill
   time − steps·tpot_D(running_D)): every request decoding on D is delayed by the part of the local
   prefill that does not hide under its memory-bound decode steps. P's queue is FIFO, so work sent to P does
   not delay requests already there; that asymmetry is why only D's batch is charged.
+- balance (auto, ``rebalance_decode``; P/D options only) = what decoding the answer on a D other than the
+  pinned one saves, load for load (negative on a lighter D): see ``_balance_s``. The pull still reads the
+  history from the pinned D, but the new D lacks the whole prompt (the TTFT counts that transfer).
 - horizon = ``horizon_discount`` × E[best score of the next turn | what this option leaves behind], recursively
   for ``horizon_turns`` turns, with the same loads and a typical next suffix. After pull/cold D holds a fresh
   handle (next turn may pull all of it); after decode_local it holds no fresh one: only the handle this turn
@@ -85,8 +86,6 @@ class NodeLike(Protocol):
     def kv_usage(self) -> float: ...
     @property
     def bidirectional(self) -> bool: ...
-    @property
-    def starting(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +98,6 @@ class NodeState:
     waiting: float = 0.0
     kv_usage: float = 0.0  # 0..1
     bidirectional: bool = True  # prefill only: started with bidirectional_kv_xfer, may receive a handle
-    starting: float = 0.0  # of `running`: requests whose client has seen nothing yet (see first_token_weight)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,16 +144,9 @@ class PolicyKnobs:
     # count a token's delay like a first token's; lower, because users notice a mid-stream hiccup less.
     # Since the stall budget below bounds what local prefills may cost the batch in total (and is learned
     # from the stall itself, docs/placement.md "session 4"), this weight only orders turns within it: 0.5
-    # left a 7 % budget a third unused on GLM-5 (TPOT p95 +0.5 % over classic P/D, first token 0.18 s late
-    # p50), 0.2 spends it (+8.6 %, 0.14 s).
+    # left a 7 % budget a third unused on GLM-5 (TPOT p95 +0.3 % over classic P/D, first token 0.18 s late
+    # p50), 0.2 spends it (+4.3 %, 0.15 s; same run).
     interference_weight: float = 0.2
-    # The same for a running request whose client has seen nothing yet: a stream before its first content or
-    # tool-call delta (a tool-call parser holds that back for several decode steps after the first token),
-    # a non-streamed answer. Its delay is time to first token (or to the answer), so 1: a second of it is a
-    # second of TTFT. Pricing those at interference_weight let local prefills land in other turns' first
-    # steps: on GLM-5 their first delta came 0.13–0.14 s after the first token instead of 0.10 s, and the
-    # late-turn p95 TTFT rose above reference's (docs/placement.md, session 4).
-    first_token_weight: float = 1.0
     # The share of D's time local prefills may stall its running batch, i.e. about how much they may raise
     # the running requests' TPOT, kept as a token bucket with a burst of share × window (stallbudget.py).
     # 7 %: the issue's "within 10 % of classic P/D" less noise; balancing the decode nodes (rebalance_decode)
@@ -196,8 +187,6 @@ class PolicyKnobs:
             raise ValueError("horizon_discount must be in [0, 1]")
         if self.interference_weight < 0 or self.tpot_budget_s <= 0 or self.tpot_window_tokens < 1:
             raise ValueError("interference_weight >= 0, tpot_budget_s > 0, tpot_window_tokens >= 1")
-        if self.first_token_weight < 0:
-            raise ValueError("first_token_weight must be >= 0")
         if self.max_local_suffix_tokens < 0 or self.recompute_threshold_tokens < 0:
             raise ValueError("token limits must be >= 0")
         if not 0.0 <= self.evict_kv_usage_knee < 1.0:
@@ -342,10 +331,7 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
     marginal = c.est.prefill_s(d.url, n, cached)
     stall = max(0.0, marginal - steps * c.est.tpot_s(d.url, d.running)) if d.running > 0 else 0.0
     credit = turn.decode_stall_credit_s
-    starting = min(max(0.0, d.starting), d.running)
-    per_stall_s = (c.knobs.interference_weight * (d.running - starting) + c.knobs.first_token_weight * starting
-                   + _stall_price(credit, c.knobs))
-    interference = per_stall_s * stall if stall else 0.0
+    interference = (c.knobs.interference_weight * d.running + _stall_price(credit, c.knobs)) * stall if stall else 0.0
     base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall)
     if n > c.knobs.max_local_suffix_tokens:
         return replace(base, feasible=False, soft=True,
@@ -666,8 +652,7 @@ def _reason(mode: PolicyMode, pick: OptionEstimate, opts: Sequence[OptionEstimat
     facts = [f"suffix {turn.suffix_tokens} tok", f"reuse {turn.reuse_tokens if turn.handle_valid else 0} tok"]
     d = c.decode(pick.decode_url)
     if d is not None:
-        starting = f" ({d.starting:g} before their first token)" if d.starting else ""
-        facts.append(f"D {d.running:g} running{starting}/{d.waiting:g} waiting")
+        facts.append(f"D {d.running:g} running/{d.waiting:g} waiting")
     home = c.decode(pinned)
     if home is not None and d is not None and d is not home:
         facts.append(f"moves the pin from {home.url} ({home.running:g} running/{home.waiting:g} waiting)")

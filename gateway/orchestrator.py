@@ -92,8 +92,6 @@ class TurnContext:
     unused_handle: TakenHandle | None = None
     final_leg_at: float | None = None
     decode_cached: int = 0
-    # The final leg's node while its client has seen nothing yet (cluster.mark_starting), else None.
-    starting_on: str | None = None
     # Observability: seconds spent awaiting nodes before the final leg (tokenize, prefill), so that
     # final_leg_at - t0 - upstream_s is the gateway's own share of the TTFT; and the x-kvtether-* headers.
     upstream_s: float = 0.0
@@ -396,8 +394,8 @@ class Orchestrator:
 
         On a busy D this, not the turn's time to first token, is the local prefill's cost: the running
         requests waited exactly this step for their next token (the stall is it less a plain decode step),
-        while the turn's own wait also holds D's request handling and the step in flight when it arrived.
-        Learning the TTFT instead made every stall look about twice its size on GLM-5 (docs/placement.md).
+        while the turn's own wait also holds D's request handling and the step in flight when it arrived
+        (a stall learned from that overcharges every local turn on a busy D, where the budget matters).
         None when it cannot be read: a suffix over several chunked steps, or no other stream's chunk between
         this leg's send and its first chunk (nothing streaming there, or only non-streamed requests).
         """
@@ -578,8 +576,6 @@ class Orchestrator:
         headers = self._upstream_headers(ctx, span)
         url = f"{node}{PATHS[ctx.kind]}"
         self.cluster.begin(node)  # ended by _finish, or below on failure
-        self.cluster.mark_starting(node, +1)
-        ctx.starting_on = node
         ctx.final_leg_at = time.perf_counter()
         sresp: httpx.Response | None = None
         try:
@@ -612,7 +608,6 @@ class Orchestrator:
                 span.set_attribute(T.ERROR_TYPE, str(exc.status or "connection"))
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
             span.end()
-            self._shown(ctx)
             self.cluster.end(node)
             if sresp is not None and not isinstance(exc, UpstreamFailure):
                 with anyio.CancelScope(shield=True):
@@ -620,7 +615,6 @@ class Orchestrator:
             raise
         self.cluster.mark_ok(node)
         if not ctx.stream:
-            self._shown(ctx)
             result = LegResult(ok=True, usage=data.get("usage"), ttft=time.perf_counter() - ctx.t0)
             _read_body(data, result)
             B.strip_internal(data, keep_token_ids=ctx.keep_token_ids)
@@ -675,12 +669,6 @@ class Orchestrator:
                     result.answer = answer.message()
                     await self._finish(ctx, the_plan, result, span, source)
 
-    def _shown(self, ctx: TurnContext) -> None:
-        """The client has seen its first token (or the answer, or an error): no longer "starting" on D."""
-        if ctx.starting_on is not None:
-            self.cluster.mark_starting(ctx.starting_on, -1)
-            ctx.starting_on = None
-
     def _time_chunk(self, ctx: TurnContext, node: str, result: LegResult, seen_first: bool) -> None:
         at = time.perf_counter()
         if not seen_first and ctx.final_leg_at is not None:
@@ -701,7 +689,6 @@ class Orchestrator:
             result.first_chunk = time.perf_counter() - ctx.t0
         if result.ttft is None and B.has_first_token(chunk):
             result.ttft = time.perf_counter() - ctx.t0
-            self._shown(ctx)
             span.add_event(T.EVENT_FIRST_TOKEN)
             ctx.span.add_event(T.EVENT_FIRST_TOKEN)
         ids = B.prompt_ids_of(chunk)
@@ -755,7 +742,6 @@ class Orchestrator:
         except Exception:  # the client already has its answer; bookkeeping must not turn it into an error
             log.exception("failed to record the end of a turn")
         finally:
-            self._shown(ctx)
             self.cluster.end(the_plan.decode)
             span.end()
 
@@ -922,7 +908,6 @@ def _knobs(config: GatewayConfig) -> PolicyKnobs:
     return PolicyKnobs(
         mode="auto", max_local_suffix_tokens=config.max_local_suffix_tokens, tpot_budget_s=config.tpot_budget_s,
         tpot_window_tokens=config.tpot_window_tokens, interference_weight=config.interference_weight,
-        first_token_weight=config.first_token_weight,
         decode_stall_share=config.decode_stall_share, decode_stall_window_s=config.decode_stall_window_s,
         horizon_turns=config.horizon_turns, horizon_discount=config.horizon_discount,
         recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,

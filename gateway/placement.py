@@ -41,9 +41,6 @@ class NodeLoad:
     waiting: float = 0.0
     kv_usage: float = 0.0  # 0..1
     bidirectional: bool = True  # prefill only: may receive a handle
-    # Of `running`, requests whose client has seen nothing yet (a stream before its first content or tool-call
-    # delta, a non-streamed answer): a stall delays what they show first, not their TPOT.
-    starting: float = 0.0
 
     @property
     def score(self) -> tuple[float, float]:

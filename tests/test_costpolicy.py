@@ -130,19 +130,6 @@ CASES = {
         history_turn(16000, 300, expected_output_tokens=32), "pull", ("decode_local interference", "D 1 running"),
         decodes=(d(D0, running=1), d(D1)), est=MOE, reuse=15700,
         knobs=PolicyKnobs(interference_weight=2.0, rebalance_decode=False)),
-    # Two requests decode on D. Past their first token, a local prefill's ~60 ms stall is a TPOT hiccup each
-    # (interference_weight): run it locally. Before it (a stream whose tool-call delta the parser still holds
-    # back), the stall delays what their clients see first (first_token_weight 1): through P.
-    "moe-two-running-past-their-first-token": Case(
-        history_turn(16000, 300, expected_output_tokens=32), "decode_local", ("D 2 running/",),
-        decodes=(d(D0, running=2), d(D1, running=2)), est=MOE, knobs=STAY),
-    "moe-two-running-before-their-first-token": Case(
-        history_turn(16000, 300, expected_output_tokens=32), "pull", ("D 2 running (2 before their first token)",),
-        decodes=(d(D0, running=2, starting=2), d(D1, running=2)), est=MOE, knobs=STAY, reuse=15700),
-    "moe-two-starting-priced-as-tpot": Case(
-        history_turn(16000, 300, expected_output_tokens=32), "decode_local", (),
-        decodes=(d(D0, running=2, starting=2), d(D1, running=2)), est=MOE,
-        knobs=PolicyKnobs(rebalance_decode=False, first_token_weight=0.2)),
     # Rebalancing (auto): a P/D turn decodes on a lighter D when the balance pays for moving the whole
     # prompt's KV there; the pull still reads the history from the pinned D.
     "rebalance-pull-onto-the-idle-decode": Case(

@@ -128,7 +128,7 @@ async def test_a_failed_decode_local_leg_is_retried_cold() -> None:
             sessions = (await client.get(f"{url}/admin/sessions")).json()
             assert sessions[0]["turns"] == 4
             nodes = app.state.gateway.orchestrator.cluster.nodes.values()
-            assert all(n.inflight == 0 and n.starting == 0 for n in nodes), "a failed leg left a request open"
+            assert all(n.inflight == 0 for n in nodes), "a failed leg left a request open"
 
 
 async def test_decode_local_turns_spend_the_decode_nodes_stall_budget() -> None:
@@ -228,7 +228,7 @@ async def test_a_local_prefill_on_a_busy_decode_node_is_learned_from_its_mixed_s
     """While another answer decodes on D, a local turn's cost is the engine step that prefilled its suffix
     (what the running answer waited for its next token), read off that answer's chunk arrivals: not the
     turn's own time to first token, which also holds D's request handling and the step in flight when it
-    arrived. Learning the latter made every stall look about twice its size on GLM-5."""
+    arrived (what the running answer does not lose)."""
     from kvtether.sim.presets import get_preset
 
     speed = 0.5  # GLM-5's steps: a plain decode step ~14 ms, the mixed step ~150 ms (real)
@@ -320,9 +320,10 @@ async def test_a_pull_turn_moves_the_pin_to_a_lighter_decode_node() -> None:
         assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == attached + 2
 
 
-async def test_a_request_is_starting_on_its_decode_node_until_its_client_sees_a_token() -> None:
-    """What the policy prices at first_token_weight: a non-streamed answer in flight, a stream before its first
-    content delta. A stream past it is an ordinary running request; a client that leaves frees its slot."""
+async def test_clients_that_leave_mid_answer_free_their_decode_slots() -> None:
+    """The gateway's own count of open requests per node (fresher than the polled gauges, what placement
+    reads as D's load) drops back to zero when clients walk away: a non-streamed one cancelled while D
+    decodes, a stream closed after its first content delta."""
     import json
 
     import anyio
@@ -346,7 +347,6 @@ async def test_a_request_is_starting_on_its_decode_node_until_its_client_sees_a_
                 with anyio.fail_after(30):
                     while d.inflight < 1:  # noqa: ASYNC110 - polling the gateway's own counter, no event to wait on
                         await anyio.sleep(0.01)
-                assert (d.inflight, d.starting) == (1, 1)  # decoding, its client has seen nothing
                 body = {**request_body(first_messages(64), stream=True), **long}
                 async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
                                          headers={"x-session-id": "loud"}) as resp:
@@ -355,8 +355,8 @@ async def test_a_request_is_starting_on_its_decode_node_until_its_client_sees_a_
                         payload = line[5:].strip() if line.startswith("data:") else ""
                         if payload and payload != "[DONE]" and has_first_token(json.loads(payload)):
                             break  # the stream's first content or tool-call delta reached the client
-                    assert (d.inflight, d.starting) == (2, 1)
+                    assert d.inflight == 2
                 tg.cancel_scope.cancel()  # both clients walk away
             with anyio.fail_after(10):
-                while d.inflight or d.starting:  # noqa: ASYNC110 - as above
+                while d.inflight:  # noqa: ASYNC110 - as above
                     await anyio.sleep(0.01)
