@@ -444,19 +444,18 @@ def _pull(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
 def _cold(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
     if not c.prefills:
         return OptionEstimate("cold", False, "no healthy prefill node")
-    d = c.decode(pinned)
-    d_cached = _d_cached(turn, c) if d is not None else 0
-    if d is None:
+    home = c.decode(pinned)
+    if home is not None:
+        choices = _decode_choices(home, c)
+    else:
         # Re-pin on the decode node that would serve a first token soonest.
         d = min(c.decodes, key=lambda n: (_d_leg_s(c, n), n.url), default=None)
         if d is None:
             return OptionEstimate("cold", False, "no healthy decode node")
-    pinned_d = c.decode(pinned)
-    if pinned_d is None:
-        best = _best(_pd("cold", turn, p, d, None, 0, d_cached, c) for p in c.prefills)
-    else:
-        best = _best(_pd("cold", turn, p, dd, None, 0, d_cached if dd is d else 0, c, d)
-                     for p in c.prefills for dd in _decode_choices(d, c))
+        choices = (d,)
+    d_cached = _d_cached(turn, c) if home is not None else 0
+    best = _best(_pd("cold", turn, p, dd, None, 0, d_cached if dd is home else 0, c, home)
+                 for p in c.prefills for dd in choices)
     assert best is not None
     return best
 

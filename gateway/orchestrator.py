@@ -651,7 +651,7 @@ class Orchestrator:
                         seen_first = result.first_chunk is not None
                         line = self._relay_chunk(ctx, payload, result, answer, span) or line
                         if result.first_chunk is not None:
-                            self._time_chunk(ctx, the_plan.decode, result, seen_first)
+                            self._time_chunk(ctx, the_plan, result, seen_first)
                 yield (line + "\n").encode()
         except httpx.HTTPError as exc:
             failure = UpstreamFailure(the_plan.decode, "aggregated" if self.config.mode == "aggregated" else "decode",
@@ -669,10 +669,12 @@ class Orchestrator:
                     result.answer = answer.message()
                     await self._finish(ctx, the_plan, result, span, source)
 
-    def _time_chunk(self, ctx: TurnContext, node: str, result: LegResult, seen_first: bool) -> None:
+    def _time_chunk(self, ctx: TurnContext, the_plan: Plan, result: LegResult, seen_first: bool) -> None:
         at = time.perf_counter()
-        if not seen_first and ctx.final_leg_at is not None:
-            # Recorded before this stream's own first chunk joins them: only other streams' bursts.
+        node = the_plan.decode
+        # Only a decode-local turn's mixed step is learned from (_mixed_step_s); read before this stream's own
+        # first chunk joins the record, so only other streams' bursts are in it.
+        if not seen_first and ctx.final_leg_at is not None and the_plan.action is HandleAction.DECODE_LOCAL:
             result.arrivals_before_first = self.chunk_times.since(node, ctx.final_leg_at)[-_STEP_ARRIVALS:]
         self.chunk_times.record(node, at)
 
