@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -56,6 +57,9 @@ class Node:
     # Of those, how many were open at the last poll (and so are inside `running`); when one ends, the polled
     # gauge is known to be one too high until the next poll.
     inflight_at_poll: int = 0
+    # P/D turns planned onto this decode node whose prefill leg is still running (then `inflight` takes
+    # over): load already on its way, which rebalancing counts so that turns planned meanwhile do not herd.
+    arriving: int = 0
 
     @property
     def host(self) -> str:
@@ -71,7 +75,8 @@ class Node:
         # Polled gauges lag by up to a poll interval; the gateway's own open requests do not, so a burst
         # of new sessions spreads instead of herding onto the node that looked idle at the last poll.
         running = max(self.running, float(self.inflight))
-        return NodeLoad(self.url, self.healthy, running, self.waiting, self.kv_usage, self.bidirectional)
+        return NodeLoad(self.url, self.healthy, running, self.waiting, self.kv_usage, self.bidirectional,
+                        float(self.arriving))
 
 
 def sample_sum(text: str, sample: str, **labels: str) -> float:
@@ -164,6 +169,18 @@ class Cluster:
                 # finished request still looks like a running batch member on its decode node.
                 node.inflight_at_poll -= 1
                 node.running = max(0.0, node.running - 1.0)
+
+    @contextlib.contextmanager
+    def heading_to(self, url: str) -> Iterator[None]:
+        """A P/D turn's prefill leg, on its way to decode node `url`: counted in its `arriving`."""
+        node = self.nodes.get(url)
+        if node is not None:
+            node.arriving += 1
+        try:
+            yield
+        finally:
+            if node is not None:
+                node.arriving = max(0, node.arriving - 1)
 
     def mark_ok(self, url: str) -> None:
         node = self.nodes.get(url)

@@ -85,6 +85,8 @@ class NodeLike(Protocol):
     @property
     def kv_usage(self) -> float: ...
     @property
+    def arriving(self) -> float: ...
+    @property
     def bidirectional(self) -> bool: ...
 
 
@@ -98,6 +100,9 @@ class NodeState:
     waiting: float = 0.0
     kv_usage: float = 0.0  # 0..1
     bidirectional: bool = True  # prefill only: started with bidirectional_kv_xfer, may receive a handle
+    # decode only: P/D turns whose prefill leg is under way, headed here (the shell's count; not yet in
+    # `running`): load that is already on its way (rebalancing counts it).
+    arriving: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +121,10 @@ class TurnFacts:
     # Stall seconds the pinned D's running batch may still lose to local prefills (stallbudget.StallBudget's
     # credit); inf: no budget kept (the TPOT budget and the interference price still apply).
     decode_stall_credit_s: float = math.inf
+    # (decode url, tokens): a prefix of the prompt that a decode node the session's pin left still holds in
+    # its prefix cache (verified by the shell against the session's history; evictable). Moving the pin back
+    # there (rebalancing) ships only the rest of the prompt.
+    decode_elsewhere: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
@@ -128,6 +137,8 @@ class TurnFacts:
             raise ValueError("next_suffix_tokens must be >= 0")
         if math.isnan(self.decode_stall_credit_s):
             raise ValueError("decode_stall_credit_s must be a number")
+        if any(n < 0 for _, n in self.decode_elsewhere):
+            raise ValueError("decode_elsewhere tokens must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +323,25 @@ def _d_cached(turn: TurnFacts, c: _Cluster) -> int:
     return _floor_block(min(held, turn.prompt_tokens - 1), c.knobs.block_size)
 
 
+def _p_keep(d: NodeLike, c: _Cluster) -> float:
+    """Probability that D's free (cached, unpinned) blocks survive until the next use: ~1 below the KV-usage
+    knee, falling linearly to 0 at full usage (vLLM evicts free blocks LRU only when no free block is left)."""
+    knee = c.knobs.evict_kv_usage_knee
+    return 1.0 - min(1.0, max(0.0, (d.kv_usage - knee) / (1.0 - knee)))
+
+
+def _cached_on(turn: TurnFacts, d: NodeLike, pinned: NodeLike | None, c: _Cluster) -> int:
+    """Tokens of the prompt `d`'s prefix cache holds: the pinned D's (handle or estimate), or what another D
+    kept of the session since the pin left it (expected, eviction discounted: a transfer's cost is linear
+    in the tokens D lacks)."""
+    if pinned is not None and d.url == pinned.url:
+        return _d_cached(turn, c)
+    left = max((n for url, n in turn.decode_elsewhere if url == d.url), default=0)
+    if left <= 0:
+        return 0
+    return _floor_block(round(min(left, turn.prompt_tokens - 1) * _p_keep(d, c)), c.knobs.block_size)
+
+
 def _local(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
     d = c.decode(pinned)
     if d is None:
@@ -391,7 +421,9 @@ def _decode_choices(pinned: NodeLike, c: _Cluster) -> tuple[NodeLike, ...]:
 
 
 def _load(d: NodeLike) -> float:
-    return d.running + d.waiting
+    # Turns already headed to D count: without them, turns planned while another's prefill leg runs all
+    # see the same light D and herd onto it.
+    return d.running + d.waiting + d.arriving
 
 
 def _balance_s(turn: TurnFacts, d: NodeLike, pinned: NodeLike, c: _Cluster) -> float:
@@ -430,7 +462,7 @@ def _pull(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
     ps = [p for p in c.prefills if p.bidirectional]
     if not ps:
         return no("no healthy bidirectional prefill node")
-    best = _best(_pd("pull", turn, p, dd, d.url, reuse, _d_cached(turn, c) if dd is d else 0, c, d)
+    best = _best(_pd("pull", turn, p, dd, d.url, reuse, _cached_on(turn, dd, d, c), c, d)
                  for p in ps for dd in _decode_choices(d, c))
     assert best is not None
     p_url = best.prefill_url or ""
@@ -453,8 +485,7 @@ def _cold(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
         if d is None:
             return OptionEstimate("cold", False, "no healthy decode node")
         choices = (d,)
-    d_cached = _d_cached(turn, c) if home is not None else 0
-    best = _best(_pd("cold", turn, p, dd, None, 0, d_cached if dd is home else 0, c, home)
+    best = _best(_pd("cold", turn, p, dd, None, 0, _cached_on(turn, dd, home, c), c, home)
                  for p in c.prefills for dd in choices)
     assert best is not None
     return best
@@ -468,11 +499,18 @@ def _immediate(turn: TurnFacts, pinned: str | None, c: _Cluster) -> tuple[Option
 # Look-ahead.
 
 
-def _after(turn: TurnFacts, o: OptionEstimate, c: _Cluster) -> list[tuple[float, TurnFacts, str | None]]:
+def _after(turn: TurnFacts, o: OptionEstimate, pinned: str | None,
+           c: _Cluster) -> list[tuple[float, TurnFacts, str | None]]:
     """The next turn(s) as this option leaves the session: (probability, facts, pinned decode)."""
     suffix = turn.suffix_tokens if turn.next_suffix_tokens is None else turn.next_suffix_tokens
     out_toks = turn.expected_output_tokens
     held = turn.prompt_tokens + out_toks - 1  # the last sampled token's KV is never computed
+    # What other decode nodes keep of the session: the same prefixes (still prefixes of the next prompt),
+    # plus, when this option moves the pin, the history on the D it leaves.
+    elsewhere = tuple((url, n) for url, n in turn.decode_elsewhere if url != o.decode_url)
+    home = c.decode(pinned)
+    if home is not None and o.decode_url != home.url:
+        elsewhere = (*(e for e in elsewhere if e[0] != home.url), (home.url, _d_cached(turn, c)))
     nxt = TurnFacts(
         prompt_tokens=turn.prompt_tokens + out_toks + suffix,
         suffix_tokens=suffix,
@@ -484,6 +522,7 @@ def _after(turn: TurnFacts, o: OptionEstimate, c: _Cluster) -> list[tuple[float,
         prefill_cached_tokens=turn.prefill_cached_tokens,
         next_suffix_tokens=suffix,
         decode_stall_credit_s=turn.decode_stall_credit_s,
+        decode_elsewhere=elsewhere,
     )
     if o.option != "decode_local":
         return [(1.0, nxt, o.decode_url)]
@@ -496,9 +535,7 @@ def _after(turn: TurnFacts, o: OptionEstimate, c: _Cluster) -> list[tuple[float,
     # no free block, so the risk is ~0 below a knee and rises to 1 as usage nears full. The handle's own
     # blocks are pinned (not evictable) for as long as it lives.
     d = c.decode(o.decode_url)
-    usage = d.kv_usage if d is not None else 1.0
-    knee = c.knobs.evict_kv_usage_knee
-    p_keep = 1.0 - min(1.0, max(0.0, (usage - knee) / (1.0 - knee)))
+    p_keep = _p_keep(d, c) if d is not None else 0.0
     keeps = turn.handle_valid and turn.reuse_tokens > 0
     gap = o.ttft_s + out_toks * (c.est.tpot_s(d.url, d.running + 1) if d is not None else 0.0)
     pinned_prefix = min(turn.reuse_tokens, held) if keeps else 0
@@ -523,7 +560,7 @@ def _scored(turn: TurnFacts, pinned: str | None, c: _Cluster, depth: int) -> tup
         if not o.feasible:
             out.append(o)
             continue
-        future = sum(p * _value(t, pin, c, depth - 1) for p, t, pin in _after(turn, o, c))
+        future = sum(p * _value(t, pin, c, depth - 1) for p, t, pin in _after(turn, o, pinned, c))
         out.append(replace(o, horizon_s=c.knobs.horizon_discount * future))
     return tuple(out)
 
@@ -651,10 +688,13 @@ def _reason(mode: PolicyMode, pick: OptionEstimate, opts: Sequence[OptionEstimat
     facts = [f"suffix {turn.suffix_tokens} tok", f"reuse {turn.reuse_tokens if turn.handle_valid else 0} tok"]
     d = c.decode(pick.decode_url)
     if d is not None:
-        facts.append(f"D {d.running:g} running/{d.waiting:g} waiting")
+        facts.append(f"D {d.running:g} running/{d.waiting:g} waiting"
+                     + (f"/{d.arriving:g} arriving" if d.arriving else ""))
     home = c.decode(pinned)
     if home is not None and d is not None and d is not home:
-        facts.append(f"moves the pin from {home.url} ({home.running:g} running/{home.waiting:g} waiting)")
+        kept = _cached_on(turn, d, home, c)
+        facts.append(f"moves the pin from {home.url} ({home.running:g} running/{home.waiting:g} waiting)"
+                     + (f", D still holds {kept} tok of the history" if kept else ""))
     if not math.isinf(turn.decode_stall_credit_s):
         facts.append(f"D stall budget {turn.decode_stall_credit_s:.3f}s of {c.knobs.stall_burst_s:.3f}s")
     # The P this turn uses, or (decode_local) the one the best P/D option would have used: its queue is

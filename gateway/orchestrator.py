@@ -267,7 +267,8 @@ class Orchestrator:
                 d_body = B.decode_body(ctx.body, None, want_token_ids=True)
             else:
                 try:
-                    prefilled, the_plan = await self._prefill_with_recovery(ctx, the_plan, kv)
+                    with self.cluster.heading_to(the_plan.decode):
+                        prefilled, the_plan = await self._prefill_with_recovery(ctx, the_plan, kv)
                 except UpstreamFailure as failure:
                     return failure.client_response()
                 except GatewayError as err:
@@ -330,6 +331,7 @@ class Orchestrator:
             facts["expected_output_tokens"] = max_tokens
         if state.avg_suffix_tokens is not None:
             facts["next_suffix_tokens"] = round(state.avg_suffix_tokens)
+        facts["decode_elsewhere"] = _elsewhere(state.elsewhere, ctx.decode_cached)
         return facts
 
     # ---- learning node speeds (the estimator behind "auto"; fed in every policy) --------------------
@@ -785,6 +787,12 @@ class Orchestrator:
         current = await self.store.get(ctx.session_id)
         base = current or prior
         avg_out, avg_suffix = _running_means(base, result, total)
+        elsewhere: tuple[tuple[str, int], ...] = ()
+        if prior is not None and policy == "auto":
+            # What D's the pin leaves or left still hold of this prompt, for a later move back there.
+            elsewhere = _elsewhere(prior.elsewhere, ctx.decode_cached, drop=the_plan.decode)
+            if prior.decode is not None and prior.decode != the_plan.decode and ctx.decode_cached > 0:
+                elsewhere = (*elsewhere, (prior.decode, ctx.decode_cached))[-_ELSEWHERE_MAX:]
         await self.store.put(SessionState(
             session_id=ctx.session_id,
             decode=the_plan.decode,
@@ -800,6 +808,7 @@ class Orchestrator:
             last_prefill=the_plan.prefill or (base.last_prefill if base else None),
             avg_output_tokens=avg_out,
             avg_suffix_tokens=avg_suffix,
+            elsewhere=elsewhere,
         ))
         self.metrics.pinned_sessions.set(await self.store.count())
 
@@ -823,6 +832,17 @@ class Orchestrator:
                 self.cluster.mark_failed(failure.node, str(failure), hard=failure.unreachable)
                 ctx.exclude.add(failure.node)
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+_ELSEWHERE_MAX = 8  # decode nodes a session remembers having left (a cluster rarely has more worth going back to)
+
+
+def _elsewhere(left: tuple[tuple[str, int], ...], overlap: int, *,
+               drop: str | None = None) -> tuple[tuple[str, int], ...]:
+    """Other D's prefixes of the session's history, each cut to this prompt's verified overlap with that
+    history (`overlap`: what the pinned D's prefix cache shares with the prompt). Each entry is a prefix of
+    the history, so it shares min(tokens, overlap) with the prompt; `drop`: the D the pin moves to."""
+    return tuple((url, min(n, overlap)) for url, n in left if url != drop and min(n, overlap) > 0)
 
 
 async def _read_preamble(resp: httpx.Response, lines: AsyncIterator[str], node: str, leg: str) -> list[str]:

@@ -41,6 +41,7 @@ class NodeLoad:
     waiting: float = 0.0
     kv_usage: float = 0.0  # 0..1
     bidirectional: bool = True  # prefill only: may receive a handle
+    arriving: float = 0.0  # decode only: P/D turns in their prefill leg, headed here
 
     @property
     def score(self) -> tuple[float, float]:
@@ -77,6 +78,8 @@ class Turn:
     allow_local: bool = True  # False on a retry after a failed decode-local leg
     last_prefill: str | None = None  # P of the session's previous P/D turn: its prefix cache may hold the history
     decode_stall_credit_s: float = math.inf  # the pinned D's stall budget left (stallbudget.py); inf: none kept
+    # (decode url, tokens): verified prefix of the prompt a D the pin left still holds in its prefix cache
+    decode_elsewhere: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +234,7 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
         expected_output_tokens=max(0, turn.expected_output_tokens),
         next_suffix_tokens=turn.next_suffix_tokens,
         decode_stall_credit_s=turn.decode_stall_credit_s,
+        decode_elsewhere=tuple((u, max(0, n)) for u, n in turn.decode_elsewhere if u != pinned),
     )
     if not turn.allow_local:
         # A decode-local leg just failed: an over-limit local turn stays possible only as the last resort.

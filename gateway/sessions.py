@@ -37,6 +37,11 @@ class SessionState:
     last_prefill: str | None = None  # P of the last P/D turn (its prefix cache may hold the history)
     avg_output_tokens: float | None = None  # running means, for the policy's look-ahead
     avg_suffix_tokens: float | None = None
+    # Decode nodes the pin left (rebalancing) and how many leading tokens of ``cached`` each still holds in
+    # its prefix cache (evictable): (url, tokens), most recent last. Tokens only, no ids: each is a prefix of
+    # the session's history, so its overlap with a new prompt is min(tokens, the prompt's overlap with
+    # ``cached``).
+    elsewhere: tuple[tuple[str, int], ...] = ()
 
     def with_(self, **changes: Any) -> SessionState:
         return replace(self, **changes)

@@ -141,6 +141,21 @@ CASES = {
     "rebalance-worth-it-for-a-long-answer": Case(
         history_turn(30000, 3000, expected_output_tokens=512), "pull", ("moves the pin",), est=MOE,
         decodes=(d(D0, running=3), d(D1, running=2)), decode_url=D1, reuse=27000),
+    # A D the pin left still holds the history in its prefix cache: moving back ships only the rest.
+    "rebalance-back-to-the-decode-that-kept-the-history": Case(
+        history_turn(30000, 3000, expected_output_tokens=16, decode_elsewhere=((D1, 27000),)), "pull",
+        ("moves the pin", "D still holds 26992 tok of the history"), est=MOE,
+        decodes=(d(D0, running=3), d(D1, running=2)), decode_url=D1, reuse=27000),
+    "rebalance-kept-history-is-likely-evicted-on-a-full-decode": Case(
+        history_turn(30000, 3000, expected_output_tokens=16, decode_elsewhere=((D1, 27000),)), "pull", (),
+        est=MOE, decodes=(d(D0, running=3), d(D1, running=2, kv_usage=0.99)), reuse=27000),
+    "rebalance-counts-turns-already-headed-to-the-lighter-decode": Case(
+        history_turn(12000, 3000, expected_output_tokens=256), "pull", (), prefills=(p(P0),), est=MOE,
+        decodes=(d(D0, running=4), d(D1, running=1, arriving=4)), reuse=9000),
+    "rebalance-onto-a-decode-few-are-headed-to": Case(
+        history_turn(12000, 3000, expected_output_tokens=256), "pull", ("moves the pin", "1 arriving"),
+        prefills=(p(P0),), est=MOE, decodes=(d(D0, running=4), d(D1, running=1, arriving=1)), decode_url=D1,
+        reuse=9000),
     "rebalance-off-stays-pinned": Case(
         history_turn(30000, 3000, expected_output_tokens=512), "pull", (), est=MOE,
         decodes=(d(D0, running=3), d(D1, running=2)), reuse=27000, knobs=STAY),
@@ -204,6 +219,20 @@ def test_horizon_changes_a_borderline_decision() -> None:
     # A session whose next suffix is small again does not need the handle: local stays.
     calm = choose(replace(turn, next_suffix_tokens=200), D0, (p(P0),), decodes, SNAP, PolicyKnobs())
     assert calm.option == "decode_local", calm.reason
+
+
+def test_look_ahead_remembers_the_decode_a_move_leaves() -> None:
+    """After a move the next turn is pinned on the new D, and the D it left holds this turn's history."""
+    from kvtether.gateway import costpolicy as C
+
+    turn = history_turn(12000, 1000, decode_elsewhere=((D1, 4000),))
+    c = C._Cluster((p(P0),), (d(D0), d(D1)), MOE, PolicyKnobs())
+    moved = C.OptionEstimate("pull", True, "", False, 0.3, 0.0, 0.0, P0, D1, 11000, 1000, 1000)
+    [(prob, nxt, pin)] = C._after(turn, moved, D0, c)
+    assert prob == 1.0 and pin == D1 and nxt.decode_elsewhere == ((D0, 10992),)  # whole blocks
+    stayed = replace(moved, decode_url=D0)
+    [(_, nxt, pin)] = C._after(turn, stayed, D0, c)
+    assert pin == D0 and nxt.decode_elsewhere == ((D1, 4000),)
 
 
 def test_local_turn_keeps_the_unused_handle_for_the_next_turn() -> None:

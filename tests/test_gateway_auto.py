@@ -320,6 +320,75 @@ async def test_a_pull_turn_moves_the_pin_to_a_lighter_decode_node() -> None:
         assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == attached + 2
 
 
+async def test_a_pin_moved_back_reads_only_what_its_old_decode_node_lacks() -> None:
+    """Rebalancing back and forth: the D a session's pin left keeps the history in its prefix cache. The
+    gateway remembers how much (verified against the session's history), and when a later turn moves the pin
+    back there, that D hits its prefix cache and reads only the rest of the prompt from P."""
+    async with rig(policy="auto", decode=2, min_reuse_tokens=4, max_local_suffix_tokens=16,
+                   learn_estimates=False, metrics_poll_interval_s=600.0) as r:
+        orch = r.gw.orchestrator
+        h = {"x-session-id": "back-1"}
+
+        async def turn(messages: list[dict[str, Any]], t: int) -> list[dict[str, Any]]:
+            got = await chat(r.client, r.url, request_body(messages, stream=t % 2 == 0), h)
+            want = await chat(r.client, r.oracle, request_body(messages, stream=False), clean=False)
+            assert comparable(got) == comparable(want), f"turn {t} differs from the oracle"
+            return next_messages(messages, got, 90, t, result_words=60)
+
+        async def by_source(url: str, source: str) -> float:
+            return await metric(r.client, url, "vllm:prompt_tokens_by_source_total", source=source)
+
+        messages = await turn(first_messages(90), 0)
+        state = await orch.store.get("back-1")
+        assert state is not None and state.decode is not None and state.elsewhere == ()
+        home = state.decode
+        other = next(u for u in r.cluster.decode_urls if u != home)
+        orch.cluster.nodes[home].running = 12.0  # polled gauges (the next poll is minutes away)
+        messages = await turn(messages, 1)
+        state = await orch.store.get("back-1")
+        assert state is not None and state.decode == other, "the pin did not move off the busy decode node"
+        (left, kept), = state.elsewhere
+        assert left == home and kept > 100, state.elsewhere
+        orch.cluster.nodes[home].running = 0.0
+        orch.cluster.nodes[other].running = 12.0
+        block = orch.cluster.block_size(home)
+        hit, read = await by_source(home, "local_cache_hit"), await by_source(home, "external_kv_transfer")
+        plans: list[Any] = []
+        planner = orch._plan
+        orch._plan = lambda ctx, t: plans.append(planner(ctx, t)) or plans[-1]  # type: ignore[method-assign]
+        await turn(messages, 2)
+        state = await orch.store.get("back-1")
+        assert state is not None and state.decode == home, "the pin did not move back"
+        assert f"D still holds {kept // block * block} tok of the history" in plans[-1].reason, plans[-1].reason
+        assert state.elsewhere and state.elsewhere[-1][0] == other, "the D the pin left again is not remembered"
+        hit_now, read_now = await by_source(home, "local_cache_hit"), await by_source(home, "external_kv_transfer")
+        assert hit_now - hit >= kept // block * block, "the old D did not hit its prefix cache"
+        assert 0 < read_now - read < kept, "the old D read the whole prompt again"
+
+
+async def test_a_turn_counts_as_arriving_on_its_decode_node_only_during_its_prefill_leg() -> None:
+    """While a P/D turn's prefill leg runs, its decode node counts it as arriving (load already on its way,
+    which rebalancing counts); after the leg, whether it succeeded or failed, it does not."""
+    async with rig(policy="auto", prefill=1, decode=1, min_reuse_tokens=4, learn_estimates=False) as r:
+        orch = r.gw.orchestrator
+        d = orch.cluster.nodes[r.cluster.decode_urls[0]]
+        seen: list[int] = []
+        prefill = orch._prefill_with_recovery
+
+        async def spy(*args: Any, **kw: Any) -> Any:
+            seen.append(d.arriving)
+            return await prefill(*args, **kw)
+
+        orch._prefill_with_recovery = spy  # type: ignore[method-assign]
+        await chat(r.client, r.url, request_body(first_messages(40), stream=True), {"x-session-id": "arr-1"})
+        assert seen == [1] and d.arriving == 0 and d.inflight == 0
+        await r.client.post(f"{r.cluster.prefill_urls[0]}/admin/fault", json={"fail_next": 1})
+        resp = await r.client.post(f"{r.url}/v1/chat/completions", json=request_body(first_messages(41), stream=False),
+                                   headers={"x-session-id": "arr-2"})
+        assert resp.status_code >= 500 and seen == [1, 1]
+        assert d.arriving == 0 and d.inflight == 0, "a failed prefill leg left its turn counted on D"
+
+
 async def test_clients_that_leave_mid_answer_free_their_decode_slots() -> None:
     """The gateway's own count of open requests per node (fresher than the polled gauges, what placement
     reads as D's load) drops back to zero when clients walk away: a non-streamed one cancelled while D

@@ -451,3 +451,15 @@ def test_pull_prefers_the_sessions_previous_prefill_when_as_idle() -> None:
     assert p.prefill == P2
     p = plan(existing(last_prefill=P2), cluster())  # P2 is busier: least loaded wins
     assert p.prefill == P1
+
+
+def test_decode_nodes_the_pin_left_are_cut_to_the_prompts_overlap() -> None:
+    """Each remembered prefix is a prefix of the session's history: an edit that keeps only `overlap`
+    tokens of it cuts every entry to that, an edit before all of them drops them, the new pin's goes."""
+    from kvtether.gateway.orchestrator import _elsewhere
+
+    left = (("http://d1", 4000), ("http://d2", 9000))
+    assert _elsewhere(left, 12000) == left
+    assert _elsewhere(left, 6000) == (("http://d1", 4000), ("http://d2", 6000))
+    assert _elsewhere(left, 0) == ()
+    assert _elsewhere(left, 12000, drop="http://d2") == (("http://d1", 4000),)
