@@ -337,8 +337,6 @@ def _cached_on(turn: TurnFacts, d: NodeLike, pinned: NodeLike | None, c: _Cluste
     if pinned is not None and d.url == pinned.url:
         return _d_cached(turn, c)
     left = max((n for url, n in turn.decode_elsewhere if url == d.url), default=0)
-    if left <= 0:
-        return 0
     return _floor_block(round(min(left, turn.prompt_tokens - 1) * _p_keep(d, c)), c.knobs.block_size)
 
 

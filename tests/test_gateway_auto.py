@@ -16,9 +16,19 @@ from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
 from kvtether.gateway.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
-from test_gateway_sim import LIMITS, SPEED, metric, rig
+from test_gateway_sim import LIMITS, SPEED, Rig, metric, rig
 
 pytestmark = pytest.mark.anyio
+
+
+async def _oracle_turn(r: Rig, messages: list[dict[str, Any]], t: int,
+                       headers: dict[str, str]) -> list[dict[str, Any]]:
+    """One turn through the gateway (streamed every other turn), checked against the aggregated oracle; the
+    next turn's messages."""
+    got = await chat(r.client, r.url, request_body(messages, stream=t % 2 == 0), headers)
+    want = await chat(r.client, r.oracle, request_body(messages, stream=False), clean=False)
+    assert comparable(got) == comparable(want), f"turn {t} differs from the oracle"
+    return next_messages(messages, got, 90, t, result_words=60)
 
 
 async def _node_total(client: httpx.AsyncClient, urls: list[str], name: str, **labels: str) -> float:
@@ -298,24 +308,19 @@ async def test_a_pull_turn_moves_the_pin_to_a_lighter_decode_node() -> None:
             sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
             return str(next(s["decode"] for s in sessions if s["session_id"] == "move-1"))
 
-        async def turn(messages: list[dict[str, Any]], t: int) -> list[dict[str, Any]]:
-            got = await chat(r.client, r.url, request_body(messages, stream=t % 2 == 0), h)
-            want = await chat(r.client, r.oracle, request_body(messages, stream=False), clean=False)
-            assert comparable(got) == comparable(want), f"turn {t} differs from the oracle"
-            return next_messages(messages, got, 90, t, result_words=60)
-
-        messages = await turn(first_messages(90), 0)
+        messages = await _oracle_turn(r, first_messages(90), 0, h)
         home = await pin()
         other = next(u for u in r.cluster.decode_urls if u != home)
         orch.cluster.nodes[home].running = 12.0  # polled gauge (the next poll is minutes away)
         attached = await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached")
-        messages = await turn(messages, 1)
+        messages = await _oracle_turn(r, messages, 1, h)
         assert await pin() == other, "the pin did not move to the idle decode node"
         # P was sent the old D's handle (and read it: the answer matches the oracle's, and the handle is gone).
         assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == attached + 1
         assert len(r.cluster.node(home).engine.holds) == 0, "the old decode node still holds the history"
         orch.cluster.nodes[home].running = 0.0
-        await turn(messages, 2)  # both idle now: stays, pulling the handle the moved turn left on its new D
+        # Both idle now: stays, pulling the handle the moved turn left on its new D.
+        await _oracle_turn(r, messages, 2, h)
         assert await pin() == other
         assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == attached + 2
 
@@ -329,22 +334,16 @@ async def test_a_pin_moved_back_reads_only_what_its_old_decode_node_lacks() -> N
         orch = r.gw.orchestrator
         h = {"x-session-id": "back-1"}
 
-        async def turn(messages: list[dict[str, Any]], t: int) -> list[dict[str, Any]]:
-            got = await chat(r.client, r.url, request_body(messages, stream=t % 2 == 0), h)
-            want = await chat(r.client, r.oracle, request_body(messages, stream=False), clean=False)
-            assert comparable(got) == comparable(want), f"turn {t} differs from the oracle"
-            return next_messages(messages, got, 90, t, result_words=60)
-
         async def by_source(url: str, source: str) -> float:
             return await metric(r.client, url, "vllm:prompt_tokens_by_source_total", source=source)
 
-        messages = await turn(first_messages(90), 0)
+        messages = await _oracle_turn(r, first_messages(90), 0, h)
         state = await orch.store.get("back-1")
         assert state is not None and state.decode is not None and state.elsewhere == ()
         home = state.decode
         other = next(u for u in r.cluster.decode_urls if u != home)
         orch.cluster.nodes[home].running = 12.0  # polled gauges (the next poll is minutes away)
-        messages = await turn(messages, 1)
+        messages = await _oracle_turn(r, messages, 1, h)
         state = await orch.store.get("back-1")
         assert state is not None and state.decode == other, "the pin did not move off the busy decode node"
         (left, kept), = state.elsewhere
@@ -356,7 +355,7 @@ async def test_a_pin_moved_back_reads_only_what_its_old_decode_node_lacks() -> N
         plans: list[Any] = []
         planner = orch._plan
         orch._plan = lambda ctx, t: plans.append(planner(ctx, t)) or plans[-1]  # type: ignore[method-assign]
-        await turn(messages, 2)
+        await _oracle_turn(r, messages, 2, h)
         state = await orch.store.get("back-1")
         assert state is not None and state.decode == home, "the pin did not move back"
         assert f"D still holds {kept // block * block} tok of the history" in plans[-1].reason, plans[-1].reason
