@@ -28,6 +28,7 @@ from vllm_fixtures import (
     Backend,
     completion_body,
     completion_token_ids,
+    greedy_mismatch,
     metric_sum,
     pd_turn,
     prefill_body,
@@ -94,6 +95,18 @@ GEN = 12
 GEN1 = 72
 
 
+async def _assert_reference(client: httpx.AsyncClient, b: Backend, body: dict[str, Any], out: list[int],
+                            salt: str) -> None:
+    """`out` is the reference answer to `body`: exactly on the simulator; on real vLLM up to bf16 near-ties
+    (KV that decode computed or NIXL moved rounds differently: `greedy_mismatch`)."""
+    if b.name == "sim":
+        assert out == completion_token_ids(await reference(client, b.prefill_url, body, salt))
+        return
+    why = await greedy_mismatch(client, b.prefill_url, b.model, list(body["prompt"]), out,
+                                max_tokens=int(body["max_tokens"]), ignore_eos=bool(body.get("ignore_eos")))
+    assert why is None, f"the answer differs from the reference {why}"
+
+
 def _turn2_prompt(turn1_prompt: list[int], turn1_resp: dict[str, Any], b: Backend, seed: int) -> list[int]:
     return turn1_prompt + completion_token_ids(turn1_resp) + token_prompt(seed, 40, b.token_range)
 
@@ -151,9 +164,8 @@ async def test_turn2_with_handle_pulls_from_decode_and_matches_reference(
     assert p2p_after - p2p_before > 0, "no p2p-cached prompt tokens on prefill: the reverse pull did not happen"
     assert xfer_after > xfer_before, "prefill's NIXL transfer counter did not move"
 
-    ref = await reference(client, backend.prefill_url, completion_body(backend.model, prompt2, GEN), f"ref-{seed}")
-    assert t2.text == ref["choices"][0]["text"]
-    assert completion_token_ids(t2.decode or {}) == completion_token_ids(ref)
+    await _assert_reference(client, backend, completion_body(backend.model, prompt2, GEN),
+                            completion_token_ids(t2.decode or {}), f"ref-{seed}")
 
 
 async def test_decode_request_without_params_returns_no_handle(backend: Backend, client: httpx.AsyncClient) -> None:
@@ -170,8 +182,8 @@ async def test_streamed_decode_carries_no_handle_on_0_32(backend: Backend, clien
     assert res.chunks, "no stream chunks"
     assert any((c.get("choices") or [{}])[0].get("finish_reason") for c in res.chunks)
     assert res.handle is None, "vllm 0.32 streams carry no kv_transfer_params (0.33 puts it on the final chunk)"
-    ref = await reference(client, backend.prefill_url, completion_body(backend.model, prompt, GEN), f"s-{_seed()}")
-    assert res.text == ref["choices"][0]["text"]
+    ids = [int(t) for c in res.chunks for ch in c.get("choices") or [] for t in ch.get("token_ids") or []]
+    await _assert_reference(client, backend, completion_body(backend.model, prompt, GEN), ids, f"s-{_seed()}")
 
 
 async def test_edited_history_with_handle_gives_a_wrong_answer(backend: Backend, client: httpx.AsyncClient) -> None:
@@ -229,8 +241,7 @@ async def test_expired_handle_fails_prefill_and_retry_without_it_works(
     )
     assert r.status_code >= 500, f"expired handle accepted: {r.status_code} {r.text[:300]}"
     retry = await pd_turn(client, backend, body)
-    ref = await reference(client, backend.prefill_url, body, f"x-{seed}")
-    assert retry.text == ref["choices"][0]["text"]
+    await _assert_reference(client, backend, body, completion_token_ids(retry.decode or {}), f"x-{seed}")
 
 
 async def test_wrong_pull_pollutes_prefills_prefix_cache(backend: Backend, client: httpx.AsyncClient) -> None:

