@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -105,6 +106,8 @@ class Result:
     options: dict[str, int] = field(default_factory=dict)
     overhead_s: float = 0.0  # simulated seconds of TTFT spent in the gateway itself, all turns together
     late_sends: int = 0  # paced runs: turns sent after their slot because the previous answer was not done
+    # --engine-trace: every engine event of the run(s), as dicts (EngineEvent's fields + node, role, repeat)
+    engine_events: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _words(rng: random.Random, tokens: int) -> str:
@@ -308,6 +311,10 @@ async def run_policy(name: str, preset: str, plans: list[SessionPlan], args: arg
     result = Result(name)
     t0 = time.perf_counter()
     async with SimCluster(spec) as cluster:
+        if args.engine_trace:
+            for node in cluster.nodes:
+                node.engine.on_event = lambda e, url=node.url, role=node.cfg.role: result.engine_events.append(
+                    {**dataclasses.asdict(e), "node": url, "role": role, "repeat": repeat})
         cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy=policy,
                           metrics_poll_interval_s=1.0, bidirectional_prefill=policy != "no-pull",
                           # the engines' decoder_kv_blocks_ttl is 480 simulated s = 480/speed real
@@ -470,6 +477,89 @@ def diagnostics(results: dict[str, Result], n_decode: int) -> str:
     return "\n".join(lines)
 
 
+# Late turns whose prompt grew by more than this beyond the last answer: the long tool results (the suffix
+# mix's 2–8k), which always go through P and set the tail; the rest are the short ones.
+LONG_SUFFIX_TOKENS = 1500
+_TIMELINE = (
+    ("P wait", "P request in → its KV read began (overhead + queue)"),
+    ("P read", "P's KV read from D (pull)"),
+    ("P compute", "P's read done (or arrival) → prompt computed: queue + prefill steps"),
+    ("hop", "P's prompt computed → D request in (P's answer through the gateway)"),
+    ("D read", "D's KV read from P"),
+    ("D first", "D's read done → its prompt done (the step that yields the first token)"),
+    ("local", "decode-local: D request in → prompt done (queue + local prefill steps)"),
+)
+
+
+def _requests(events: list[dict[str, Any]]) -> dict[tuple[int, str, int], list[dict[str, dict[str, Any]]]]:
+    """(repeat, role, prompt tokens) → the requests with that prompt, each as {event kind: event}."""
+    by_id: dict[tuple[int, str, str], tuple[str, dict[str, dict[str, Any]]]] = {}
+    for e in events:
+        _, kinds = by_id.setdefault((e["repeat"], e["node"], e["request_id"]), (e["role"], {}))
+        kinds.setdefault(e["kind"], e)
+    out: dict[tuple[int, str, int], list[dict[str, dict[str, Any]]]] = {}
+    for (rep, _, _), (role, req) in by_id.items():
+        if "submit" in req and "prompt_done" in req:
+            out.setdefault((rep, role, int(req["submit"]["prompt_tokens"])), []).append(req)
+    return out
+
+
+def _legs(p: dict[str, dict[str, Any]] | None, d: dict[str, dict[str, Any]]) -> dict[str, float]:
+    def read_end(r: dict[str, dict[str, Any]]) -> float | None:
+        read = r.get("kv_read")
+        return read["at"] + read["seconds"] if read else None
+
+    if p is None:
+        return {"local": d["prompt_done"]["at"] - d["submit"]["at"]}
+    p_in, p_done = p["submit"]["at"], p["prompt_done"]["at"]
+    p_read = p.get("kv_read")
+    d_from = read_end(d)
+    return {
+        "P wait": (p_read["at"] if p_read else p_in) - p_in,
+        "P read": p_read["seconds"] if p_read else 0.0,
+        "P compute": p_done - (read_end(p) or p_in),
+        "hop": d["submit"]["at"] - p_done,
+        "D read": d["kv_read"]["seconds"] if "kv_read" in d else 0.0,
+        "D first": d["prompt_done"]["at"] - (d_from if d_from is not None else d["submit"]["at"]),
+    }
+
+
+def timeline(results: dict[str, Result], output_tokens: int) -> str:
+    """Where late turns' time to first token went, engine side (--engine-trace), p50 / p90 per leg, by suffix
+    length and path. Turns are matched to engine requests by prompt length within a run (skipped when two
+    requests of a role share it)."""
+    lines = ["| policy | turns (n) | " + " | ".join(name for name, _ in _TIMELINE) + " | TTFC |",
+             "|" + "---|" * (len(_TIMELINE) + 3)]
+    skipped = 0
+    for pol, r in results.items():
+        reqs = _requests(r.engine_events)
+        prev = {(t.repeat, t.session, t.turn): t.prompt_tokens for t in r.turns}
+        groups: dict[str, list[tuple[dict[str, float], float]]] = {}
+        for t in r.turns:
+            before = prev.get((t.repeat, t.session, t.turn - 1))
+            if t.turn < 10 or before is None:
+                continue
+            ds = reqs.get((t.repeat, "decode", t.prompt_tokens), [])
+            ps = reqs.get((t.repeat, "prefill", t.prompt_tokens), [])
+            if len(ds) != 1 or len(ps) > 1:
+                skipped += 1
+                continue
+            size = "long" if t.prompt_tokens - before - output_tokens > LONG_SUFFIX_TOKENS else "short"
+            path = "P/D" if ps else "local"
+            groups.setdefault(f"{size} suffix, {path}", []).append((_legs(ps[0] if ps else None, ds[0]), t.ttfc_s))
+        for key in sorted(groups):
+            rows = groups[key]
+            cells = []
+            for name, _ in _TIMELINE:
+                v = [legs[name] for legs, _ in rows if name in legs]
+                cells.append(f"{_pct(v, .5):.3f} / {_pct(v, .9):.3f}" if v else "–")
+            ttfc = [x for _, x in rows]
+            lines.append(f"| {pol} | {key} ({len(rows)}) | " + " | ".join(cells)
+                         + f" | {_pct(ttfc, .5):.3f} / {_pct(ttfc, .9):.3f} |")
+    legend = "; ".join(f"{name}: {what}" for name, what in _TIMELINE)
+    return "\n".join(lines) + f"\n\nEngine-side, simulated s, p50 / p90. {legend}. Unmatched turns: {skipped}."
+
+
 def per_repeat(results: dict[str, Result], cand: str = "auto") -> str:
     """The verdict's lines for each repeat on its own: how far run-to-run noise moves them."""
     reps = sorted({t.repeat for r in results.values() for t in r.turns})
@@ -508,6 +598,9 @@ def main() -> None:
                          "each run's ratios printed; the policies' order rotates so machine load drift is shared")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plan-log", default=None, help="append every turn's placement reason (debug log) to this file")
+    ap.add_argument("--engine-trace", default=None, metavar="FILE",
+                    help="record every simulated engine's events (request in, KV read, prompt done) as JSON lines "
+                         "in FILE and print where late turns' time to first token went, leg by leg")
     args = ap.parse_args()
     if args.plan_log:
         handler = logging.FileHandler(args.plan_log)
@@ -535,6 +628,7 @@ def main() -> None:
                 acc.wall_s += r.wall_s
                 acc.overhead_s += r.overhead_s
                 acc.late_sends += r.late_sends
+                acc.engine_events += r.engine_events
                 for k, v in r.options.items():
                     acc.options[k] = acc.options.get(k, 0) + v
         runs = ""
@@ -557,6 +651,12 @@ def main() -> None:
             if rv:
                 print("\n" + rv)
         print("\n" + diagnostics(results, args.decode))
+        if args.engine_trace:
+            print("\n" + timeline(results, args.output))
+            with open(args.engine_trace, "a") as f:
+                for pol, res in results.items():
+                    for e in res.engine_events:
+                        f.write(json.dumps({"preset": preset, "policy": pol, **e}) + "\n")
         if args.json:
             print(json.dumps({p: [t.__dict__ for t in r.turns] for p, r in results.items()}))
 

@@ -156,6 +156,29 @@ class Step:
             self.prefill_chunks.append((n, r.num_computed))
 
 
+@dataclass(frozen=True, slots=True)
+class EngineEvent:
+    """A point on a request's way through the engine, for an observer (`Engine.on_event`): where a turn's time
+    to first token went (queue, KV read, prefill steps) as only the engine knows it. Simulated seconds.
+
+    - ``submit``: the request arrived (before its per-request overhead); ``running`` / ``waiting`` then.
+    - ``kv_read``: a remote KV read finished, ``seconds`` after it began at ``at``, moving ``tokens``.
+    - ``prompt_done``: the step that computed the prompt's last token ended (its first token follows);
+      ``step_prefills`` / ``step_decodes``: what else that step computed.
+    """
+
+    kind: str  # submit | kv_read | prompt_done
+    at: float
+    request_id: str
+    prompt_tokens: int
+    running: int = 0
+    waiting: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    step_prefills: int = 0
+    step_decodes: int = 0
+
+
 def _remote_ref(p: Mapping[str, Any]) -> RemoteRef:
     return RemoteRef(
         host=str(p.get("remote_host") or "localhost"),
@@ -206,10 +229,14 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self.on_step: Callable[[Step], None] | None = None
+        self.on_event: Callable[[EngineEvent], None] | None = None
 
     # ---- public API -------------------------------------------------------------------------
     def submit(self, r: EngineRequest) -> None:
         r.detok = IncrementalDetokenizer(self.tok) if r.stop else None
+        if self.on_event is not None:
+            self.on_event(EngineEvent("submit", self.clock.now(), r.request_id, len(r.prompt_ids),
+                                      running=len(self.running), waiting=len(self.waiting)))
         if r.hang:
             r.state = State.LOADING
             self.loading.add(r)
@@ -467,10 +494,14 @@ class Engine:
         if r.hang:
             return  # never completes; the request stays LOADING until aborted
         xfer = self.preset.cost.transfer_seconds(load.end - load.start) * self.slow_factor
+        began = self.clock.now()
         try:
             data = await self.transport.read(load.ref, load.block_ids)
             await self.clock.sleep(xfer)
             ok = True
+            if self.on_event is not None:
+                self.on_event(EngineEvent("kv_read", began, r.request_id, len(r.prompt_ids),
+                                          seconds=self.clock.now() - began, tokens=load.end - load.start))
         except KVLoadError as e:
             log.info("KV load failed for %s: %s", r.request_id, e)
             self.metrics.xfer_failed.labels(*self.metrics.base).inc()
@@ -534,6 +565,10 @@ class Engine:
         for r, n in step.items:
             if r.state is not State.RUNNING:
                 continue
+            if self.on_event is not None and r.num_computed < len(r.prompt_ids) <= r.num_computed + n:
+                self.on_event(EngineEvent("prompt_done", self.clock.now(), r.request_id, len(r.prompt_ids),
+                                          step_prefills=len(step.prefill_chunks),
+                                          step_decodes=len(step.decode_contexts)))
             in_prompt = max(0, min(r.num_computed + n, len(r.prompt_ids)) - r.num_computed)
             self._compute(r, r.num_computed, n)
             r.num_computed += n

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from kvtether.sim.cluster import SimCluster
+from kvtether.sim.engine import EngineEvent
 
 SPEED = 50.0
 P_PARAMS = {
@@ -415,3 +416,28 @@ async def test_lease_without_the_floor_expires_in_simulated_time(client: httpx.A
     async with SimCluster(speed=SPEED, kv_lease_real_floor_s=0.0) as c:
         d = await _p_then_d_after(client, c, 1.0)
         assert d.status_code == 500 and "KV load failure" in d.text
+
+
+@pytest.mark.anyio
+async def test_engine_events_trace_a_pd_turn(client: httpx.AsyncClient) -> None:
+    """`Engine.on_event` (what `placement_policies.py --engine-trace` records): on P the request arrives and
+    its prompt is computed; on D it arrives, reads what it lacks from P, and its prompt is done right after."""
+    async with SimCluster(speed=SPEED) as c:
+        p_url, d_url = c.prefill_urls[0], c.decode_urls[0]
+        seen: dict[str, list[EngineEvent]] = {p_url: [], d_url: []}
+        for url, out in seen.items():
+            c.node(url).engine.on_event = out.append
+        _, d = await pd_turn(client, p_url, d_url, chat([{"role": "user", "content": LONG}], max_tokens=8))
+        assert d is not None and d.status_code == 200
+        n_prompt = d.json()["usage"]["prompt_tokens"]
+        p_ev, d_ev = seen[p_url], seen[d_url]
+        assert [e.kind for e in p_ev] == ["submit", "prompt_done"]
+        assert [e.kind for e in d_ev] == ["submit", "kv_read", "prompt_done"]  # decode steps add nothing
+        assert {e.prompt_tokens for e in (*p_ev, *d_ev)} == {n_prompt}
+        p_sub, p_done = p_ev
+        assert p_done.at > p_sub.at and p_done.step_prefills == 1
+        d_sub, read, d_done = d_ev
+        assert read.tokens == n_prompt - 1 and read.seconds > 0  # D computes the last prompt token itself
+        assert d_sub.at <= read.at and read.at + read.seconds <= d_done.at
+        assert d_done.step_prefills == 1 and d_done.step_decodes == 0
+        assert p_sub.at < p_done.at <= d_sub.at
