@@ -39,12 +39,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import random
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -300,6 +302,44 @@ def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
     return policy, knobs
 
 
+# --sim-process: the cluster in a child process of its own (what `kvtether sim --json` does), printing its URLs.
+_SERVE_SIM = """
+import asyncio, json, sys
+from kvtether.sim.cluster import ClusterSpec, SimCluster
+
+async def main():
+    async with SimCluster(ClusterSpec(**json.loads(sys.argv[1]))) as cluster:
+        print(json.dumps(cluster.urls()), flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+@contextlib.asynccontextmanager
+async def _cluster(spec: ClusterSpec, separate: bool) -> AsyncIterator[tuple[list[str], list[str], SimCluster | None]]:
+    """(prefill URLs, decode URLs, the in-process cluster or None). In-process by default: one Python process
+    (one GIL) then runs the engines, the gateway and the clients, so the gateway's CPU time also delays the
+    simulated engines. Separate: the engines get a core of their own, as vLLM's servers would."""
+    if not separate:
+        async with SimCluster(spec) as cluster:
+            yield cluster.prefill_urls, cluster.decode_urls, cluster
+        return
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _SERVE_SIM, json.dumps(dataclasses.asdict(spec)),
+                                                stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        if not line:
+            raise RuntimeError(f"the simulated cluster exited before it listened (rc {await proc.wait()})")
+        urls = json.loads(line)
+        yield urls["prefill"], urls["decode"], None
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+
+
 async def run_policy(name: str, preset: str, plans: list[SessionPlan], args: argparse.Namespace,
                      repeat: int = 0) -> Result:
     policy, knobs = parse_policy(name)
@@ -310,13 +350,13 @@ async def run_policy(name: str, preset: str, plans: list[SessionPlan], args: arg
                        prefill_prefix_caching=args.prefill_prefix_caching == "on")
     result = Result(name)
     t0 = time.perf_counter()
-    async with SimCluster(spec) as cluster:
-        if args.engine_trace:
+    async with _cluster(spec, args.sim_process) as (prefill_urls, decode_urls, cluster):
+        if args.engine_trace and cluster is not None:
             for node in cluster.nodes:
                 node.engine.on_event = lambda e, url=node.url, role=node.cfg.role: result.engine_events.append(
                     {**dataclasses.asdict(e), "node": url, "role": role, "repeat": repeat})
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy=policy,
-                          metrics_poll_interval_s=1.0, bidirectional_prefill=policy != "no-pull",
+        cfg = load_config(None, prefill=prefill_urls, decode=decode_urls, policy=policy, metrics_poll_interval_s=1.0,
+                          bidirectional_prefill=policy != "no-pull",
                           # the engines' decoder_kv_blocks_ttl is 480 simulated s = 480/speed real
                           session_ttl_s=min(450.0, 450.0 / args.speed),
                           engine_kv_ttl_s=max(480.0, 480.0 / args.speed),
@@ -601,7 +641,12 @@ def main() -> None:
     ap.add_argument("--engine-trace", default=None, metavar="FILE",
                     help="record every simulated engine's events (request in, KV read, prompt done) as JSON lines "
                          "in FILE and print where late turns' time to first token went, leg by leg")
+    ap.add_argument("--sim-process", action="store_true",
+                    help="run the simulated cluster in a child process (its own GIL and core) instead of in the "
+                         "benchmark's process; not with --engine-trace, which reads the engines in process")
     args = ap.parse_args()
+    if args.engine_trace and args.sim_process:
+        ap.error("--engine-trace reads the engines in process: not with --sim-process")
     if args.plan_log:
         handler = logging.FileHandler(args.plan_log)
         handler.setFormatter(logging.Formatter("%(message)s"))
