@@ -525,6 +525,7 @@ _TIMELINE = (
     ("P read", "P's KV read from D (pull)"),
     ("P compute", "P's read done (or arrival) → prompt computed: queue + prefill steps"),
     ("hop", "P's prompt computed → D request in (P's answer through the gateway)"),
+    ("D wait", "D request in → its KV read began (overhead + queue)"),
     ("D read", "D's KV read from P"),
     ("D first", "D's read done → its prompt done (the step that yields the first token)"),
     ("local", "decode-local: D request in → prompt done (queue + local prefill steps)"),
@@ -559,6 +560,7 @@ def _legs(p: dict[str, dict[str, Any]] | None, d: dict[str, dict[str, Any]]) -> 
         "P read": p_read["seconds"] if p_read else 0.0,
         "P compute": p_done - (read_end(p) or p_in),
         "hop": d["submit"]["at"] - p_done,
+        "D wait": (d["kv_read"]["at"] if "kv_read" in d else d["submit"]["at"]) - d["submit"]["at"],
         "D read": d["kv_read"]["seconds"] if "kv_read" in d else 0.0,
         "D first": d["prompt_done"]["at"] - (d_from if d_from is not None else d["submit"]["at"]),
     }
