@@ -40,14 +40,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import random
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -325,7 +324,7 @@ async def _cluster(spec: ClusterSpec, separate: bool) -> AsyncIterator[tuple[lis
         async with SimCluster(spec) as cluster:
             yield cluster.prefill_urls, cluster.decode_urls, cluster
         return
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _SERVE_SIM, json.dumps(dataclasses.asdict(spec)),
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _SERVE_SIM, json.dumps(asdict(spec)),
                                                 stdout=asyncio.subprocess.PIPE)
     try:
         assert proc.stdout is not None
@@ -354,7 +353,7 @@ async def run_policy(name: str, preset: str, plans: list[SessionPlan], args: arg
         if args.engine_trace and cluster is not None:
             for node in cluster.nodes:
                 node.engine.on_event = lambda e, url=node.url, role=node.cfg.role: result.engine_events.append(
-                    {**dataclasses.asdict(e), "node": url, "role": role, "repeat": repeat})
+                    {**asdict(e), "node": url, "role": role, "repeat": repeat})
         cfg = load_config(None, prefill=prefill_urls, decode=decode_urls, policy=policy, metrics_poll_interval_s=1.0,
                           bidirectional_prefill=policy != "no-pull",
                           # the engines' decoder_kv_blocks_ttl is 480 simulated s = 480/speed real
@@ -545,25 +544,23 @@ def _requests(events: list[dict[str, Any]]) -> dict[tuple[int, str, int], list[d
     return out
 
 
-def _legs(p: dict[str, dict[str, Any]] | None, d: dict[str, dict[str, Any]]) -> dict[str, float]:
-    def read_end(r: dict[str, dict[str, Any]]) -> float | None:
-        read = r.get("kv_read")
-        return read["at"] + read["seconds"] if read else None
+def _node_legs(r: dict[str, dict[str, Any]]) -> tuple[float, float, float]:
+    """One engine request's (arrival → KV read start, the read, read end or arrival → prompt done)."""
+    arrived, done = r["submit"]["at"], r["prompt_done"]["at"]
+    read = r.get("kv_read")
+    if read is None:
+        return 0.0, 0.0, done - arrived
+    return read["at"] - arrived, read["seconds"], done - (read["at"] + read["seconds"])
 
+
+def _legs(p: dict[str, dict[str, Any]] | None, d: dict[str, dict[str, Any]]) -> dict[str, float]:
     if p is None:
         return {"local": d["prompt_done"]["at"] - d["submit"]["at"]}
-    p_in, p_done = p["submit"]["at"], p["prompt_done"]["at"]
-    p_read = p.get("kv_read")
-    d_from = read_end(d)
-    return {
-        "P wait": (p_read["at"] if p_read else p_in) - p_in,
-        "P read": p_read["seconds"] if p_read else 0.0,
-        "P compute": p_done - (read_end(p) or p_in),
-        "hop": d["submit"]["at"] - p_done,
-        "D wait": (d["kv_read"]["at"] if "kv_read" in d else d["submit"]["at"]) - d["submit"]["at"],
-        "D read": d["kv_read"]["seconds"] if "kv_read" in d else 0.0,
-        "D first": d["prompt_done"]["at"] - (d_from if d_from is not None else d["submit"]["at"]),
-    }
+    p_wait, p_read, p_compute = _node_legs(p)
+    d_wait, d_read, d_first = _node_legs(d)
+    return {"P wait": p_wait, "P read": p_read, "P compute": p_compute,
+            "hop": d["submit"]["at"] - p["prompt_done"]["at"],
+            "D wait": d_wait, "D read": d_read, "D first": d_first}
 
 
 def timeline(results: dict[str, Result], output_tokens: int) -> str:

@@ -27,8 +27,8 @@ from vllm_fixtures import (
     PREFILL_PARAMS_FIELDS,
     Backend,
     completion_body,
+    completion_mismatch,
     completion_token_ids,
-    greedy_mismatch,
     metric_sum,
     pd_turn,
     prefill_body,
@@ -102,8 +102,7 @@ async def _assert_reference(client: httpx.AsyncClient, b: Backend, body: dict[st
     if b.name == "sim":
         assert out == completion_token_ids(await reference(client, b.prefill_url, body, salt))
         return
-    why = await greedy_mismatch(client, b.prefill_url, b.model, list(body["prompt"]), out,
-                                max_tokens=int(body["max_tokens"]), ignore_eos=bool(body.get("ignore_eos")))
+    why = await completion_mismatch(client, b.prefill_url, body, out)
     assert why is None, f"the answer differs from the reference {why}"
 
 

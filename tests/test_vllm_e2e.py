@@ -21,7 +21,15 @@ import httpx
 import pytest
 from kvtether.cli.launcher import gateway_session_ttl
 from kvtether.gateway.cluster import sample_sum
-from vllm_fixtures import DECODE_TTL_S, M_CACHED_BY_SOURCE, Backend, greedy_mismatch, metric_sum, vllm_pair
+from vllm_fixtures import (
+    DECODE_TTL_S,
+    M_CACHED_BY_SOURCE,
+    Backend,
+    completion_mismatch,
+    greedy_mismatch,
+    metric_sum,
+    vllm_pair,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm, pytest.mark.timeout(900)]
 __all__ = ["vllm_pair"]  # the session-scoped fixture, imported so pytest sees it here
@@ -184,6 +192,17 @@ async def test_chat_sessions_equal_reference(pair: Backend) -> None:
                 messages = follow_up(messages, got, tag, turn)
 
 
+def token_request(model: str, prompt: list[int]) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 96,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
 async def _completion(r: Rig, req: dict[str, Any], hdr: dict[str, str]) -> dict[str, Any]:
     resp = await r.client.post(r.url + "/v1/completions", json=req, headers=hdr)
     assert resp.status_code == 200, resp.text
@@ -202,23 +221,16 @@ async def test_token_sessions_pull_on_every_eligible_turn(pair: Backend) -> None
         hdr = {"x-session-id": tag}
         prompt = [rng.randrange(16, 4000) for _ in range(500)]
         pulls = 0
-        done: list[tuple[list[int], list[int]]] = []
+        done: list[tuple[dict[str, Any], list[int]]] = []
         for turn in range(4):
-            req = {
-                "model": pair.model,
-                "prompt": prompt,
-                "max_tokens": 96,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            }
+            req = token_request(pair.model, prompt)
             p2p_before = await r.p2p()
             got = await _completion(r, req, hdr)
             p2p_after = await r.p2p()
             # References after the session: on a loaded CPU a reference call between turns ages the handle.
             out_ids = got["choices"][0].get("token_ids")
             assert out_ids, "return_token_ids did not pass through the gateway"
-            done.append((prompt, list(out_ids)))
+            done.append((req, list(out_ids)))
             if turn > 0:
                 names = ("attached", "truncated", "refused_by_guard", "missing", "expired", "lost_race", "retried_cold")
                 outcomes = {o: await r.outcome(o) for o in names}
@@ -227,9 +239,8 @@ async def test_token_sessions_pull_on_every_eligible_turn(pair: Backend) -> None
             prompt = prompt + list(out_ids) + [rng.randrange(16, 4000) for _ in range(40)]
         assert pulls == 3
         assert await r.outcome("attached") >= 3
-        for turn, (sent, out) in enumerate(done):
-            why = await greedy_mismatch(r.client, pair.prefill_url, pair.model, sent, out, max_tokens=96,
-                                        ignore_eos=True)
+        for turn, (req, out) in enumerate(done):
+            why = await completion_mismatch(r.client, pair.prefill_url, req, out)
             assert why is None, f"turn {turn} differs from the reference {why}"
 
 
@@ -277,17 +288,6 @@ async def test_reference_proxy_behaviour_corrupts_edited_histories(pair: Backend
     assert wrong > 0, "the unguarded reference-proxy behaviour should give a wrong answer on some edit"
 
 
-def token_request(model: str, prompt: list[int]) -> dict[str, Any]:
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": 96,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-
-
 @pytest.mark.vllm_late
 async def test_expired_handles_never_sent_and_failed_prefill_retried_without_handle(pair: Backend) -> None:
     """Right config: the gateway drops the handle before the engine does. Wrong config (the gateway believes a
@@ -308,9 +308,9 @@ async def test_expired_handles_never_sent_and_failed_prefill_retried_without_han
         for rig, hdr, prompt in sessions:
             attached = await rig.outcome("attached") + await rig.outcome("truncated")
             errors = await metric(rig.client, rig.url, "kvtether_upstream_errors_total", phase="prefill")
-            got = await _completion(rig, token_request(pair.model, prompt), hdr)
-            why = await greedy_mismatch(rig.client, pair.prefill_url, pair.model, prompt,
-                                        list(got["choices"][0]["token_ids"]), max_tokens=96, ignore_eos=True)
+            req = token_request(pair.model, prompt)
+            got = await _completion(rig, req, hdr)
+            why = await completion_mismatch(rig.client, pair.prefill_url, req, list(got["choices"][0]["token_ids"]))
             assert why is None, f"the answer differs from the reference {why}"
             attached_after = await rig.outcome("attached") + await rig.outcome("truncated")
             errors_after = await metric(rig.client, rig.url, "kvtether_upstream_errors_total", phase="prefill")

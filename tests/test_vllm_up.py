@@ -27,7 +27,7 @@ from vllm_fixtures import (
     TINY_MODEL,
     VLLM_PYTHON,
     _free_port_run,
-    greedy_mismatch,
+    completion_mismatch,
     opted_in,
     vllm_unavailable_reason,
 )
@@ -54,9 +54,9 @@ def _read_json_line(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, 
     return dict(json.loads(line))
 
 
-async def _greedy_mismatch(prefill_url: str, model: str, prompt: list[int], out: list[int]) -> str | None:
+async def _completion_mismatch(prefill_url: str, body: dict[str, Any], out: list[int]) -> str | None:
     async with httpx.AsyncClient(timeout=180, trust_env=False) as c:
-        return await greedy_mismatch(c, prefill_url, model, prompt, out, max_tokens=24, ignore_eos=True)
+        return await completion_mismatch(c, prefill_url, body, out)
 
 
 def _listening(port: int) -> bool:
@@ -126,7 +126,7 @@ def test_kvtether_up_serves_sessions_with_the_pull_and_stops_cleanly(pytestconfi
             assert second.headers["x-kvtether-reuse-source"] in ("decode_pull", "decode_local")
             assert int(second.headers["x-kvtether-reuse-tokens"]) >= 256
             out = [int(t) for t in second.json()["choices"][0]["token_ids"]]
-            why = anyio.run(_greedy_mismatch, urls["prefill"][0], model, prompt, out)
+            why = anyio.run(_completion_mismatch, urls["prefill"][0], {**body, "prompt": prompt}, out)
             assert why is None, f"turn 2 differs from the reference {why}"
         assert _processes_with(f"--port {vllm_port} "), "no vLLM child found while the cluster runs"
     finally:

@@ -283,6 +283,12 @@ async def greedy_mismatch(
         pos += j + 1
 
 
+async def completion_mismatch(client: httpx.AsyncClient, url: str, body: dict[str, Any], out: list[int]) -> str | None:
+    """`greedy_mismatch` of the answer `out` to the token-id `/v1/completions` request `body`."""
+    return await greedy_mismatch(client, url, str(body["model"]), list(body["prompt"]), out,
+                                 max_tokens=int(body["max_tokens"]), ignore_eos=bool(body.get("ignore_eos")))
+
+
 # ---- prompts ---------------------------------------------------------------------------------------
 
 
