@@ -90,10 +90,27 @@ def sample_sum(text: str, sample: str, **labels: str) -> float:
     )
 
 
+_PLACEMENT_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "vllm:gpu_cache_usage_perc", "vllm:cache_config_info")
+
+
+def _gauge_lines(text: str) -> str:
+    """Only the sample lines of the gauges placement reads. A node's /metrics is mostly histograms, and the
+    parser runs on the event loop every stream the gateway relays shares: on the simulator's idle 16 kB text
+    a full parse takes ~3 ms, the filter and the parse of what it keeps 0.15 ms (vLLM's text is larger)."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith(_PLACEMENT_GAUGES):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in _PLACEMENT_GAUGES:
+                keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
 def parse_metrics(text: str) -> dict[str, float | int]:
     """The few vLLM gauges placement uses, summed over label sets (one engine per node here)."""
     out: dict[str, float | int] = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_gauge_lines(text)):
         for sample in family.samples:
             name = sample.name
             if name == "vllm:num_requests_running":

@@ -93,6 +93,10 @@ class GatewayConfig:
     decode_stall_window_s: float = _KNOBS.decode_stall_window_s
     # A P/D turn may decode on a less loaded D than the pinned one (the pin moves): balance across D's.
     rebalance_decode: bool = _KNOBS.rebalance_decode
+    # Tail-aware objective: each second of a turn's estimated TTFT above the tail_quantile of recent turns'
+    # estimates costs tail_weight seconds more (0: off).
+    tail_weight: float = _KNOBS.tail_weight
+    tail_quantile: float = _KNOBS.tail_quantile
     # Look-ahead (0..3 turns) and its discount: a turn that is cheapest on D now may leave the session
     # without a handle (vLLM returns none for a locally prefilled request), making the next turn dear.
     horizon_turns: int = _KNOBS.horizon_turns
@@ -170,6 +174,8 @@ class GatewayConfig:
             raise ConfigError("horizon_discount must be in [0, 1]")
         if not 0.0 <= self.evict_kv_usage_knee < 1.0:
             raise ConfigError("evict_kv_usage_knee must be in [0, 1)")
+        if self.tail_weight < 0.0 or not 0.0 < self.tail_quantile < 1.0:
+            raise ConfigError("tail_weight must be >= 0 and tail_quantile in (0, 1)")
         for f in fields(self):
             if f.name.startswith("seed_") and not getattr(self, f.name) > 0:
                 raise ConfigError(f"{f.name} must be > 0")

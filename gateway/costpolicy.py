@@ -125,6 +125,9 @@ class TurnFacts:
     # its prefix cache (verified by the shell against the session's history; evictable). Moving the pin back
     # there (rebalancing) ships only the rest of the prompt.
     decode_elsewhere: tuple[tuple[str, int], ...] = ()
+    # The estimated TTFT above which a turn is in the tail of recent turns (the shell's running quantile of
+    # chosen options' estimates, `tail.TailTracker`); inf: unknown, no tail term.
+    ttft_tail_s: float = math.inf
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
@@ -139,6 +142,8 @@ class TurnFacts:
             raise ValueError("decode_stall_credit_s must be a number")
         if any(n < 0 for _, n in self.decode_elsewhere):
             raise ValueError("decode_elsewhere tokens must be >= 0")
+        if math.isnan(self.ttft_tail_s):
+            raise ValueError("ttft_tail_s must be a number")
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +193,14 @@ class PolicyKnobs:
     # pinned session keeps whatever imbalance its turns' timing gave its D, which every one of them pays in
     # TPOT; vLLM's reference proxy spreads turns round-robin and wins on balance alone.
     rebalance_decode: bool = True
+    # Tail-aware objective: every second of an option's estimated TTFT above the tail threshold (the
+    # `tail_quantile` of recent turns' estimates, kept by the shell) costs `tail_weight` seconds more. The p95
+    # is made of such turns only (the long tool results), so for them TTFT outweighs what a move to a lighter
+    # D saves in decode time; below the threshold the score is unchanged. 0 turns it off. 3 (session 7, GLM-5
+    # paced, three runs on different sessions against 0): late p95 TTFT 11–54 ms lower and p50 1–10 ms lower in
+    # each, decode TPOT p95 3–5 % higher (fewer moves to a lighter D).
+    tail_weight: float = 3.0
+    tail_quantile: float = 0.9
 
     def __post_init__(self) -> None:
         if self.mode not in POLICY_MODES:
@@ -206,6 +219,8 @@ class PolicyKnobs:
             raise ValueError("block_size and chunk_tokens must be >= 1")
         if not 0.0 <= self.decode_stall_share <= 1.0 or self.decode_stall_window_s <= 0.0:
             raise ValueError("decode_stall_share must be in [0, 1] and decode_stall_window_s > 0")
+        if self.tail_weight < 0.0 or not 0.0 < self.tail_quantile < 1.0:
+            raise ValueError("tail_weight must be >= 0 and tail_quantile in (0, 1)")
 
     @property
     def stall_burst_s(self) -> float:
@@ -233,10 +248,11 @@ class OptionEstimate:
     # P/D on another D than the pinned one: what its answer's decode adds to that D's batch less what it would
     # add to the pinned D's (negative when the other D is lighter; 0 on the pinned D). See _balance_s.
     balance_s: float = 0.0
+    tail_s: float = 0.0  # tail_weight × the estimated TTFT above the tail threshold (see PolicyKnobs)
 
     @property
     def score_s(self) -> float:
-        return self.ttft_s + self.interference_s + self.horizon_s + self.balance_s
+        return self.ttft_s + self.interference_s + self.horizon_s + self.balance_s + self.tail_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +317,12 @@ class _Cluster:
         return next((d for d in self.decodes if d.url == url), None) if url is not None else None
 
 
+def _tail_s(ttft: float, turn: TurnFacts, c: _Cluster) -> float:
+    if c.knobs.tail_weight == 0.0 or math.isinf(turn.ttft_tail_s):
+        return 0.0
+    return c.knobs.tail_weight * max(0.0, ttft - turn.ttft_tail_s)
+
+
 def _floor_block(tokens: int, block: int) -> int:
     return max(0, tokens // block * block)
 
@@ -360,7 +382,8 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
     stall = max(0.0, marginal - steps * c.est.tpot_s(d.url, d.running)) if d.running > 0 else 0.0
     credit = turn.decode_stall_credit_s
     interference = (c.knobs.interference_weight * d.running + _stall_price(credit, c.knobs)) * stall if stall else 0.0
-    base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall)
+    base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall,
+                          tail_s=_tail_s(ttft, turn, c))
     if n > c.knobs.max_local_suffix_tokens:
         return replace(base, feasible=False, soft=True,
                        why_not=f"local suffix {n} tok > max_local_suffix_tokens {c.knobs.max_local_suffix_tokens}")
@@ -403,11 +426,11 @@ def _pd(option: Option, turn: TurnFacts, p: NodeLike, d: NodeLike, holder: str |
             + c.est.transfer_s(p.url, d.url, back_tokens) + _d_leg_s(c, d))
     balance = _balance_s(turn, d, pinned, c) if pinned is not None else 0.0
     return OptionEstimate(option, True, "", False, ttft, 0.0, 0.0, p.url, d.url, reuse, computed, reuse + back_tokens,
-                          balance_s=balance)
+                          balance_s=balance, tail_s=_tail_s(ttft, turn, c))
 
 
 def _best(cands: Iterable[OptionEstimate]) -> OptionEstimate | None:
-    return min(cands, key=lambda o: (o.ttft_s + o.balance_s, o.prefill_url or "", o.balance_s != 0.0),
+    return min(cands, key=lambda o: (o.ttft_s + o.balance_s + o.tail_s, o.prefill_url or "", o.balance_s != 0.0),
                default=None)
 
 
@@ -521,6 +544,7 @@ def _after(turn: TurnFacts, o: OptionEstimate, pinned: str | None,
         next_suffix_tokens=suffix,
         decode_stall_credit_s=turn.decode_stall_credit_s,
         decode_elsewhere=elsewhere,
+        ttft_tail_s=turn.ttft_tail_s,
     )
     if o.option != "decode_local":
         return [(1.0, nxt, o.decode_url)]
@@ -676,10 +700,11 @@ def _reason(mode: PolicyMode, pick: OptionEstimate, opts: Sequence[OptionEstimat
     head = f"{mode} -> {pick.option}" + (" (forced)" if forced else "") + ": "
     head += " < ".join(f"{o.option} {o.score_s:.3f}s" for o in feasible) or "no option within limits"
     detail = []
-    if any(o.interference_s or o.horizon_s or o.balance_s for o in feasible):
+    if any(o.interference_s or o.horizon_s or o.balance_s or o.tail_s for o in feasible):
         detail.append("ttft " + ", ".join(f"{o.option} {o.ttft_s:.3f}s" for o in feasible))
         detail += [f"{o.option} interference {o.interference_s:.3f}s" for o in feasible if o.interference_s]
         detail += [f"{o.option} on {o.decode_url} balance {o.balance_s:.3f}s" for o in feasible if o.balance_s]
+        detail += [f"{o.option} tail {o.tail_s:.3f}s (over {turn.ttft_tail_s:.3f}s)" for o in feasible if o.tail_s]
         detail.append("next turn " + ", ".join(f"{o.option} {o.horizon_s:.3f}s" for o in feasible))
     if greedy is not None and greedy != pick.option:
         detail.append(f"horizon: {pick.option} over greedy {greedy}")

@@ -40,6 +40,7 @@ from kvtether.gateway.placement import (
 from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
 from kvtether.gateway.stallbudget import StallBudget
 from kvtether.gateway.steps import ChunkTimes, step_start
+from kvtether.gateway.tail import TailTracker
 from kvtether.sdk.contract import session_id_from_headers
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -157,6 +158,8 @@ class Orchestrator:
         self.stall_budgets: dict[str, StallBudget] = {}
         # Per decode node: when its streamed chunks arrived (one burst per engine step).
         self.chunk_times = ChunkTimes()
+        # Where recent turns' estimated TTFT tail starts (the tail-aware objective's threshold).
+        self.tail = TailTracker(self.knobs.tail_quantile)
         for node in config.decode:
             metrics.decode_stall.labels(node)  # every series shows zero before the first local turn
 
@@ -418,7 +421,8 @@ class Orchestrator:
     def _plan(self, ctx: TurnContext, turn: Turn) -> Plan:
         now = self.clock()
         credit = self._stall_budget(turn.pinned_decode, now).credit(now) if turn.pinned_decode else math.inf
-        turn = replace(turn, exclude=frozenset(ctx.exclude), decode_stall_credit_s=credit)
+        turn = replace(turn, exclude=frozenset(ctx.exclude), decode_stall_credit_s=credit,
+                       ttft_tail_s=self.tail.threshold())
         with self.tracer.start_as_current_span(T.SPAN_PLAN, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
             view = self.cluster.view()
             ctx.plan_view = view
@@ -435,6 +439,8 @@ class Orchestrator:
                 self.metrics.decode_stall.labels(p.decode).inc(stall)
             if p.decision is not None:
                 T.set_attrs(span, T.cost_attributes(p.decision.trace_attributes()))
+                if p.decision.policy == "auto" and not p.decision.forced:
+                    self.tail.observe(p.decision.estimates_s.get(p.decision.option, math.inf))
             T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_ACTION: p.action.value,
                                T.ATTR_PLAN_REASON: p.reason, T.ATTR_PREFILL: p.prefill, T.ATTR_DECODE: p.decode,
                                T.ATTR_HANDLE_OUTCOME: p.handle_outcome, T.ATTR_REUSE_TOKENS: p.reuse_tokens,
@@ -934,7 +940,8 @@ def _knobs(config: GatewayConfig) -> PolicyKnobs:
         horizon_turns=config.horizon_turns, horizon_discount=config.horizon_discount,
         recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,
         block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,
-        evict_kv_usage_knee=config.evict_kv_usage_knee, rebalance_decode=config.rebalance_decode)
+        evict_kv_usage_knee=config.evict_kv_usage_knee, rebalance_decode=config.rebalance_decode,
+        tail_weight=config.tail_weight, tail_quantile=config.tail_quantile)
 
 
 _STEP_ARRIVALS = 16  # chunk arrivals kept per leg to find the step before its first chunk

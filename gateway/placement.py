@@ -80,6 +80,7 @@ class Turn:
     decode_stall_credit_s: float = math.inf  # the pinned D's stall budget left (stallbudget.py); inf: none kept
     # (decode url, tokens): verified prefix of the prompt a D the pin left still holds in its prefix cache
     decode_elsewhere: tuple[tuple[str, int], ...] = ()
+    ttft_tail_s: float = math.inf  # where recent turns' estimated TTFT tail starts (tail.py); inf: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +236,7 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
         next_suffix_tokens=turn.next_suffix_tokens,
         decode_stall_credit_s=turn.decode_stall_credit_s,
         decode_elsewhere=tuple((u, max(0, n)) for u, n in turn.decode_elsewhere if u != pinned),
+        ttft_tail_s=turn.ttft_tail_s,
     )
     if not turn.allow_local:
         # A decode-local leg just failed: an over-limit local turn stays possible only as the last resort.

@@ -221,6 +221,27 @@ def test_horizon_changes_a_borderline_decision() -> None:
     assert calm.option == "decode_local", calm.reason
 
 
+def test_tail_weight_keeps_a_tail_turn_off_a_slower_move() -> None:
+    """A long tool result whose TTFT is already in the tail: moving it to a lighter D (which lacks the
+    history) saves decode time but adds TTFT. Without the tail term the balance wins; with it, every second
+    above the threshold costs tail_weight more, and the turn stays pinned. Below the threshold nothing
+    changes."""
+    turn = history_turn(30000, 3000, expected_output_tokens=128)
+    decodes = (d(D0, running=3), d(D1, running=2))
+    moved = choose(turn, D0, (p(P0),), decodes, MOE, PolicyKnobs(tail_weight=4.0))
+    assert moved.decode_url == D1, moved.reason  # no threshold known yet: the plain score
+    stay_ttft = choose(turn, D0, (p(P0),), decodes, MOE, STAY).estimates_s["pull"]
+    assert moved.estimates_s["pull"] > stay_ttft  # the move is slower to its first token
+    tail = replace(turn, ttft_tail_s=stay_ttft - 0.05)
+    kept = choose(tail, D0, (p(P0),), decodes, MOE, PolicyKnobs(tail_weight=4.0))
+    assert kept.option == "pull" and kept.decode_url == D0, kept.reason
+    assert "tail" in kept.reason and "moves the pin" not in kept.reason
+    off = choose(tail, D0, (p(P0),), decodes, MOE, PolicyKnobs(tail_weight=0.0))
+    assert off.decode_url == D1, off.reason
+    below = choose(replace(turn, ttft_tail_s=10.0), D0, (p(P0),), decodes, MOE, PolicyKnobs(tail_weight=4.0))
+    assert below.decode_url == D1 and below.scores_s == moved.scores_s
+
+
 def test_look_ahead_remembers_the_decode_a_move_leaves() -> None:
     """After a move the next turn is pinned on the new D, and the D it left holds this turn's history."""
     from kvtether.gateway import costpolicy as C

@@ -325,6 +325,30 @@ async def test_a_pull_turn_moves_the_pin_to_a_lighter_decode_node() -> None:
         assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == attached + 2
 
 
+async def test_a_turn_in_the_ttft_tail_stays_on_its_pinned_decode_node() -> None:
+    """The tail-aware objective through the gateway: the same situation as the move above, but the recent
+    turns' estimates (the tracker the gateway feeds with every auto decision) put this turn in the tail, so
+    the slower first token of a move outweighs the balance and the pin stays. (The rig's prompts are short,
+    so a move costs ~1 ms of transfer: the weight is large for that; without the term the pin moves.)"""
+    async with rig(policy="auto", decode=2, min_reuse_tokens=4, max_local_suffix_tokens=16,
+                   learn_estimates=False, metrics_poll_interval_s=600.0, tail_weight=1000.0) as r:
+        orch = r.gw.orchestrator
+        h = {"x-session-id": "tail-1"}
+        messages = await _oracle_turn(r, first_messages(90), 0, h)
+        seen = len(orch.tail)
+        sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
+        home = str(next(s["decode"] for s in sessions if s["session_id"] == "tail-1"))
+        orch.cluster.nodes[home].running = 12.0
+        for _ in range(orch.tail.min_samples):
+            orch.tail.observe(0.0)  # every recent turn was instant: any estimate is above the threshold
+        attached = await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached")
+        await _oracle_turn(r, messages, 1, h)
+        sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
+        assert next(s["decode"] for s in sessions if s["session_id"] == "tail-1") == home
+        assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == attached + 1
+        assert len(orch.tail) == seen + orch.tail.min_samples + 1  # the auto decision was recorded
+
+
 async def test_a_pin_moved_back_reads_only_what_its_old_decode_node_lacks() -> None:
     """Rebalancing back and forth: the D a session's pin left keeps the history in its prefix cache. The
     gateway remembers how much (verified against the session's history), and when a later turn moves the pin

@@ -362,6 +362,24 @@ vllm:cache_config_info{block_size="128",enable_prefix_caching="True"} 1.0
     assert node.load().running == 4  # the gateway's own open requests count before the next poll
 
 
+def test_parse_metrics_reads_only_the_placement_gauges() -> None:
+    """The line filter before the parser keeps the gauges' samples with or without labels (braces and spaces
+    inside label values too) and drops the rest: histograms, series whose name only starts with a gauge's."""
+    from kvtether.gateway.cluster import parse_metrics
+
+    hist = "".join(f'vllm:time_to_first_token_seconds_bucket{{le="{b}",model_name="m"}} {i}\n'
+                   for i, b in enumerate((0.001, 0.01, 0.1, 1.0, "+Inf")))
+    text = f"""# TYPE vllm:time_to_first_token_seconds histogram
+{hist}vllm:num_requests_running{{model_name="m",engine="0"}} 3.0
+vllm:num_requests_running{{model_name="m",engine="1"}} 1.0
+vllm:num_requests_waiting_by_reason{{reason="preempted"}} 9.0
+vllm:num_requests_waiting {{}} 2.0
+vllm:num_requests_waiting_total 7.0
+vllm:kv_cache_usage_perc{{model_name="a {{b}} c"}} 0.5
+"""
+    assert parse_metrics(text) == {"running": 4.0, "waiting": 2.0, "kv_usage": 0.5}
+
+
 def test_own_requests_that_end_after_a_poll_leave_the_polled_running_gauge() -> None:
     import httpx
     from kvtether.gateway.cluster import Cluster
