@@ -265,6 +265,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _free_ports(offsets: tuple[int, ...], extra: int = 1) -> tuple[int, list[int]]:
+    """A base port with base + each offset free, and `extra` more free ports outside that set. Two
+    independent `_free_port()` calls can collide (the gateway's port on base + 1, a side channel taken)."""
+    import socket
+
+    for _ in range(50):
+        base = _free_port()
+        wanted = [base + o for o in offsets]
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in wanted:
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+                others: list[int] = []
+                while len(others) < extra:
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", 0))
+                    port = int(s.getsockname()[1])
+                    if port not in wanted:
+                        others.append(port)
+            return base, others
+        except OSError:
+            continue
+    raise RuntimeError("no free port block")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -344,8 +370,8 @@ def test_cli_up_stops_everything_on_signal(tmp_path: Path, sig: int, with_gatewa
     # Stands in for the vLLM venv's python: ignores `-m vllm...`, serves /health on --port.
     fake_py.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
     fake_py.chmod(0o755)
-    base = _free_port()
-    gw_port = _free_port()
+    # P and D on base and base + 1, their NIXL side channels on base + 50 and base + 51, the gateway apart.
+    base, (gw_port,) = _free_ports((0, 1, 50, 51))
     proc = subprocess.Popen(
         [
             sys.executable, "-c", "from kvtether.cli.cmd_up import main; main()",
@@ -362,6 +388,9 @@ def test_cli_up_stops_everything_on_signal(tmp_path: Path, sig: int, with_gatewa
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
+        if not line:  # `up` exited before its JSON line: say why
+            proc.wait(timeout=30)
+            pytest.fail(f"kvtether up exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
         urls = json.loads(line)
         assert urls["gateway"] == (f"http://127.0.0.1:{gw_port}" if with_gateway else None)
         if with_gateway:
