@@ -20,7 +20,8 @@ import json
 import random
 import statistics
 
-LONG_SUFFIX_TOKENS = 1500  # as placement_policies.py: longer tool results always go through P
+# Run as a script, benchmarks/ is on sys.path: the long/short split of placement_policies.py's leg table.
+from placement_policies import LONG_SUFFIX_TOKENS
 
 
 def main() -> None:
