@@ -339,6 +339,11 @@ async def _cluster(spec: ClusterSpec, separate: bool) -> AsyncIterator[tuple[lis
             await proc.wait()
 
 
+def _prefill_blocks(preset: str, tokens: int | None) -> int | None:
+    # --prefill-kv-tokens in the preset's blocks (vLLM --num-gpu-blocks-override on P).
+    return None if tokens is None else max(1, tokens // get_preset(preset).block_size)
+
+
 async def run_policy(name: str, preset: str, plans: list[SessionPlan], args: argparse.Namespace,
                      repeat: int = 0) -> Result:
     policy, knobs = parse_policy(name)
@@ -346,7 +351,8 @@ async def run_policy(name: str, preset: str, plans: list[SessionPlan], args: arg
     knobs = {k: v / args.speed if k in SIM_SECONDS_KNOBS else v for k, v in knobs.items()}
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, preset=preset, speed=args.speed,
                        kv_lease_duration=600.0, bidirectional=policy != "no-pull",
-                       prefill_prefix_caching=args.prefill_prefix_caching == "on")
+                       prefill_prefix_caching=args.prefill_prefix_caching == "on",
+                       prefill_num_gpu_blocks=_prefill_blocks(preset, args.prefill_kv_tokens))
     result = Result(name)
     t0 = time.perf_counter()
     async with _cluster(spec, args.sim_process) as (prefill_urls, decode_urls, cluster):
@@ -631,6 +637,10 @@ def main() -> None:
                          "(--think-s after each answer)")
     ap.add_argument("--stagger-s", type=float, default=0.2, help="simulated seconds between session starts")
     ap.add_argument("--prefill-prefix-caching", choices=("off", "on"), default="off")
+    ap.add_argument("--prefill-kv-tokens", type=int, default=None, metavar="N",
+                    help="KV cache of each prefill node, in tokens (vLLM --num-gpu-blocks-override): with prefix "
+                         "caching on, a cache smaller than the sessions' histories stands for a P that the rest of "
+                         "a large cluster's sessions share (default: the preset's memory budget)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of all policies, each on its own sessions (seed, seed+1, ...); turns are pooled and "
@@ -682,7 +692,9 @@ def main() -> None:
                     else f"think {args.think_s} s after each answer")
         print(f"\n### {preset}: {args.prefill}P {args.decode}D, {args.sessions} concurrent sessions × {args.turns} "
               f"turns, suffix mix {args.suffix_mix} tok, {args.output} output tok/turn, {arrivals}, "
-              f"prefill prefix caching {args.prefill_prefix_caching}{runs}; times in SIMULATED seconds "
+              f"prefill prefix caching {args.prefill_prefix_caching}"
+              f"{'' if args.prefill_kv_tokens is None else f' (P cache {args.prefill_kv_tokens} tok)'}{runs}; "
+              f"times in SIMULATED seconds "
               f"(speed {args.speed}: client real × {args.speed})\n")
         print(table(results, paced=args.pace_s > 0))
         for cand in [p for p in policies if parse_policy(p)[0] == "auto"]:

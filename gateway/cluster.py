@@ -49,6 +49,10 @@ class Node:
     waiting: float = 0.0
     kv_usage: float = 0.0
     block_size: int | None = None
+    # From vllm:cache_config_info: whether the node keeps finished requests' blocks for reuse, and its KV
+    # cache size in tokens (num_gpu_blocks × block_size); None until a poll said.
+    prefix_caching: bool | None = None
+    kv_capacity_tokens: int | None = None
     version: str | None = None
     models: list[str] = field(default_factory=list)
     last_error: str | None = None
@@ -76,7 +80,7 @@ class Node:
         # of new sessions spreads instead of herding onto the node that looked idle at the last poll.
         running = max(self.running, float(self.inflight))
         return NodeLoad(self.url, self.healthy, running, self.waiting, self.kv_usage, self.bidirectional,
-                        float(self.arriving))
+                        float(self.arriving), self.prefix_caching is True)
 
 
 def sample_sum(text: str, sample: str, **labels: str) -> float:
@@ -123,6 +127,12 @@ def parse_metrics(text: str) -> dict[str, float | int]:
                 bs = sample.labels.get("block_size")
                 if bs and bs.isdigit():
                     out["block_size"] = int(bs)
+                blocks = sample.labels.get("num_gpu_blocks")
+                if bs and bs.isdigit() and blocks and blocks.isdigit():
+                    out["kv_capacity_tokens"] = int(blocks) * int(bs)
+                caching = sample.labels.get("enable_prefix_caching")
+                if caching in ("True", "False"):
+                    out["prefix_caching"] = int(caching == "True")
     return out
 
 
@@ -225,6 +235,10 @@ class Cluster:
             node.kv_usage = float(parsed["kv_usage"])
             if "block_size" in parsed:
                 node.block_size = int(parsed["block_size"])
+            if "kv_capacity_tokens" in parsed:
+                node.kv_capacity_tokens = int(parsed["kv_capacity_tokens"])
+            if "prefix_caching" in parsed:
+                node.prefix_caching = bool(parsed["prefix_caching"])
             if node.version is None or not node.healthy:
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     v = await self.client.get(f"{node.url}/version", timeout=timeout)

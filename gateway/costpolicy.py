@@ -88,6 +88,8 @@ class NodeLike(Protocol):
     def arriving(self) -> float: ...
     @property
     def bidirectional(self) -> bool: ...
+    @property
+    def prefix_caching(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,9 @@ class NodeState:
     waiting: float = 0.0
     kv_usage: float = 0.0  # 0..1
     bidirectional: bool = True  # prefill only: started with bidirectional_kv_xfer, may receive a handle
+    # prefill only: keeps finished prompts' blocks for reuse (vLLM --enable-prefix-caching, known from its
+    # cache_config_info); the look-ahead counts the copy a P/D turn leaves there only then.
+    prefix_caching: bool = False
     # decode only: P/D turns whose prefill leg is under way, headed here (the shell's count; not yet in
     # `running`): load that is already on its way (rebalancing counts it).
     arriving: float = 0.0
@@ -116,7 +121,11 @@ class TurnFacts:
     handle_age_s: float = 0.0  # since D returned the handle (the engine frees it at decoder_kv_blocks_ttl)
     decode_cached_tokens: int = 0  # estimated prefix-cache hit on the pinned D without a handle
     expected_output_tokens: int = 256  # for the look-ahead: the next turn's history grows by this
-    prefill_cached_tokens: int = 0  # P's own prefix-cache hit (e.g. a shared system prompt); 0 if unknown
+    prefill_cached_tokens: int = 0  # every P's own prefix-cache hit (e.g. a shared system prompt); 0 if unknown
+    # (prefill url, tokens): a prefix of the prompt that a P's prefix cache likely still holds, because it
+    # prefilled an earlier turn of the session (the shell's estimate, eviction discounted: prefillcache.py).
+    # A pull there reads only the rest of the reuse from D; a cold prefill there computes only the rest.
+    prefill_cached: tuple[tuple[str, int], ...] = ()
     next_suffix_tokens: int | None = None  # typical suffix of the session's next turn; None: this turn's
     # Stall seconds the pinned D's running batch may still lose to local prefills (stallbudget.StallBudget's
     # credit); inf: no budget kept (the TPOT budget and the interference price still apply).
@@ -140,8 +149,8 @@ class TurnFacts:
             raise ValueError("next_suffix_tokens must be >= 0")
         if math.isnan(self.decode_stall_credit_s):
             raise ValueError("decode_stall_credit_s must be a number")
-        if any(n < 0 for _, n in self.decode_elsewhere):
-            raise ValueError("decode_elsewhere tokens must be >= 0")
+        if any(n < 0 for _, n in self.decode_elsewhere) or any(n < 0 for _, n in self.prefill_cached):
+            raise ValueError("decode_elsewhere and prefill_cached tokens must be >= 0")
         if math.isnan(self.ttft_tail_s):
             raise ValueError("ttft_tail_s must be a number")
 
@@ -241,7 +250,7 @@ class OptionEstimate:
     horizon_s: float = 0.0
     prefill_url: str | None = None
     decode_url: str | None = None
-    reuse_tokens: int = 0  # tokens pulled from D (pull only)
+    reuse_tokens: int = 0  # the verified handle tokens sent (pull only); P reads those its own cache lacks
     computed_tokens: int = 0  # tokens prefilled
     moved_tokens: int = 0  # tokens whose KV crosses the network (both directions)
     stall_s: float = 0.0  # decode_local: seconds the running batch on D loses (what the stall budget spends)
@@ -415,18 +424,28 @@ def _pd(option: Option, turn: TurnFacts, p: NodeLike, d: NodeLike, holder: str |
         d_cached: int, c: _Cluster, pinned: NodeLike | None = None) -> OptionEstimate:
     """A P/D turn on the given nodes: P pulls `reuse` tokens from `holder` (0: cold), D lacks the rest.
     `pinned`: the session's D, when `d` may be another one (rebalancing)."""
-    p_cached = 0
-    if reuse == 0:
-        p_cached = _floor_block(min(turn.prefill_cached_tokens, turn.prompt_tokens - 1), c.knobs.block_size)
-    context = max(reuse, p_cached)
+    p_cached = _p_cached(turn, p.url, c)
+    # vLLM's P reads only what its own cache lacks of the handle's tokens, and computes a read too short to
+    # be worth it (count < kv_recompute_threshold) itself.
+    pulled = max(0, reuse - p_cached) if holder is not None else 0
+    if pulled < c.knobs.recompute_threshold_tokens:
+        pulled = 0
+    context = p_cached + pulled
     computed = turn.prompt_tokens - context
-    read = c.est.transfer_s(holder, p.url, reuse) if holder is not None and reuse > 0 else 0.0
+    read = c.est.transfer_s(holder, p.url, pulled) if holder is not None and pulled > 0 else 0.0
     back_tokens = turn.prompt_tokens - d_cached
     ttft = (_p_queue_s(c, p) + read + c.est.prefill_s(p.url, computed, context)
             + c.est.transfer_s(p.url, d.url, back_tokens) + _d_leg_s(c, d))
     balance = _balance_s(turn, d, pinned, c) if pinned is not None else 0.0
-    return OptionEstimate(option, True, "", False, ttft, 0.0, 0.0, p.url, d.url, reuse, computed, reuse + back_tokens,
-                          balance_s=balance, tail_s=_tail_s(ttft, turn, c))
+    return OptionEstimate(option, True, "", False, ttft, 0.0, 0.0, p.url, d.url, reuse, computed,
+                          pulled + back_tokens, balance_s=balance, tail_s=_tail_s(ttft, turn, c))
+
+
+def _p_cached(turn: TurnFacts, p_url: str, c: _Cluster) -> int:
+    """Tokens of the prompt P's prefix cache holds: the session's copy there, or the shared floor."""
+    mine = max((n for url, n in turn.prefill_cached if url == p_url), default=0)
+    held = max(turn.prefill_cached_tokens, mine)
+    return _floor_block(min(held, turn.prompt_tokens - 1), c.knobs.block_size)
 
 
 def _best(cands: Iterable[OptionEstimate]) -> OptionEstimate | None:
@@ -541,6 +560,7 @@ def _after(turn: TurnFacts, o: OptionEstimate, pinned: str | None,
         decode_cached_tokens=held,
         expected_output_tokens=out_toks,
         prefill_cached_tokens=turn.prefill_cached_tokens,
+        prefill_cached=_p_copies_after(turn, o, c),
         next_suffix_tokens=suffix,
         decode_stall_credit_s=turn.decode_stall_credit_s,
         decode_elsewhere=elsewhere,
@@ -570,6 +590,15 @@ def _after(turn: TurnFacts, o: OptionEstimate, pinned: str | None,
                   handle_age_s=turn.handle_age_s + gap if keeps else 0.0, decode_stall_credit_s=credit)
     miss = replace(hit, decode_cached_tokens=pinned_prefix)
     return [(p, t, o.decode_url) for p, t in ((p_keep, hit), (1.0 - p_keep, miss)) if p > 0.0]
+
+
+def _p_copies_after(turn: TurnFacts, o: OptionEstimate, c: _Cluster) -> tuple[tuple[str, int], ...]:
+    # A P/D turn leaves its prompt in that P's cache (the next prompt extends it) if P caches prefixes; the
+    # other copies stay prefixes of the next prompt.
+    p = next((n for n in c.prefills if n.url == o.prefill_url), None)
+    if p is None or not p.prefix_caching:
+        return turn.prefill_cached
+    return (*((u, n) for u, n in turn.prefill_cached if u != p.url), (p.url, turn.prompt_tokens))
 
 
 def _scored(turn: TurnFacts, pinned: str | None, c: _Cluster, depth: int) -> tuple[OptionEstimate, ...]:
@@ -725,7 +754,9 @@ def _reason(mode: PolicyMode, pick: OptionEstimate, opts: Sequence[OptionEstimat
     p_url = pick.prefill_url or next((o.prefill_url for o in feasible if o.prefill_url), None)
     p = next((n for n in c.prefills if n.url == p_url), None)
     if p is not None:
-        facts.append(f"P {p.running:g} running/{p.waiting:g} waiting")
+        held = _p_cached(turn, p.url, c)
+        facts.append(f"P {p.running:g} running/{p.waiting:g} waiting"
+                     + (f", its cache holds {held} tok of the prompt" if held else ""))
     facts += [f"{o.option} n/a: {o.why_not}" for o in opts if not o.feasible]
     out = head
     if detail:

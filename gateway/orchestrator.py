@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import httpx
 from kvtether.gateway import body as B
+from kvtether.gateway import prefillcache as PC
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.cluster import Cluster, host_of
 from kvtether.gateway.config import GatewayConfig
@@ -37,6 +38,7 @@ from kvtether.gateway.placement import (
     plan,
     plan_aggregated,
 )
+from kvtether.gateway.prefillcache import PrefillCopy
 from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
 from kvtether.gateway.stallbudget import StallBudget
 from kvtether.gateway.steps import ChunkTimes, step_start
@@ -93,6 +95,9 @@ class TurnContext:
     unused_handle: TakenHandle | None = None
     final_leg_at: float | None = None
     decode_cached: int = 0
+    # What the plan assumed each P's prefix cache holds of this prompt (prefillcache.py): the P leg's own
+    # cache hit, when P's usage cannot tell it apart from tokens it pulled.
+    prefill_cached: dict[str, int] = field(default_factory=dict)
     # Observability: seconds spent awaiting nodes before the final leg (tokenize, prefill), so that
     # final_leg_at - t0 - upstream_s is the gateway's own share of the TTFT; and the x-kvtether-* headers.
     upstream_s: float = 0.0
@@ -160,6 +165,8 @@ class Orchestrator:
         self.chunk_times = ChunkTimes()
         # Where recent turns' estimated TTFT tail starts (the tail-aware objective's threshold).
         self.tail = TailTracker(self.knobs.tail_quantile)
+        # Per prefill node: tokens of new KV it took in (what evicts its older cached blocks; prefillcache.py).
+        self.prefill_written: dict[str, int] = {}
         for node in config.decode:
             metrics.decode_stall.labels(node)  # every series shows zero before the first local turn
 
@@ -335,7 +342,22 @@ class Orchestrator:
         if state.avg_suffix_tokens is not None:
             facts["next_suffix_tokens"] = round(state.avg_suffix_tokens)
         facts["decode_elsewhere"] = _elsewhere(state.elsewhere, ctx.decode_cached)
+        ctx.prefill_cached = self._prefill_cached(state.prefill_copies, ctx.decode_cached)
+        facts["prefill_cached"] = tuple(ctx.prefill_cached.items())
         return facts
+
+    def _prefill_cached(self, copies: tuple[PrefillCopy, ...], overlap: int) -> dict[str, int]:
+        """Per P with prefix caching on: how much of this prompt its cache likely still holds (the session's
+        copies there, cut to the prompt's verified overlap with the history, eviction discounted)."""
+        out: dict[str, int] = {}
+        for c in PC.cut(copies, overlap):
+            node = self.cluster.nodes.get(c.url)
+            if node is None or node.role != "prefill" or node.prefix_caching is not True:
+                continue
+            kept = PC.surviving(c, self.prefill_written.get(c.url, 0), node.kv_capacity_tokens, node.kv_usage)
+            if kept > 0:
+                out[c.url] = kept
+        return out
 
     # ---- learning node speeds (the estimator behind "auto"; fed in every policy) --------------------
 
@@ -359,6 +381,15 @@ class Orchestrator:
         holder = ctx.state.decode if ctx.state is not None else None
         self.estimator.observe_prefill_leg(node, prompt - cached, cached, seconds, now=self.clock(),
                                            ahead=running + waiting, pulled_tokens=pulled, pulled_from=holder)
+
+    def _count_written(self, ctx: TurnContext, node: str, usage: Any, cached: int, *, pulled: bool) -> None:
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if not isinstance(prompt, int):
+            return
+        # Without a handle P's cached tokens are its own hit; with one they include what it read from D
+        # (which its cache takes in too), so the plan's estimate of its own hit stands in.
+        hit = ctx.prefill_cached.get(node, 0) if pulled else cached
+        self.prefill_written[node] = self.prefill_written.get(node, 0) + PC.new_kv_tokens(prompt, hit)
 
     def _learn_decode(self, ctx: TurnContext, the_plan: Plan, result: LegResult, now: float) -> None:
         """D's side of a finished turn: a decode-local first-token time (local prefill) when nothing queued
@@ -567,6 +598,7 @@ class Orchestrator:
                                T.GEN_AI_USAGE_INPUT: usage.get("prompt_tokens") if isinstance(usage, dict) else None,
                                T.GEN_AI_USAGE_CACHE_READ: cached})
             self._learn_prefill(ctx, node, usage, cached, time.perf_counter() - started, kv)
+            self._count_written(ctx, node, usage, cached, pulled=kv is not None)
             return Prefilled(params if isinstance(params, dict) else None, cached, kv is not None)
         except UpstreamFailure as failure:
             span.set_attribute(T.ERROR_TYPE, str(failure.status or "connection"))
@@ -794,6 +826,7 @@ class Orchestrator:
         base = current or prior
         avg_out, avg_suffix = _running_means(base, result, total)
         elsewhere: tuple[tuple[str, int], ...] = ()
+        copies = self._copies_after(ctx, the_plan, result) if policy == "auto" else ()
         if prior is not None and policy == "auto":
             # What D's the pin leaves or left still hold of this prompt, for a later move back there.
             elsewhere = _elsewhere(prior.elsewhere, ctx.decode_cached, drop=the_plan.decode)
@@ -815,8 +848,21 @@ class Orchestrator:
             avg_output_tokens=avg_out,
             avg_suffix_tokens=avg_suffix,
             elsewhere=elsewhere,
+            prefill_copies=copies,
         ))
         self.metrics.pinned_sessions.set(await self.store.count())
+
+    def _copies_after(self, ctx: TurnContext, the_plan: Plan, result: LegResult) -> tuple[PrefillCopy, ...]:
+        """The session's prefix-cache copies on P once this turn ran: its P (with prefix caching on) holds the
+        prompt; the others are cut to the prompt's overlap with the history they were prefixes of."""
+        prior = ctx.state.prefill_copies if ctx.state is not None else ()
+        url = the_plan.prefill
+        node = self.cluster.nodes.get(url) if url is not None else None
+        if node is None or node.prefix_caching is not True or not result.ok or result.prompt_ids is None:
+            return PC.cut(prior, ctx.decode_cached, drop=url)
+        assert url is not None
+        return PC.after_prefill(prior, ctx.decode_cached, url, len(result.prompt_ids), self.cluster.block_size(url),
+                                self.prefill_written.get(url, 0))
 
     # ---- aggregated ----------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ class NodeLoad:
     kv_usage: float = 0.0  # 0..1
     bidirectional: bool = True  # prefill only: may receive a handle
     arriving: float = 0.0  # decode only: P/D turns in their prefill leg, headed here
+    prefix_caching: bool = False  # prefill only: its cache_config_info said enable_prefix_caching=True
 
     @property
     def score(self) -> tuple[float, float]:
@@ -80,6 +81,7 @@ class Turn:
     decode_stall_credit_s: float = math.inf  # the pinned D's stall budget left (stallbudget.py); inf: none kept
     # (decode url, tokens): verified prefix of the prompt a D the pin left still holds in its prefix cache
     decode_elsewhere: tuple[tuple[str, int], ...] = ()
+    prefill_cached: tuple[tuple[str, int], ...] = ()  # (P url, tokens of the prompt its prefix cache holds)
     ttft_tail_s: float = math.inf  # where recent turns' estimated TTFT tail starts (tail.py); inf: unknown
 
 
@@ -236,6 +238,7 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
         next_suffix_tokens=turn.next_suffix_tokens,
         decode_stall_credit_s=turn.decode_stall_credit_s,
         decode_elsewhere=tuple((u, max(0, n)) for u, n in turn.decode_elsewhere if u != pinned),
+        prefill_cached=tuple((u, max(0, n)) for u, n in turn.prefill_cached),
         ttft_tail_s=turn.ttft_tail_s,
     )
     if not turn.allow_local:

@@ -40,6 +40,9 @@ class ClusterSpec:
     # Prefix caching on the prefill-role nodes (decode and aggregated nodes keep it on): the vLLM blog's
     # bidirectional-transfer runs switch it off on P so that every reused token comes over the pull.
     prefill_prefix_caching: bool = True
+    # KV-cache blocks of each prefill-role node (vLLM --num-gpu-blocks-override); None: the preset's. A
+    # smaller P cache stands for one the rest of a large cluster's sessions share.
+    prefill_num_gpu_blocks: int | None = None
 
     def node_configs(self) -> list[NodeConfig]:
         get_preset(self.preset)  # fail early with UnknownPreset
@@ -59,6 +62,7 @@ class ClusterSpec:
                 side_channel_host=self.side_channel_host,
                 model_name=self.model_name,
                 enable_prefix_caching=self.prefill_prefix_caching if role == "prefill" else True,
+                num_gpu_blocks_override=self.prefill_num_gpu_blocks if role == "prefill" else None,
             )
             for role in roles
         ]

@@ -32,6 +32,9 @@ class NodeConfig:
     max_model_len: int = 131_072
     # Prefill declines a handle this close to its expiry (vLLM: 5 s), in simulated seconds.
     expiry_margin: float = 5.0
+    # vLLM --num-gpu-blocks-override: a smaller KV cache than the preset's memory budget gives, e.g. to
+    # stand for a node whose cache the rest of a large cluster's traffic shares. None: the preset's.
+    num_gpu_blocks_override: int | None = None
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -44,6 +47,8 @@ class NodeConfig:
             raise ValueError("speed must be > 0")
         if self.kv_lease_real_floor_s < 0:
             raise ValueError("kv_lease_real_floor_s must be >= 0")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("num_gpu_blocks_override must be >= 1")
 
     @property
     def version(self) -> str:

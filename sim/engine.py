@@ -213,7 +213,8 @@ class Engine:
         self.metrics = metrics
         self.clock = clock
         self.bs = preset.block_size
-        self.pool = BlockPool(preset.kv_capacity_tokens // preset.block_size, preset.block_size)
+        self.pool = BlockPool(cfg.num_gpu_blocks_override or preset.kv_capacity_tokens // preset.block_size,
+                              preset.block_size)
         self.holds = HoldTable()
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []

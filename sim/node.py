@@ -70,14 +70,15 @@ class SimNode:
         cfg.validate()
         self.cfg = cfg
         self.preset = get_preset(cfg.preset)
+        blocks = cfg.num_gpu_blocks_override or self.preset.kv_capacity_tokens // self.preset.block_size
         # Like vLLM at start-up: a context longer than the whole KV cache could never be scheduled.
-        cfg.max_model_len = min(cfg.max_model_len, self.preset.kv_capacity_tokens)
+        cfg.max_model_len = min(cfg.max_model_len, blocks * self.preset.block_size)
         self.tokenizer: Tokenizer = default_tokenizer()
         self.clock = SimClock(cfg.speed)
         self.metrics = NodeMetrics(
             cfg.model_name,
             block_size=self.preset.block_size,
-            num_blocks=self.preset.kv_capacity_tokens // self.preset.block_size,
+            num_blocks=blocks,
             engine_id=cfg.engine_id,
             enable_prefix_caching=cfg.enable_prefix_caching,
         )

@@ -515,3 +515,65 @@ def test_learning_params_validation(kw: dict[str, Any]) -> None:
 def test_seed_validation() -> None:
     with pytest.raises(ValueError):
         EstimatorSeeds(prefill_s_per_token=0.0)
+
+
+def _on(decision: CostDecision, option: str) -> Any:
+    return next(o for o in decision.options if o.option == option)
+
+
+def test_a_pull_goes_to_the_prefill_node_that_holds_the_history_and_reads_only_the_rest() -> None:
+    """P1 prefilled the session's last P/D turn and (prefix caching on) still holds 24k of the 27k-token
+    history: a pull there reads only the last 3k from D (vLLM: remote tokens − local hit), so it beats the
+    same pull on the equally idle P0, which would read all 27k, by about that transfer."""
+    turn = history_turn(30000, 3000)  # over max_local_suffix_tokens: a P/D turn
+    plain = choose(turn, D0, (p(P0), p(P1)), (d(D0),), MOE, STAY)
+    assert plain.option == "pull" and plain.prefill_url == P0, plain.reason  # tie: the lowest URL
+    held = choose(replace(turn, prefill_cached=((P1, 24000),)), D0, (p(P0), p(P1)), (d(D0),), MOE, STAY)
+    assert held.option == "pull" and held.prefill_url == P1, held.reason
+    assert held.reuse_tokens == 27000  # the whole verified handle is still sent; P reads what it lacks
+    assert "its cache holds 24000 tok" in held.reason
+    saved = plain.estimates_s["pull"] - held.estimates_s["pull"]
+    assert saved == pytest.approx(24000 * 6e-6, rel=0.05)
+    assert _on(held, "pull").moved_tokens == 3000 + 3008  # 3k read from D, the suffix (whole blocks) back
+    # A busy P that holds the history still loses to an idle one once its queue costs more than the read.
+    busy = choose(replace(turn, prefill_cached=((P1, 24000),)), D0, (p(P0), p(P1, waiting=3)), (d(D0),), MOE,
+                  STAY)
+    assert busy.prefill_url == P0, busy.reason
+
+
+def test_a_read_below_the_recompute_threshold_is_computed_on_the_prefill_node() -> None:
+    # P1 holds all but 40 tokens of the handle: vLLM computes them rather than read (kv_recompute_threshold
+    # 64), so nothing crosses from D to P.
+    turn = history_turn(30000, 3000, prefill_cached=((P1, 26960),))
+    dec = choose(turn, D0, (p(P1),), (d(D0),), MOE, STAY)
+    pull = _on(dec, "pull")
+    assert dec.option == "pull" and pull.moved_tokens == 3008 and pull.computed_tokens == 30000 - 26960
+
+
+def test_a_cold_prefill_goes_where_the_history_is_cached() -> None:
+    """No handle (expired), but P1's prefix cache still holds the history: cold there computes the suffix
+    only, so auto does not pay a cold prefill of the whole prompt, and P1 is where it runs."""
+    turn = TurnFacts(30000, 3000, decode_cached_tokens=27000, prefill_cached=((P1, 26000),))
+    dec = choose(turn, D0, (p(P0), p(P1)), (d(D0),), MOE, STAY)
+    cold = _on(dec, "cold")
+    assert dec.option == "cold" and dec.prefill_url == P1 and cold.computed_tokens == 4000, dec.reason
+    nothing = choose(replace(turn, prefill_cached=()), D0, (p(P0), p(P1)), (d(D0),), MOE, STAY)
+    assert nothing.estimates_s["cold"] > dec.estimates_s["cold"] + 0.2  # 22k more tokens computed
+
+
+def test_look_ahead_counts_the_prefill_copy_a_pd_turn_leaves() -> None:
+    from kvtether.gateway import costpolicy as C
+
+    turn = history_turn(12000, 1000, prefill_cached=((P0, 8000),))
+    c = C._Cluster((p(P0, prefix_caching=True), p(P1, prefix_caching=True)), (d(D0),), MOE, PolicyKnobs())
+    on_p1 = C.OptionEstimate("pull", True, "", False, 0.3, 0.0, 0.0, P1, D0, 11000, 1000, 1000)
+    [(_, nxt, _)] = C._after(turn, on_p1, D0, c)
+    assert nxt.prefill_cached == ((P0, 8000), (P1, 12000))
+    local = C.OptionEstimate("decode_local", True, "", False, 0.1, 0.0, 0.0, None, D0, 0, 1000, 0)
+    for _, nxt, _ in C._after(turn, local, D0, c):
+        assert nxt.prefill_cached == ((P0, 8000),)
+    # A P without prefix caching keeps nothing of the turn.
+    c = C._Cluster((p(P0, prefix_caching=True), p(P1)), (d(D0),), MOE, PolicyKnobs())
+    [(_, nxt, _)] = C._after(turn, on_p1, D0, c)
+    assert nxt.prefill_cached == ((P0, 8000),)
+

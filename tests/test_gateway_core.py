@@ -354,7 +354,7 @@ vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.25
 vllm:cache_config_info{block_size="128",enable_prefix_caching="True"} 1.0
 """
     out = parse_metrics(text)
-    assert out == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25, "block_size": 128}
+    assert out == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25, "block_size": 128, "prefix_caching": 1}
     assert parse_version("0.32.0") == (0, 32) and parse_version("v0.33.1rc1") == (0, 33) and parse_version("x") is None
     assert not Node("http://d:1", "decode", version="0.32.0").stream_handles
     assert Node("http://d:1", "decode", version="0.33.0").stream_handles
@@ -378,6 +378,18 @@ vllm:num_requests_waiting_total 7.0
 vllm:kv_cache_usage_perc{{model_name="a {{b}} c"}} 0.5
 """
     assert parse_metrics(text) == {"running": 4.0, "waiting": 2.0, "kv_usage": 0.5}
+
+
+def test_parse_metrics_reads_the_kv_cache_config() -> None:
+    # vLLM's cache_config_info carries every CacheConfig field as a label (None ones as "None").
+    from kvtether.gateway.cluster import parse_metrics
+
+    info = ('vllm:cache_config_info{block_size="64",cache_dtype="auto",enable_prefix_caching="%s",'
+            'num_cpu_blocks="None",num_gpu_blocks="%s",engine="0"} 1.0\n')
+    got = parse_metrics(info % ("True", "6772"))
+    assert got["block_size"] == 64 and got["kv_capacity_tokens"] == 6772 * 64 and got["prefix_caching"] == 1
+    got = parse_metrics(info % ("False", "None"))
+    assert got["prefix_caching"] == 0 and "kv_capacity_tokens" not in got
 
 
 def test_own_requests_that_end_after_a_poll_leave_the_polled_running_gauge() -> None:

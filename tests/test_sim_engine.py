@@ -175,6 +175,19 @@ def test_cluster_spec_switches_prefix_caching_off_on_prefill_nodes_only() -> Non
     assert all(c.enable_prefix_caching for c in ClusterSpec(prefill=1, decode=1).node_configs())  # default: on
 
 
+def test_a_prefill_cache_can_be_made_smaller_than_the_presets() -> None:
+    # vLLM --num-gpu-blocks-override on P only: the engine's pool, its max_model_len and cache_config_info.
+    from kvtether.sim.cluster import ClusterSpec
+    from kvtether.sim.node import SimNode
+
+    configs = ClusterSpec(prefill=1, decode=1, prefill_num_gpu_blocks=50).node_configs()
+    assert [c.num_gpu_blocks_override for c in configs] == [50, None]
+    p, d = (SimNode(c) for c in configs)
+    assert p.engine.pool.num_blocks == 50 and p.cfg.max_model_len == 50 * p.preset.block_size
+    assert d.engine.pool.num_blocks == d.preset.kv_capacity_tokens // d.preset.block_size
+    assert 'num_gpu_blocks="50"' in p.metrics.render().decode()
+
+
 @pytest.mark.anyio
 async def test_request_overhead_is_charged_once_per_request_even_when_preempted() -> None:
     overhead = 0.5  # simulated seconds; 0.5 ms of real time at speed 1000

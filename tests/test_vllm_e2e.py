@@ -190,13 +190,21 @@ async def test_chat_sessions_equal_reference(pair: Backend) -> None:
                     assert p2p_after == p2p_before, "a handle was used after a streamed (handle-less) 0.32 turn"
                 prev_streamed = stream
                 messages = follow_up(messages, got, tag, turn)
+        # What the gateway read off vLLM's cache_config_info (the auto policy's P-cache estimate needs both;
+        # the test pair's P runs with prefix caching on, as vLLM does by default).
+        p_node = r.app.state.gateway.cluster.nodes[pair.prefill_url]
+        assert p_node.prefix_caching is True
+        assert p_node.kv_capacity_tokens and p_node.kv_capacity_tokens >= 1024, p_node.kv_capacity_tokens
+
+
+TOKEN_ANSWER = 96  # a token session's answer length (ignore_eos: always all of it)
 
 
 def token_request(model: str, prompt: list[int]) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": prompt,
-        "max_tokens": 96,
+        "max_tokens": TOKEN_ANSWER,
         "temperature": 0,
         "ignore_eos": True,
         "return_token_ids": True,
@@ -222,11 +230,20 @@ async def test_token_sessions_pull_on_every_eligible_turn(pair: Backend) -> None
         prompt = [rng.randrange(16, 4000) for _ in range(500)]
         pulls = 0
         done: list[tuple[dict[str, Any], list[int]]] = []
+        block = r.app.state.gateway.cluster.block_size(pair.prefill_url)
+        prev_prompt = 0
         for turn in range(4):
             req = token_request(pair.model, prompt)
             p2p_before = await r.p2p()
             got = await _completion(r, req, hdr)
             p2p_after = await r.p2p()
+            if turn > 0:
+                # P (prefix caching on) still holds the previous turn's prompt, which it prefilled: vLLM reads
+                # only what its own cache lacks of the handle (min(remote_num_tokens, prompt) − local hit),
+                # the protocol fact the auto policy's prefill-cache estimate rests on.
+                held = prev_prompt + TOKEN_ANSWER - 1
+                assert p2p_after - p2p_before <= held - prev_prompt // block * block, (p2p_before, p2p_after)
+            prev_prompt = len(prompt)
             # References after the session: on a loaded CPU a reference call between turns ages the handle.
             out_ids = got["choices"][0].get("token_ids")
             assert out_ids, "return_token_ids did not pass through the gateway"
