@@ -266,12 +266,12 @@ def _lstsq(rows: list[tuple[float, float, float]], ys: list[float]) -> list[floa
     """Relative least squares (each point weighted by 1/y) for 3 unknowns, by normal equations."""
     a = [[0.0] * 3 for _ in range(3)]
     b = [0.0] * 3
-    for r, y in zip(rows, ys, strict=True):
+    for row, y in zip(rows, ys, strict=True):
         w = 1.0 / (y * y)
         for i in range(3):
-            b[i] += w * r[i] * y
+            b[i] += w * row[i] * y
             for j in range(3):
-                a[i][j] += w * r[i] * r[j]
+                a[i][j] += w * row[i] * row[j]
     # Gaussian elimination (3×3, well conditioned after the 1/y² weights).
     m = [[*a[i], b[i]] for i in range(3)]
     for col in range(3):
@@ -683,8 +683,8 @@ def main() -> None:
                 acc.overhead_s += r.overhead_s
                 acc.late_sends += r.late_sends
                 acc.engine_events += r.engine_events
-                for k, v in r.options.items():
-                    acc.options[k] = acc.options.get(k, 0) + v
+                for k, n in r.options.items():
+                    acc.options[k] = acc.options.get(k, 0) + n
         runs = ""
         if args.repeat > 1:
             runs = f", {args.repeat} runs pooled (seeds {args.seed}–{args.seed + args.repeat - 1})"

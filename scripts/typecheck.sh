@@ -11,3 +11,7 @@ for room in sdk gateway sim cli; do ln -s "$root/$room" "$tree/kvtether/$room"; 
 cd "$tree"
 "$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" \
   -p kvtether.sdk -p kvtether.gateway -p kvtether.sim -p kvtether.cli
+# The benchmark scripts (not part of the package), against the same tree (the editable install's import
+# hook is invisible to mypy).
+MYPYPATH="$tree" "$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" \
+  "$root/benchmarks"
