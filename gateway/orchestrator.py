@@ -147,12 +147,14 @@ class LegResult:
 class Orchestrator:
     def __init__(self, config: GatewayConfig, cluster: Cluster, store: SessionStore, metrics: T.Metrics,
                  client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
-                 tracer: trace.Tracer | None = None) -> None:
+                 tracer: trace.Tracer | None = None, tokenize_client: httpx.AsyncClient | None = None) -> None:
         self.config = config
         self.cluster = cluster
         self.store = store
         self.metrics = metrics
         self.client = client
+        # /tokenize on connections of its own (see app.py): default the same client.
+        self.tokenize_client = tokenize_client or client
         self.clock = clock
         self._rr = 0
         self.tracer = tracer or T.tracer()
@@ -544,7 +546,7 @@ class Orchestrator:
             started = time.perf_counter()
             try:
                 try:
-                    resp = await self.client.post(f"{node}/tokenize", json=payload,
+                    resp = await self.tokenize_client.post(f"{node}/tokenize", json=payload,
                                                   timeout=httpx.Timeout(self.config.tokenize_timeout_s,
                                                                         connect=self.config.connect_timeout_s))
                 finally:

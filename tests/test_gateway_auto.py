@@ -510,3 +510,23 @@ async def test_a_pd_turn_goes_back_to_the_prefill_node_whose_cache_holds_the_his
         assert orch._prefill_cached(after.prefill_copies, 10**6) == {hi: mine.tokens // 2}  # tail first
         orch.prefill_written[hi] += mine.tokens
         assert orch._prefill_cached(after.prefill_copies, 10**6) == {}
+
+
+async def test_tokenize_calls_use_connections_of_their_own() -> None:
+    """The guard's /tokenize goes through its own client (connection pool), never the one the prefill and
+    decode legs use: sharing a keep-alive connection with the prefill leg after it stalled P's answer ~44 ms
+    (benchmarks/pd_hop.py)."""
+    async with rig(policy="auto", min_reuse_tokens=4, max_local_suffix_tokens=16, learn_estimates=False) as r:
+        gw = r.gw
+        assert gw.orchestrator.tokenize_client is gw.tokenize_client is not gw.client
+        seen: dict[str, list[str]] = {"legs": [], "tokenize": []}
+
+        async def on(name: str, request: httpx.Request) -> None:
+            seen[name].append(request.url.path)
+
+        gw.client.event_hooks["request"].append(lambda req: on("legs", req))
+        gw.tokenize_client.event_hooks["request"].append(lambda req: on("tokenize", req))
+        messages = await _oracle_turn(r, first_messages(90), 0, {"x-session-id": "tok-1"})
+        await _oracle_turn(r, messages, 1, {"x-session-id": "tok-1"})
+        assert seen["tokenize"] and set(seen["tokenize"]) == {"/tokenize"}, seen
+        assert "/tokenize" not in seen["legs"] and "/v1/chat/completions" in seen["legs"], seen
