@@ -125,11 +125,11 @@ def parse_metrics(text: str) -> dict[str, float | int]:
                 out["kv_usage"] = max(float(out["kv_usage"]), sample.value)
             elif name == "vllm:cache_config_info":
                 bs = sample.labels.get("block_size")
+                blocks = sample.labels.get("num_gpu_blocks")
                 if bs and bs.isdigit():
                     out["block_size"] = int(bs)
-                blocks = sample.labels.get("num_gpu_blocks")
-                if bs and bs.isdigit() and blocks and blocks.isdigit():
-                    out["kv_capacity_tokens"] = int(blocks) * int(bs)
+                    if blocks and blocks.isdigit():
+                        out["kv_capacity_tokens"] = int(blocks) * int(bs)
                 caching = sample.labels.get("enable_prefix_caching")
                 if caching in ("True", "False"):
                     out["prefix_caching"] = int(caching == "True")

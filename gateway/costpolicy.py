@@ -432,7 +432,7 @@ def _pd(option: Option, turn: TurnFacts, p: NodeLike, d: NodeLike, holder: str |
         pulled = 0
     context = p_cached + pulled
     computed = turn.prompt_tokens - context
-    read = c.est.transfer_s(holder, p.url, pulled) if holder is not None and pulled > 0 else 0.0
+    read = c.est.transfer_s(holder, p.url, pulled) if holder is not None else 0.0
     back_tokens = turn.prompt_tokens - d_cached
     ttft = (_p_queue_s(c, p) + read + c.est.prefill_s(p.url, computed, context)
             + c.est.transfer_s(p.url, d.url, back_tokens) + _d_leg_s(c, d))

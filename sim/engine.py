@@ -82,6 +82,11 @@ class Load:
     end: int
 
 
+def kv_blocks(cfg: NodeConfig, preset: Preset) -> int:
+    """The node's KV-cache blocks: vLLM's --num-gpu-blocks-override when given, else the preset's budget."""
+    return cfg.num_gpu_blocks_override or preset.kv_capacity_tokens // preset.block_size
+
+
 @dataclass(eq=False)
 class EngineRequest:
     request_id: str
@@ -213,8 +218,7 @@ class Engine:
         self.metrics = metrics
         self.clock = clock
         self.bs = preset.block_size
-        self.pool = BlockPool(cfg.num_gpu_blocks_override or preset.kv_capacity_tokens // preset.block_size,
-                              preset.block_size)
+        self.pool = BlockPool(kv_blocks(cfg, preset), preset.block_size)
         self.holds = HoldTable()
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []

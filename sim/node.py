@@ -15,7 +15,7 @@ import uvicorn
 from kvtether.sim.api import build_app
 from kvtether.sim.clock import SimClock
 from kvtether.sim.config import NodeConfig
-from kvtether.sim.engine import Engine, ErrorEvent, State
+from kvtether.sim.engine import Engine, ErrorEvent, State, kv_blocks
 from kvtether.sim.metrics import NodeMetrics
 from kvtether.sim.nixl import SERVER_KEEPALIVE_S, HttpKVTransport, KVTransport
 from kvtether.sim.presets import get_preset
@@ -70,7 +70,7 @@ class SimNode:
         cfg.validate()
         self.cfg = cfg
         self.preset = get_preset(cfg.preset)
-        blocks = cfg.num_gpu_blocks_override or self.preset.kv_capacity_tokens // self.preset.block_size
+        blocks = kv_blocks(cfg, self.preset)
         # Like vLLM at start-up: a context longer than the whole KV cache could never be scheduled.
         cfg.max_model_len = min(cfg.max_model_len, blocks * self.preset.block_size)
         self.tokenizer: Tokenizer = default_tokenizer()
