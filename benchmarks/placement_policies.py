@@ -155,6 +155,7 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
     last: float | None = None
     chunks = 0
     content: list[str] = []
+    reasoning: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
     prompt_tokens = 0
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
@@ -181,6 +182,8 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
                         last, chunks = now, chunks + 1
                 if d.get("content"):
                     content.append(d["content"])
+                if d.get("reasoning_content"):
+                    reasoning.append(d["reasoning_content"])
                 for c in d.get("tool_calls") or []:
                     slot = calls.setdefault(c.get("index", 0), {"id": c.get("id"), "type": "function",
                                                                 "function": {"name": "", "arguments": ""}})
@@ -188,6 +191,8 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
                     slot["function"]["name"] += fn.get("name") or ""
                     slot["function"]["arguments"] += fn.get("arguments") or ""
     answer: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
+    if reasoning:
+        answer["reasoning_content"] = "".join(reasoning)
     if calls:
         answer["tool_calls"] = [calls[i] for i in sorted(calls)]
     end = time.perf_counter()
@@ -216,6 +221,8 @@ async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan
         body = {"model": MODEL, "messages": messages, "tools": TOOLS, "temperature": 0,
                 "max_tokens": args.output, "min_tokens": args.output, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
+        if args.thinking:
+            body["chat_template_kwargs"] = {"enable_thinking": True}
         try:
             c = await _chat(client, gw, body, headers, args.speed)
         except (RuntimeError, httpx.HTTPError) as exc:
@@ -227,7 +234,10 @@ async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan
                                        (c.first - start) * sim, (c.last - start) * sim, repeat, c.ttfc_s))
         answer = c.answer
         # The history goes on with a tool result whatever the model said (live answers, same sizes).
+        # With --thinking the reasoning goes back too: within a tool loop (after the last user message)
+        # the chat template keeps it, as agents running GLM-5 / Qwen3 with interleaved thinking send it.
         answer = {"role": "assistant", "content": answer.get("content") or "",
+                  **({"reasoning_content": answer["reasoning_content"]} if "reasoning_content" in answer else {}),
                   "tool_calls": [{"id": f"call_{s}_{t}", "type": "function",
                                   "function": {"name": "read_file", "arguments": json.dumps({"path": f"f{t}"})}}]}
         messages = [*messages, answer, {"role": "tool", "tool_call_id": f"call_{s}_{t}", "content": plan.results[t]}]
@@ -629,6 +639,10 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=2000)
     ap.add_argument("--suffix-mix", default="50-500:0.9,2000-8000:0.1", help="tool-result tokens per turn")
     ap.add_argument("--output", type=int, default=128, help="answer tokens per turn (pinned)")
+    ap.add_argument("--thinking", action="store_true",
+                    help="answers open with reasoning (chat_template_kwargs enable_thinking, GLM-5's and Qwen3's "
+                         "default), sent back in the history; the first delta is then reasoning, not the tool "
+                         "call the parser holds back until its name is complete")
     ap.add_argument("--think-s", type=float, default=0.3, help="mean simulated think/tool time between turns")
     ap.add_argument("--pace-s", type=float, default=4.0,
                     help="paced (open-loop) turns: each session sends a turn every PACE simulated s (± 25 %%), "
@@ -693,7 +707,8 @@ def main() -> None:
         print(f"\n### {preset}: {args.prefill}P {args.decode}D, {args.sessions} concurrent sessions × {args.turns} "
               f"turns, suffix mix {args.suffix_mix} tok, {args.output} output tok/turn, {arrivals}, "
               f"prefill prefix caching {args.prefill_prefix_caching}"
-              f"{'' if args.prefill_kv_tokens is None else f' (P cache {args.prefill_kv_tokens} tok)'}{runs}; "
+              f"{'' if args.prefill_kv_tokens is None else f' (P cache {args.prefill_kv_tokens} tok)'}"
+              f"{', thinking' if args.thinking else ''}{runs}; "
               f"times in SIMULATED seconds "
               f"(speed {args.speed}: client real × {args.speed})\n")
         print(table(results, paced=args.pace_s > 0))

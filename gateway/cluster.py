@@ -64,6 +64,9 @@ class Node:
     # P/D turns planned onto this decode node whose prefill leg is still running (then `inflight` takes
     # over): load already on its way, which rebalancing counts so that turns planned meanwhile do not herd.
     arriving: int = 0
+    # Decode only: whether a decode-local turn marked for retention came back with a handle (vLLM with
+    # bidirectional_kv_xfer); None until one did or did not. False stops the policy from counting on it.
+    local_handles: bool | None = None
 
     @property
     def host(self) -> str:
@@ -186,6 +189,15 @@ class Cluster:
         node = self.nodes.get(url)
         if node is not None:
             node.inflight += 1
+
+    def note_local_handles(self, url: str, kept: bool) -> None:
+        """Whether decode node `url` returned a handle for a decode-local turn marked for retention."""
+        node = self.nodes.get(url)
+        if node is not None and node.local_handles is not kept:
+            if not kept:
+                log.warning("decode node %s returned no handle for a marked decode-local turn: not counting on "
+                            "them there (is bidirectional_kv_xfer on?)", url)
+            node.local_handles = kept
 
     def end(self, url: str) -> None:
         node = self.nodes.get(url)

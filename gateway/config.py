@@ -80,6 +80,13 @@ class GatewayConfig:
     # The gateway's own keep-alive for clients: longer than clients' pool expiry (httpx: 5 s) for the same reason.
     client_keepalive_s: float = 65.0
 
+    # A decode-local turn goes to D with kv_transfer_params that set neither flag, which vLLM's connector
+    # treats as a decode: D keeps the turn's blocks and returns a handle for prompt + output − 1
+    # (non-streamed, or streamed from vLLM 0.33), so the next P/D turn pulls the whole history instead of
+    # the last P/D turn's and P computes only its suffix. Cost: the handle it replaces is never pulled and
+    # stays pinned on D until the engine's decoder_kv_blocks_ttl (its blocks mostly shared with the new one).
+    local_turn_handles: bool = True
+
     # Cost-based placement ("auto"; costpolicy.PolicyKnobs has the reasons behind each default).
     # A decode-local turn never prefills more than this on D (≈ one chunked-prefill step).
     max_local_suffix_tokens: int = _KNOBS.max_local_suffix_tokens
@@ -98,7 +105,7 @@ class GatewayConfig:
     tail_weight: float = _KNOBS.tail_weight
     tail_quantile: float = _KNOBS.tail_quantile
     # Look-ahead (0..3 turns) and its discount: a turn that is cheapest on D now may leave the session
-    # without a handle (vLLM returns none for a locally prefilled request), making the next turn dear.
+    # without a handle (vLLM returns none for an unmarked locally prefilled request), making the next turn dear.
     horizon_turns: int = _KNOBS.horizon_turns
     horizon_discount: float = _KNOBS.horizon_discount
     evict_kv_usage_knee: float = _KNOBS.evict_kv_usage_knee

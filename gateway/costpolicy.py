@@ -5,7 +5,8 @@ Options for a turn of a session pinned to decode node D (vLLM P/D with ``bidirec
 - ``decode_local``: send the whole request to D. D's prefix cache already holds the history (the handle's
   blocks, or what an earlier local turn left), so D prefills only the uncached suffix — but it does so in
   the same engine steps as the decode batch already running there, stalling those requests (interference).
-  On vLLM such a turn returns **no handle**: its KV stays in D's prefix cache, evictable.
+  On vLLM such a turn returns **no handle** (its KV stays in D's prefix cache, evictable) unless the shell
+  marks it for retention (``TurnFacts.local_keeps_handle``): then a handle of its whole sequence.
 - ``pull``: P receives D's (verified, possibly truncated) handle, reads the reused tokens' KV from D, computes
   the suffix, then D reads back only what its prefix cache lacks (≈ the suffix) and decodes. Leaves a fresh
   handle on D.
@@ -31,12 +32,14 @@ Score = TTFT + interference + horizon + balance (the policy minimises the score,
   history from the pinned D, but the new D lacks the whole prompt (the TTFT counts that transfer).
 - horizon = ``horizon_discount`` × E[best score of the next turn | what this option leaves behind], recursively
   for ``horizon_turns`` turns, with the same loads and a typical next suffix. After pull/cold D holds a fresh
-  handle (next turn may pull all of it); after decode_local it holds no fresh one: only the handle this turn
-  did not use (the gateway puts it back, older by this turn), whose prefix the next turn may still pull,
-  and the rest in D's prefix cache, which may be evicted (likely once D's KV usage passes
-  ``evict_kv_usage_knee``). Without a live old handle the next turn can only go local or cold. This is what
-  stops the policy from greedily running a turn locally when the session would then be stuck with large
-  local prefills on a busy D or a cold prefill of the whole history.
+  handle (next turn may pull all of it). So it does after a decode_local turn the shell marks for retention
+  (``local_keeps_handle``: vLLM keeps a request with kv_transfer_params that is not a prefill leg). Unmarked,
+  D holds no fresh one after decode_local: only the handle this turn did not use (the gateway puts it back,
+  older by this turn), whose prefix the next turn may still pull, and the rest in D's prefix cache, which may
+  be evicted (likely once D's KV usage passes ``evict_kv_usage_knee``). Without a live old handle the next
+  turn can only go local or cold. This is what stops the policy from greedily running a turn locally when
+  the session would then be stuck with large local prefills on a busy D or a cold prefill of the whole
+  history.
 
 Hard limits (an option over a limit is infeasible; "soft" ones can still be forced when nothing else is
 possible, e.g. every P is dead): ``max_local_suffix_tokens``; the TPOT budget (running requests' mean
@@ -137,6 +140,9 @@ class TurnFacts:
     # The estimated TTFT above which a turn is in the tail of recent turns (the shell's running quantile of
     # chosen options' estimates, `tail.TailTracker`); inf: unknown, no tail term.
     ttft_tail_s: float = math.inf
+    # A decode-local turn comes back with a handle of its whole sequence (the shell marks it for retention
+    # and the pinned D keeps such turns): the next turn may pull all of it, as after a P/D turn.
+    local_keeps_handle: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
@@ -568,24 +574,27 @@ def _after(turn: TurnFacts, o: OptionEstimate, pinned: str | None,
     )
     if o.option != "decode_local":
         return [(1.0, nxt, o.decode_url)]
-    # vLLM returns no handle for a turn D prefilled itself. But the handle this turn did *not* use is still
-    # held on D (the gateway puts it back), and its blocks still cover a prefix of the next prompt: the next
+    d = c.decode(o.decode_url)
+    gap = o.ttft_s + out_toks * (c.est.tpot_s(d.url, d.running + 1) if d is not None else 0.0)
+    # The stall budget after this turn spent its stall and refilled over the turn's answer.
+    credit = turn.decode_stall_credit_s
+    if not math.isinf(credit):
+        budget = StallBudget(c.knobs.decode_stall_share, c.knobs.decode_stall_window_s, credit, 0.0)
+        credit = budget.spend(o.stall_s, 0.0).credit(gap)
+    if turn.local_keeps_handle:
+        # Marked for retention, D returns a handle of the whole sequence as after a P/D turn: pinned, fresh.
+        return [(1.0, replace(nxt, decode_stall_credit_s=credit), o.decode_url)]
+    # Unmarked, vLLM returns no handle for a turn D prefilled itself. But the handle this turn did *not* use is
+    # still held on D (the gateway puts it back), and its blocks still cover a prefix of the next prompt: the next
     # turn may pull that prefix and let P compute the rest (this turn's suffix and answer, then its own),
     # provided the handle is still alive by then (it is older by this turn and its answer). Without it, the
     # history sits only in D's prefix cache, which is evicted more likely the fuller D is: vLLM's KV usage
     # counts blocks of running requests; cached-but-free blocks are evicted (LRU) only when that usage leaves
     # no free block, so the risk is ~0 below a knee and rises to 1 as usage nears full. The handle's own
     # blocks are pinned (not evictable) for as long as it lives.
-    d = c.decode(o.decode_url)
     p_keep = _p_keep(d, c) if d is not None else 0.0
     keeps = turn.handle_valid and turn.reuse_tokens > 0
-    gap = o.ttft_s + out_toks * (c.est.tpot_s(d.url, d.running + 1) if d is not None else 0.0)
     pinned_prefix = min(turn.reuse_tokens, held) if keeps else 0
-    # The stall budget after this turn spent its stall and refilled over the turn's answer.
-    credit = turn.decode_stall_credit_s
-    if not math.isinf(credit):
-        budget = StallBudget(c.knobs.decode_stall_share, c.knobs.decode_stall_window_s, credit, 0.0)
-        credit = budget.spend(o.stall_s, 0.0).credit(gap)
     hit = replace(nxt, reuse_tokens=pinned_prefix, handle_valid=keeps,
                   handle_age_s=turn.handle_age_s + gap if keeps else 0.0, decode_stall_credit_s=credit)
     miss = replace(hit, decode_cached_tokens=pinned_prefix)

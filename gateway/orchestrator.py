@@ -273,10 +273,12 @@ class Orchestrator:
         # One re-placement after a failed node: the in-flight request may fail, the next turn must not.
         for attempt in range(2):
             if the_plan.action is HandleAction.DECODE_LOCAL:
-                # The whole request to the pinned D, no kv_transfer_params: D prefills the suffix after its
-                # prefix-cache hit and returns no handle; token ids tell what its prefix cache now holds.
+                # The whole request to the pinned D: D prefills the suffix after its prefix-cache hit; marked
+                # for retention, it returns a handle of the whole sequence (config.local_turn_handles); token
+                # ids tell what its prefix cache now holds.
                 source = "decode_local"
-                d_body = B.decode_body(ctx.body, None, want_token_ids=True)
+                mark = B.LOCAL_RETAIN_PARAMS if self.config.local_turn_handles else None
+                d_body = B.decode_body(ctx.body, mark, want_token_ids=True)
             else:
                 try:
                     with self.cluster.heading_to(the_plan.decode):
@@ -333,6 +335,7 @@ class Orchestrator:
         if state is None:
             return facts
         facts["last_prefill"] = state.last_prefill
+        facts["local_keeps_handle"] = self._local_handle_due(ctx, state.decode)
         if prompt_ids is not None and state.last_tokens is not None:
             facts["suffix_tokens"] = max(0, len(prompt_ids) - state.last_tokens)
         max_tokens = ctx.body.get("max_completion_tokens") or ctx.body.get("max_tokens")
@@ -347,6 +350,23 @@ class Orchestrator:
         ctx.prefill_cached = self._prefill_cached(state.prefill_copies, ctx.decode_cached)
         facts["prefill_cached"] = tuple(ctx.prefill_cached.items())
         return facts
+
+    def _kept(self, result: LegResult, params: dict[str, Any], decode: str,
+              block_size: int) -> tuple[dict[str, Any], HeldSequence | None]:
+        """D's handle as the next prefill will send it (host rewritten), and the tokens it holds (guarded)."""
+        handle = B.with_host(params, host_of(decode))
+        n = handle_num_tokens(handle)
+        if not (self.config.guarded and n and result.prompt_ids is not None):
+            return handle, None
+        return handle, HeldSequence.from_tokens(B.held_tokens(result.prompt_ids, result.output_ids, n), block_size)
+
+    def _local_handle_due(self, ctx: TurnContext, decode: str | None) -> bool:
+        """Whether a decode-local turn on `decode` would come back with a handle: marked (config), on a D not
+        seen to drop marks, and not a stream on vLLM < 0.33 (whose streams carry no handle)."""
+        node = self.cluster.nodes.get(decode) if decode is not None else None
+        if not self.config.local_turn_handles or node is None or node.local_handles is False:
+            return False
+        return not ctx.stream or node.stream_handles
 
     def _prefill_cached(self, copies: tuple[PrefillCopy, ...], overlap: int) -> dict[str, int]:
         """Per P with prefix caching on: how much of this prompt its cache likely still holds (the session's
@@ -799,19 +819,29 @@ class Orchestrator:
         held: HeldSequence | None = None
         handle_at: float | None = now
         block_size = self.cluster.block_size(the_plan.decode)
+        local = the_plan.action is HandleAction.DECODE_LOCAL
         if result.ok and the_plan.prefill is not None and policy in ("pull", "reference", "auto"):
             if result.handle is None:
                 self.metrics.stream_handles_missing.inc()
             else:
-                handle = B.with_host(result.handle, host_of(the_plan.decode))
-                n = handle_num_tokens(handle)
-                if self.config.guarded and n and result.prompt_ids is not None:
-                    tokens = B.held_tokens(result.prompt_ids, result.output_ids, n)
-                    held = HeldSequence.from_tokens(tokens, block_size)
-        elif the_plan.action is HandleAction.DECODE_LOCAL and ctx.unused_handle is not None:
-            # vLLM returns no handle for a turn D prefilled itself; the one this turn did not use still pins
-            # a prefix of the history on D, so a later turn may pull it (and so free it) before it expires.
-            handle, held, handle_at = ctx.unused_handle.handle, ctx.unused_handle.held, ctx.unused_handle.handle_at
+                handle, held = self._kept(result, result.handle, the_plan.decode, block_size)
+        elif local and result.ok and result.handle is not None and self.config.local_turn_handles:
+            # D kept the marked local turn's blocks: a handle of the whole sequence, newer than the one this
+            # turn did not use (that one is never pulled now; D frees it at its TTL).
+            self.cluster.note_local_handles(the_plan.decode, True)
+            self.metrics.local_handles.labels("kept").inc()
+            if ctx.unused_handle is not None:
+                self.metrics.local_handles.labels("superseded").inc()
+            handle, held = self._kept(result, result.handle, the_plan.decode, block_size)
+        elif local:
+            if result.ok and self._local_handle_due(ctx, the_plan.decode):
+                # Marked, due, and none came back: this D does not keep local turns (no bidirectional_kv_xfer).
+                self.cluster.note_local_handles(the_plan.decode, False)
+                self.metrics.local_handles.labels("missing").inc()
+            if ctx.unused_handle is not None:
+                # The handle this turn did not use still pins a prefix of the history on D, so a later turn
+                # may pull it (and so free it) before it expires.
+                handle, held, handle_at = ctx.unused_handle.handle, ctx.unused_handle.held, ctx.unused_handle.handle_at
         # What D's prefix cache holds now (prompt + output − 1: the last sampled token has no KV), handle or
         # not: the cost policy's decode_cached_tokens next turn. Learned from D's token ids.
         cached: HeldSequence | None = None

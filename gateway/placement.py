@@ -24,7 +24,7 @@ class HandleAction(StrEnum):
     ATTACH = "attach"  # send D's handle unchanged: P pulls everything D holds
     TRUNCATE = "truncate"  # send the handle cut to the verified prefix (protocol §3.2)
     NONE = "none"  # cold prefill (P's own prefix cache still applies)
-    DECODE_LOCAL = "decode_local"  # whole request to the pinned D, no kv_transfer_params (auto only)
+    DECODE_LOCAL = "decode_local"  # whole request to the pinned D, no transfer (auto only)
 
 
 class HandleState(StrEnum):
@@ -83,6 +83,7 @@ class Turn:
     decode_elsewhere: tuple[tuple[str, int], ...] = ()
     prefill_cached: tuple[tuple[str, int], ...] = ()  # (P url, tokens of the prompt its prefix cache holds)
     ttft_tail_s: float = math.inf  # where recent turns' estimated TTFT tail starts (tail.py); inf: unknown
+    local_keeps_handle: bool = False  # a decode-local turn would return a handle (marked, D keeps them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +241,7 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
         decode_elsewhere=tuple((u, max(0, n)) for u, n in turn.decode_elsewhere if u != pinned),
         prefill_cached=tuple((u, max(0, n)) for u, n in turn.prefill_cached),
         ttft_tail_s=turn.ttft_tail_s,
+        local_keeps_handle=turn.local_keeps_handle,
     )
     if not turn.allow_local:
         # A decode-local leg just failed: an over-limit local turn stays possible only as the last resort.

@@ -31,7 +31,7 @@ class SessionState:
     # Message-chain hash of (last prompt + its answer): how a request without a session id finds us.
     prefix_key: str | None = None
     # What the pinned D's prefix cache held after the last turn (prompt + output − 1 tokens), handle or not:
-    # a decode-local turn returns no handle, but its KV stays in D's prefix cache (evictable), and the cost
+    # an unmarked decode-local turn returns no handle, but its KV stays in D's prefix cache (evictable), and the cost
     # policy weighs the next turn on it. Kept when the handle is taken.
     cached: HeldSequence | None = None
     last_tokens: int | None = None  # prompt + output of the last turn: this turn's suffix is what it adds

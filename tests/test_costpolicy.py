@@ -273,6 +273,28 @@ def test_local_turn_keeps_the_unused_handle_for_the_next_turn() -> None:
     assert stuck.horizon_s > 3 * local.horizon_s, no_handle.reason
 
 
+def test_a_local_turn_that_keeps_a_handle_leaves_the_next_turn_a_whole_history_pull() -> None:
+    """Marked for retention, a decode-local turn comes back with a handle of its whole sequence: the next turn
+    then pulls everything, as after a P/D turn. The borderline turn that the look-ahead sent to P (its local
+    run would leave only a dying handle, so the next, long turn would recompute the history cold) stays on D,
+    and the eviction risk of a full D no longer weighs on it (the handle's blocks are pinned)."""
+    turn = history_turn(20000, 700, next_suffix_tokens=3000, handle_age_s=444.0)
+    decodes = (d(D0), d(D1))
+    unmarked = choose(turn, D0, (p(P0),), decodes, SNAP)
+    assert unmarked.option == "pull", unmarked.reason
+    marked = choose(replace(turn, local_keeps_handle=True), D0, (p(P0),), decodes, SNAP)
+    assert marked.option == "decode_local", marked.reason
+    local = next(o for o in marked.options if o.option == "decode_local")
+    pull = next(o for o in marked.options if o.option == "pull")
+    # The same next turn either way (a fresh whole-history handle), so the same look-ahead cost.
+    assert local.horizon_s == pytest.approx(pull.horizon_s), marked.reason
+    short = history_turn(20000, 400, local_keeps_handle=True)
+    empty = choose(short, D0, (p(P0),), (d(D0, kv_usage=0.2),), SNAP)
+    full = choose(short, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP)
+    assert next(o for o in full.options if o.option == "decode_local").horizon_s == pytest.approx(
+        next(o for o in empty.options if o.option == "decode_local").horizon_s)
+
+
 def test_horizon_accounts_for_eviction_risk_on_full_decode() -> None:
     # Same short turn; on a D whose KV is nearly full, the history a local turn leaves in the prefix cache
     # is likely gone by the next turn, so the look-ahead costs a local turn more than on an empty D.

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_agent import chat, comparable, first_messages, next_messages, request_body
+from gateway_agent import chat, comparable, first_messages, next_messages, request_body, tool_result
 from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
 from kvtether.gateway.server import serve_gateway
@@ -52,7 +52,10 @@ async def test_auto_runs_short_suffixes_on_decode_and_long_ones_through_a_pull()
         cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
                           metrics_poll_interval_s=0.5, max_local_suffix_tokens=256, min_reuse_tokens=4,
                           # Decisions from the seeds only: learned timings would make them depend on the CPU.
-                          learn_estimates=False)
+                          learn_estimates=False,
+                          # Local turns unmarked (as on a D that keeps none, or a vLLM 0.32 stream): they return
+                          # no handle, and the look-ahead counts on the one they did not use.
+                          local_turn_handles=False)
         app = create_app(cfg, tracer_provider=provider)
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             p, d = cluster.prefill_urls, cluster.decode_urls
@@ -530,3 +533,101 @@ async def test_tokenize_calls_use_connections_of_their_own() -> None:
         await _oracle_turn(r, messages, 1, {"x-session-id": "tok-1"})
         assert seen["tokenize"] and set(seen["tokenize"]) == {"/tokenize"}, seen
         assert "/tokenize" not in seen["legs"] and "/v1/chat/completions" in seen["legs"], seen
+
+
+@pytest.mark.parametrize("marked", [True, False])
+async def test_a_decode_local_turn_leaves_a_handle_of_its_whole_sequence(marked: bool) -> None:
+    """With local_turn_handles (the default) a decode-local leg carries kv_transfer_params that set neither flag,
+    and D keeps the turn's blocks behind a handle as vLLM does: the next, long turn pulls the whole history,
+    the local turn's suffix and answer included, and P computes only its own suffix. Unmarked, the store keeps
+    the first turn's handle and P recomputes what the local turn added."""
+    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0,
+                       prefill_prefix_caching=False)
+    async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
+                                                                    speed=SPEED)) as oracle:
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
+                          metrics_poll_interval_s=0.5, max_local_suffix_tokens=256, min_reuse_tokens=4,
+                          learn_estimates=False, local_turn_handles=marked)
+        app = create_app(cfg)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            p = cluster.prefill_urls
+            h = {"x-session-id": f"local-handle-{marked}"}
+            messages = first_messages(57)
+            held: list[int] = []
+            p2p: list[float] = []
+            # turn 0 cold, turn 1 local (a short tool result; streamed: vLLM 0.33 puts the handle on the
+            # finish chunk), turn 2 a long tool result through a pull.
+            for turn, words in enumerate((10, 600, 10)):
+                before = await _node_total(client, p, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+                got = await chat(client, url, request_body(messages, stream=turn == 1), h)
+                want = await chat(client, oracle.aggregated_urls[0], request_body(messages, stream=False),
+                                  clean=False)
+                assert comparable(got) == comparable(want), f"turn {turn} differs from the oracle"
+                p2p.append(await _node_total(client, p, "vllm:prompt_tokens_cached_by_source_total",
+                                             source="p2p") - before)
+                [s] = (await client.get(f"{url}/admin/sessions")).json()
+                assert s["has_handle"]
+                held.append(s["held_tokens"])
+                # The next turn adds `words` of tool result (or user text, after an answer without tool calls).
+                messages = (next_messages(messages, got, 57, turn, result_words=words) if got.get("tool_calls")
+                            else [*messages, dict(got), {"role": "user", "content": tool_result(f"l{turn}", words)}])
+            sources = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
+            assert sources == 1, (p2p, held)
+            kept = {o: await metric(client, url, "kvtether_local_turn_handles_total", outcome=o)
+                    for o in ("kept", "superseded", "missing")}
+            node = app.state.gateway.orchestrator.cluster.nodes[cluster.decode_urls[0]]
+    assert p2p[1] == 0, "the local turn made a prefill request"
+    if marked:
+        # The local turn's own handle: it covers the first turn's held sequence and what the turn added.
+        assert held[1] > held[0] + 20, held
+        assert node.local_handles is True
+        # It replaced the first turn's handle, which the local turn did not use (pinned on D until its TTL).
+        assert kept == {"kept": 1, "superseded": 1, "missing": 0}
+        # The pull read all of it: the local turn's suffix and answer too.
+        assert p2p[2] >= held[1] - 16, (p2p, held)
+    else:
+        assert held[1] == held[0], "unmarked, the store keeps the handle the local turn did not use"
+        assert node.local_handles is None
+        assert kept == {"kept": 0, "superseded": 0, "missing": 0}
+        assert held[0] - 16 <= p2p[2] < held[1] + 1, (p2p, held)
+
+
+async def test_a_decode_node_that_drops_the_mark_is_no_longer_counted_on() -> None:
+    """A D without bidirectional_kv_xfer keeps nothing after a marked local turn: the gateway notes it (and the
+    plan's look-ahead stops counting on local handles there), and the session keeps the handle that turn did
+    not use. A handle from a later marked turn would turn it back on."""
+    from dataclasses import replace
+
+    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0,
+                       prefill_prefix_caching=False)
+    async with SimCluster(spec) as cluster:
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
+                          metrics_poll_interval_s=0.5, max_local_suffix_tokens=256, min_reuse_tokens=4,
+                          learn_estimates=False)
+        app = create_app(cfg)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            d = cluster.decode_urls[0]
+            engine = cluster.node(d).engine
+            orch = app.state.gateway.orchestrator
+            h = {"x-session-id": "drops-mark"}
+            messages = first_messages(58)
+            got = await chat(client, url, request_body(messages, stream=False), h)
+            [first] = (await client.get(f"{url}/admin/sessions")).json()
+            engine.cfg = replace(engine.cfg, bidirectional=False)  # from here on D keeps nothing
+            for turn in (0, 1):
+                messages = next_messages(messages, got, 58, turn, result_words=10)
+                got = await chat(client, url, request_body(messages, stream=False), h)
+                assert orch.cluster.nodes[d].local_handles is False
+                [after] = (await client.get(f"{url}/admin/sessions")).json()
+                assert after["has_handle"] and after["held_tokens"] == first["held_tokens"]
+            assert await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local") == 2
+            nodes = {n["url"]: n for n in (await client.get(f"{url}/ready")).json()["nodes"]}
+            assert nodes[d]["local_handles"] is False and "local_handles" not in nodes[cluster.prefill_urls[0]]
+            # Due only on the first: once noted, the gateway no longer expects one there.
+            assert await metric(client, url, "kvtether_local_turn_handles_total", outcome="missing") == 1
+            engine.cfg = replace(engine.cfg, bidirectional=True)
+            messages = next_messages(messages, got, 58, 2, result_words=10)
+            await chat(client, url, request_body(messages, stream=False), h)
+            assert orch.cluster.nodes[d].local_handles is True
+            [last] = (await client.get(f"{url}/admin/sessions")).json()
+            assert last["held_tokens"] > first["held_tokens"]

@@ -174,6 +174,51 @@ async def test_decode_request_without_params_returns_no_handle(backend: Backend,
     assert not r.json().get("kv_transfer_params")
 
 
+# A decode-local turn marked for retention (protocol §2): non-empty kv_transfer_params with neither flag set.
+LOCAL_RETAIN_PARAMS = {"do_remote_prefill": False, "do_remote_decode": False}
+
+
+async def test_decode_local_request_marked_for_retention_returns_a_handle_the_next_pull_uses(
+    backend: Backend, client: httpx.AsyncClient
+) -> None:
+    """vLLM's connector treats every finished request with kv_transfer_params that is not a prefill leg
+    (``do_remote_decode`` unset) as a decode whose blocks it keeps (``request_finished``: ``is_d_node``), so a
+    whole request sent to D with both flags false computes its suffix on D's prefix cache hit and comes back
+    with a handle for prompt + output − 1 — the next turn pulls the whole history, not the last P/D turn's."""
+    seed = _seed()
+    prompt1 = token_prompt(seed, PROMPT_LEN, backend.token_range)
+    t1 = await pd_turn(client, backend, completion_body(backend.model, prompt1, GEN1, ignore_eos=True))
+    assert t1.decode is not None and t1.handle is not None
+    prompt2 = _turn2_prompt(prompt1, t1.decode, backend, seed + 1)
+    local = completion_body(backend.model, prompt2, GEN1, ignore_eos=True)
+    local["kv_transfer_params"] = dict(LOCAL_RETAIN_PARAMS)
+    r = await client.post(backend.decode_url + "/v1/completions", json=local)
+    r.raise_for_status()
+    t2 = r.json()
+    h2 = t2.get("kv_transfer_params")
+    assert h2, "a marked decode-local request came back without a handle"
+    for f in HANDLE_FIELDS:
+        assert f in h2, f"handle lacks {f}: {sorted(h2)}"
+    assert h2["do_remote_decode"] is True and h2["do_remote_prefill"] is False
+    usage = t2["usage"]
+    assert h2["remote_num_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    # D computed only the suffix: the history came from its own prefix cache (the turn-1 blocks it holds).
+    assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) >= t1.handle["remote_num_tokens"] - 128
+    await _assert_reference(client, backend, completion_body(backend.model, prompt2, GEN1, ignore_eos=True),
+                            completion_token_ids(t2), f"l-{seed}")
+
+    prompt3 = _turn2_prompt(prompt2, t2, backend, seed + 2)
+    p2p_before = await metric_sum(client, backend.prefill_url, M_CACHED_BY_SOURCE, source="p2p")
+    t3 = await pd_turn(client, backend, completion_body(backend.model, prompt3, GEN), handle=h2)
+    p2p_after = await metric_sum(client, backend.prefill_url, M_CACHED_BY_SOURCE, source="p2p")
+    details = t3.prefill["usage"].get("prompt_tokens_details") or {}
+    # P took the whole held sequence (turn 2's suffix and answer included) from D: it computed only turn 3's.
+    assert details.get("cached_tokens", 0) >= h2["remote_num_tokens"] - 128, details
+    assert p2p_after - p2p_before >= h2["remote_num_tokens"] - len(prompt1) - 128, (p2p_before, p2p_after)
+    await _assert_reference(client, backend, completion_body(backend.model, prompt3, GEN),
+                            completion_token_ids(t3.decode or {}), f"m-{seed}")
+
+
 async def test_streamed_decode_carries_no_handle_on_0_32(backend: Backend, client: httpx.AsyncClient) -> None:
     prompt = token_prompt(_seed(), PROMPT_LEN, backend.token_range)
     body = completion_body(backend.model, prompt, GEN, stream=True)

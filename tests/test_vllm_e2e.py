@@ -261,6 +261,53 @@ async def test_token_sessions_pull_on_every_eligible_turn(pair: Backend) -> None
             assert why is None, f"turn {turn} differs from the reference {why}"
 
 
+async def test_a_decode_local_turn_leaves_a_handle_the_next_pull_reads_whole(pair: Backend) -> None:
+    """`auto` with local_turn_handles (the default): a short turn runs on D and, marked for retention, comes
+    back with a handle of its whole sequence (vLLM keeps a request with params that is not a prefill leg);
+    the next, long turn goes through P, which reads from D everything its own cache lacks, the local turn's
+    suffix and answer included. Answers equal the reference."""
+    rng = random.Random(uuid.uuid4().int)
+    # Local turns up to 256 uncached tokens (D's cache hits whole 128-token blocks): turn 1 (40 new tokens
+    # after a 96-token answer, ~124 uncached) runs on D, turn 2 (400 new, ~490 uncached) cannot.
+    async with gateway(pair, policy="auto", max_local_suffix_tokens=256) as r:
+        hdr = {"x-session-id": f"local-{uuid.uuid4().hex[:6]}"}
+        block = r.app.state.gateway.cluster.block_size(pair.prefill_url)
+        prompt = [rng.randrange(16, 4000) for _ in range(500)]
+        done: list[tuple[dict[str, Any], list[int]]] = []
+        sources: list[str] = []
+        held: list[int] = []
+        p2p: list[float] = []
+        first_prompt = len(prompt)
+        for suffix in (40, 400, 0):
+            req = token_request(pair.model, prompt)
+            before = await r.p2p()
+            resp = await r.client.post(r.url + "/v1/completions", json=req, headers=hdr)
+            assert resp.status_code == 200, resp.text
+            got = resp.json()
+            assert "kv_transfer_params" not in got
+            p2p.append(await r.p2p() - before)
+            sources.append(resp.headers.get("x-kvtether-reuse-source", ""))
+            [s] = (await r.client.get(f"{r.url}/admin/sessions")).json()
+            held.append(s["held_tokens"])
+            out_ids = list(got["choices"][0]["token_ids"])
+            done.append((req, out_ids))
+            prompt = prompt + out_ids + [rng.randrange(16, 4000) for _ in range(suffix)]
+            if suffix == 0:
+                break
+        assert sources[1] == "decode_local", sources
+        assert r.app.state.gateway.cluster.nodes[pair.decode_url].local_handles is True
+        # The local turn's own handle: its prompt and answer (− 1), not the first turn's.
+        assert held[1] == len(done[1][0]["prompt"]) + TOKEN_ANSWER - 1, held
+        assert sources[2] == "decode_pull", sources
+        # P (prefix caching on) holds the first prompt it prefilled; it read the rest of the local turn's
+        # held sequence from D: more than the first turn's answer, i.e. the local turn's suffix and answer too.
+        assert p2p[2] >= held[1] - first_prompt // block * block - block, (p2p, held)
+        assert p2p[2] > held[0] - first_prompt // block * block + 40, (p2p, held)
+        for turn, (req, out) in enumerate(done):
+            why = await completion_mismatch(r.client, pair.prefill_url, req, out)
+            assert why is None, f"turn {turn} differs from the reference {why}"
+
+
 EDITS = ("system_rewritten", "answer_rewritten", "turn_dropped")
 
 
