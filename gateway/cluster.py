@@ -9,9 +9,10 @@ turn is re-placed without waiting for the next poll.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -64,6 +65,10 @@ class Node:
     # P/D turns planned onto this decode node whose prefill leg is still running (then `inflight` takes
     # over): load already on its way, which rebalancing counts so that turns planned meanwhile do not herd.
     arriving: int = 0
+    # P/D turns planned onto this decode node: when each is expected to reach D (the gateway's clock; once its
+    # prefill leg is done, when it did) and how long D's read of it should take, until that read is over. A
+    # local prefill's step on D would hold them up (costpolicy.blocked_s).
+    arrivals: dict[int, tuple[float, float]] = field(default_factory=dict)
     # Decode only: whether a decode-local turn marked for retention came back with a handle (vLLM with
     # bidirectional_kv_xfer); None until one did or did not. False stops the policy from counting on it.
     local_handles: bool | None = None
@@ -78,12 +83,14 @@ class Node:
         v = parse_version(self.version)
         return v is None or v >= STREAM_HANDLE_VERSION
 
-    def load(self) -> NodeLoad:
+    def load(self, now: float | None = None) -> NodeLoad:
         # Polled gauges lag by up to a poll interval; the gateway's own open requests do not, so a burst
         # of new sessions spreads instead of herding onto the node that looked idle at the last poll.
         running = max(self.running, float(self.inflight))
+        arrivals = () if now is None else tuple(
+            (at - now, read) for at, read in self.arrivals.values() if at + read >= now)
         return NodeLoad(self.url, self.healthy, running, self.waiting, self.kv_usage, self.bidirectional,
-                        float(self.arriving), self.prefix_caching is True)
+                        float(self.arriving), self.prefix_caching is True, arrivals)
 
 
 def sample_sum(text: str, sample: str, **labels: str) -> float:
@@ -143,6 +150,7 @@ class Cluster:
     def __init__(self, config: GatewayConfig, client: httpx.AsyncClient) -> None:
         self.config = config
         self.client = client
+        self._arrival_ids = itertools.count()
         self.nodes: dict[str, Node] = {}
         for url in config.prefill:
             self.nodes[url] = Node(url, "prefill", bidirectional=config.is_bidirectional(url))
@@ -154,8 +162,10 @@ class Cluster:
     def role(self, role: str) -> list[Node]:
         return [n for n in self.nodes.values() if n.role == role]
 
-    def view(self) -> ClusterView:
-        return ClusterView(tuple(n.load() for n in self.role("prefill")), tuple(n.load() for n in self.role("decode")))
+    def view(self, now: float | None = None) -> ClusterView:
+        """Every node's load; with `now` (the gateway's clock) the decode nodes' expected arrivals too."""
+        return ClusterView(tuple(n.load() for n in self.role("prefill")),
+                           tuple(n.load(now) for n in self.role("decode")))
 
     def aggregated_view(self) -> tuple[NodeLoad, ...]:
         return tuple(n.load() for n in self.role("aggregated"))
@@ -210,13 +220,29 @@ class Cluster:
                 node.running = max(0.0, node.running - 1.0)
 
     @contextlib.contextmanager
-    def heading_to(self, url: str) -> Iterator[None]:
-        """A P/D turn's prefill leg, on its way to decode node `url`: counted in its `arriving`."""
+    def heading_to(self, url: str, arrival: tuple[float, float] | None = None,
+                   clock: Callable[[], float] | None = None) -> Iterator[None]:
+        """A P/D turn's prefill leg, on its way to decode node `url`: counted in its `arriving`. With
+        `arrival` (when it should reach D on `clock`, D's read seconds) also in its `arrivals`: until the leg
+        is done as estimated, then as it went, until the read should be over."""
         node = self.nodes.get(url)
+        key = next(self._arrival_ids)
         if node is not None:
             node.arriving += 1
+            if arrival is not None and clock is not None:
+                now = clock()
+                for k in [k for k, (at, read) in node.arrivals.items() if at + read < now]:
+                    del node.arrivals[k]  # bounded: reads long over go (load() skips them meanwhile)
+                node.arrivals[key] = arrival
         try:
             yield
+        except BaseException:
+            if node is not None:
+                node.arrivals.pop(key, None)  # the leg failed: no request is headed to D after all
+            raise
+        else:
+            if node is not None and key in node.arrivals and clock is not None:
+                node.arrivals[key] = (clock(), node.arrivals[key][1])
         finally:
             if node is not None:
                 node.arriving = max(0, node.arriving - 1)

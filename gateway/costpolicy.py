@@ -93,6 +93,8 @@ class NodeLike(Protocol):
     def bidirectional(self) -> bool: ...
     @property
     def prefix_caching(self) -> bool: ...
+    @property
+    def arrivals(self) -> tuple[tuple[float, float], ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +113,9 @@ class NodeState:
     # decode only: P/D turns whose prefill leg is under way, headed here (the shell's count; not yet in
     # `running`): load that is already on its way (rebalancing counts it).
     arriving: float = 0.0
+    # decode only: of those, (seconds until its request reaches D, seconds of D's read of its KV) as estimated
+    # when it was planned (negative: overdue). A local prefill's step delays what falls inside it.
+    arrivals: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +221,11 @@ class PolicyKnobs:
     # each, decode TPOT p95 3–5 % higher (fewer moves to a lighter D).
     tail_weight: float = 3.0
     tail_quantile: float = 0.9
+    # Seconds of this turn's TTFT one second of delay to a P/D turn arriving on D is worth. A local prefill's
+    # engine step holds D up: a turn whose KV read should start, or whose first step should run, inside that
+    # step waits for its end (GLM-5: up to ~80 ms, seen in the tail of long P/D turns). That delay lands on
+    # another session's first token, hence 1 (its TTFT counts like this turn's).
+    arrival_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in POLICY_MODES:
@@ -236,6 +246,8 @@ class PolicyKnobs:
             raise ValueError("decode_stall_share must be in [0, 1] and decode_stall_window_s > 0")
         if self.tail_weight < 0.0 or not 0.0 < self.tail_quantile < 1.0:
             raise ValueError("tail_weight must be >= 0 and tail_quantile in (0, 1)")
+        if self.arrival_weight < 0.0:
+            raise ValueError("arrival_weight must be >= 0")
 
     @property
     def stall_burst_s(self) -> float:
@@ -264,6 +276,12 @@ class OptionEstimate:
     # add to the pinned D's (negative when the other D is lighter; 0 on the pinned D). See _balance_s.
     balance_s: float = 0.0
     tail_s: float = 0.0  # tail_weight × the estimated TTFT above the tail threshold (see PolicyKnobs)
+    # P/D: seconds until D gets the request (P queue + read + prefill) and of D's read of what it lacks: where
+    # the turn will need D (the shell records them as the turn's arrival on D). decode_local: how long its own
+    # prefill step holds D up for turns arriving meanwhile (in interference_s, weighted by arrival_weight).
+    arrive_s: float = 0.0
+    d_read_s: float = 0.0
+    blocks_s: float = 0.0
 
     @property
     def score_s(self) -> float:
@@ -283,6 +301,9 @@ class CostDecision:
     options: tuple[OptionEstimate, ...] = ()
     forced: bool = False  # chosen although over a limit: nothing else was possible
     greedy_option: Option | None = None  # what the choice would be without the look-ahead (auto only)
+    # P/D: when the turn will need D (OptionEstimate.arrive_s, d_read_s), for the shell's arrival record.
+    arrive_s: float = 0.0
+    d_read_s: float = 0.0
 
     def trace_attributes(self) -> dict[str, str | float | int | bool]:
         """Flat attributes for a span or a JSONL trace record (names without the telemetry prefix)."""
@@ -397,8 +418,11 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
     stall = max(0.0, marginal - steps * c.est.tpot_s(d.url, d.running)) if d.running > 0 else 0.0
     credit = turn.decode_stall_credit_s
     interference = (c.knobs.interference_weight * d.running + _stall_price(credit, c.knobs)) * stall if stall else 0.0
+    start = c.est.queue_s(d.url, d.waiting)
+    blocks = blocked_s(d.arrivals, start, ttft)
+    interference += c.knobs.arrival_weight * blocks
     base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall,
-                          tail_s=_tail_s(ttft, turn, c))
+                          tail_s=_tail_s(ttft, turn, c), blocks_s=blocks)
     if n > c.knobs.max_local_suffix_tokens:
         return replace(base, feasible=False, soft=True,
                        why_not=f"local suffix {n} tok > max_local_suffix_tokens {c.knobs.max_local_suffix_tokens}")
@@ -414,6 +438,22 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
             why = f"TPOT of D's {d.running:g} running {tpot:.3f}s > budget {c.knobs.tpot_budget_s:.3f}s"
             return replace(base, feasible=False, soft=True, why_not=why)
     return base
+
+
+def blocked_s(arrivals: Iterable[tuple[float, float]], start_s: float, end_s: float) -> float:
+    """Seconds a local prefill holding D from `start_s` to `end_s` (from now) delays P/D turns arriving there.
+
+    Each arrival needs D twice: when its request comes in (its KV read starts at the next step boundary)
+    and when its read is done (its first step). vLLM runs one engine step at a time, so either instant inside
+    the local prefill's step waits for the step's end."""
+    total = 0.0
+    if end_s <= start_s:
+        return total
+    for at, read in arrivals:
+        for t in (at, at + max(0.0, read)):
+            if start_s < t < end_s:
+                total += end_s - t
+    return total
 
 
 def _stall_price(credit_s: float, knobs: PolicyKnobs) -> float:
@@ -443,8 +483,10 @@ def _pd(option: Option, turn: TurnFacts, p: NodeLike, d: NodeLike, holder: str |
     ttft = (_p_queue_s(c, p) + read + c.est.prefill_s(p.url, computed, context)
             + c.est.transfer_s(p.url, d.url, back_tokens) + _d_leg_s(c, d))
     balance = _balance_s(turn, d, pinned, c) if pinned is not None else 0.0
+    arrive = _p_queue_s(c, p) + read + c.est.prefill_s(p.url, computed, context)
     return OptionEstimate(option, True, "", False, ttft, 0.0, 0.0, p.url, d.url, reuse, computed,
-                          pulled + back_tokens, balance_s=balance, tail_s=_tail_s(ttft, turn, c))
+                          pulled + back_tokens, balance_s=balance, tail_s=_tail_s(ttft, turn, c),
+                          arrive_s=arrive, d_read_s=c.est.transfer_s(p.url, d.url, back_tokens))
 
 
 def _p_cached(turn: TurnFacts, p_url: str, c: _Cluster) -> int:
@@ -700,6 +742,8 @@ def choose(
         options=opts,
         forced=forced,
         greedy_option=greedy,
+        arrive_s=pick.arrive_s,
+        d_read_s=pick.d_read_s,
     )
 
 
@@ -728,6 +772,8 @@ def _reference(turn: TurnFacts, pinned: str | None, c: _Cluster, rr: int) -> Cos
         policy="reference",
         scores_s={pick.option: round(pick.score_s, 6)},
         options=(pick,),
+        arrive_s=pick.arrive_s,
+        d_read_s=pick.d_read_s,
     )
 
 
@@ -741,6 +787,7 @@ def _reason(mode: PolicyMode, pick: OptionEstimate, opts: Sequence[OptionEstimat
     if any(o.interference_s or o.horizon_s or o.balance_s or o.tail_s for o in feasible):
         detail.append("ttft " + ", ".join(f"{o.option} {o.ttft_s:.3f}s" for o in feasible))
         detail += [f"{o.option} interference {o.interference_s:.3f}s" for o in feasible if o.interference_s]
+        detail += [f"{o.option} holds up arriving turns {o.blocks_s:.3f}s" for o in feasible if o.blocks_s]
         detail += [f"{o.option} on {o.decode_url} balance {o.balance_s:.3f}s" for o in feasible if o.balance_s]
         detail += [f"{o.option} tail {o.tail_s:.3f}s (over {turn.ttft_tail_s:.3f}s)" for o in feasible if o.tail_s]
         detail.append("next turn " + ", ".join(f"{o.option} {o.horizon_s:.3f}s" for o in feasible))

@@ -281,7 +281,7 @@ class Orchestrator:
                 d_body = B.decode_body(ctx.body, mark, want_token_ids=True)
             else:
                 try:
-                    with self.cluster.heading_to(the_plan.decode):
+                    with self.cluster.heading_to(the_plan.decode, self._arrival(the_plan), self.clock):
                         prefilled, the_plan = await self._prefill_with_recovery(ctx, the_plan, kv)
                 except UpstreamFailure as failure:
                     return failure.client_response()
@@ -350,6 +350,13 @@ class Orchestrator:
         ctx.prefill_cached = self._prefill_cached(state.prefill_copies, ctx.decode_cached)
         facts["prefill_cached"] = tuple(ctx.prefill_cached.items())
         return facts
+
+    def _arrival(self, the_plan: Plan) -> tuple[float, float] | None:
+        """When a P/D turn should reach its D (gateway clock) and D's read seconds, from its cost decision."""
+        d = the_plan.decision
+        if d is None or d.option == "decode_local":
+            return None
+        return self.clock() + d.arrive_s, d.d_read_s
 
     def _kept(self, result: LegResult, params: dict[str, Any], decode: str,
               block_size: int) -> tuple[dict[str, Any], HeldSequence | None]:
@@ -477,7 +484,7 @@ class Orchestrator:
         turn = replace(turn, exclude=frozenset(ctx.exclude), decode_stall_credit_s=credit,
                        ttft_tail_s=self.tail.threshold())
         with self.tracer.start_as_current_span(T.SPAN_PLAN, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
-            view = self.cluster.view()
+            view = self.cluster.view(now)
             ctx.plan_view = view
             try:
                 p = plan(turn, view, self.estimator.snapshot(now), self.knobs)
@@ -1019,7 +1026,7 @@ def _knobs(config: GatewayConfig) -> PolicyKnobs:
         recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,
         block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,
         evict_kv_usage_knee=config.evict_kv_usage_knee, rebalance_decode=config.rebalance_decode,
-        tail_weight=config.tail_weight, tail_quantile=config.tail_quantile)
+        tail_weight=config.tail_weight, tail_quantile=config.tail_quantile, arrival_weight=config.arrival_weight)
 
 
 _STEP_ARRIVALS = 16  # chunk arrivals kept per leg to find the step before its first chunk

@@ -43,6 +43,8 @@ class NodeLoad:
     bidirectional: bool = True  # prefill only: may receive a handle
     arriving: float = 0.0  # decode only: P/D turns in their prefill leg, headed here
     prefix_caching: bool = False  # prefill only: its cache_config_info said enable_prefix_caching=True
+    # decode only: (seconds until it reaches D, D's read of it) of those arriving turns the plan estimated
+    arrivals: tuple[tuple[float, float], ...] = ()
 
     @property
     def score(self) -> tuple[float, float]:

@@ -599,3 +599,48 @@ def test_look_ahead_counts_the_prefill_copy_a_pd_turn_leaves() -> None:
     [(_, nxt, _)] = C._after(turn, on_p1, D0, c)
     assert nxt.prefill_cached == ((P0, 8000),)
 
+
+
+def test_blocked_s_counts_the_instants_a_local_step_holds_up() -> None:
+    from kvtether.gateway.costpolicy import blocked_s
+
+    # A local prefill holding D from 0.01 s to 0.09 s (from now).
+    assert blocked_s((), 0.01, 0.09) == 0.0
+    assert blocked_s(((0.2, 0.05),), 0.01, 0.09) == 0.0  # arrives after the step
+    assert blocked_s(((0.03, 0.2),), 0.01, 0.09) == pytest.approx(0.06)  # its read starts 0.06 s late
+    assert blocked_s(((-0.02, 0.05),), 0.01, 0.09) == pytest.approx(0.06)  # its first step, read done at 0.03
+    assert blocked_s(((0.02, 0.03),), 0.01, 0.09) == pytest.approx(0.07 + 0.04)  # both inside
+    assert blocked_s(((0.03, 0.2), (0.05, 0.2)), 0.01, 0.09) == pytest.approx(0.06 + 0.04)
+    assert blocked_s(((0.03, 0.2),), 0.09, 0.09) == 0.0
+
+
+def test_a_local_turn_pays_for_the_pd_turns_it_would_hold_up_on_d() -> None:
+    """A P/D turn about to reach D would wait for a local prefill's engine step (its KV read, or its first
+    step, cannot start inside it): the local option's interference grows by that delay (arrival_weight 1:
+    another session's first token), and enough arrivals inside the step send the turn to P instead."""
+    turn = history_turn(20000, 300)
+    free = choose(turn, D0, (p(P0),), (d(D0, running=2),), MOE)
+    assert free.option == "decode_local", free.reason
+    local_free = next(o for o in free.options if o.option == "decode_local")
+    one = choose(turn, D0, (p(P0),), (d(D0, running=2, arriving=1, arrivals=((0.02, 0.3),)),), MOE)
+    local_one = next(o for o in one.options if o.option == "decode_local")
+    assert local_one.blocks_s > 0.03, one.reason
+    assert local_one.interference_s == pytest.approx(local_free.interference_s + local_one.blocks_s)
+    assert "holds up arriving turns" in one.reason
+    busy = d(D0, running=2, arriving=4, arrivals=tuple((0.005 * i, 0.3) for i in range(4)))
+    held_up = choose(turn, D0, (p(P0),), (busy,), MOE)
+    assert held_up.option != "decode_local", held_up.reason
+    ignored = choose(turn, D0, (p(P0),), (busy,), MOE, PolicyKnobs(arrival_weight=0.0))
+    assert ignored.option == "decode_local", ignored.reason
+    # Arrivals after the local step do not count.
+    late = choose(turn, D0, (p(P0),), (d(D0, running=2, arriving=1, arrivals=((1.0, 0.1),)),), MOE)
+    assert next(o for o in late.options if o.option == "decode_local").blocks_s == 0.0
+
+
+def test_a_pd_decision_says_when_it_reaches_its_decode_node() -> None:
+    turn = history_turn(20000, 3000)
+    dec = choose(turn, D0, (p(P0),), (d(D0),), MOE)
+    assert dec.option == "pull", dec.reason
+    pick = next(o for o in dec.options if o.option == "pull")
+    assert 0.0 < dec.arrive_s == pick.arrive_s < pick.ttft_s
+    assert 0.0 < dec.d_read_s == pick.d_read_s < pick.ttft_s - pick.arrive_s

@@ -408,6 +408,35 @@ def test_own_requests_that_end_after_a_poll_leave_the_polled_running_gauge() -> 
     assert node.inflight == 0 and node.load().running == 1.0  # the polled-in one was already taken off
 
 
+def test_a_pd_turns_arrival_on_its_decode_node_is_kept_until_its_read_should_be_over() -> None:
+    """heading_to records when a P/D turn should reach D and D's read seconds; the view gives them relative
+    to now. Once the prefill leg is done the arrival is when it went, until the read is over; a failed leg
+    leaves nothing behind."""
+    import httpx
+    from kvtether.gateway.cluster import Cluster
+
+    t = [100.0]
+    c = Cluster(GatewayConfig(prefill=["http://p:1"], decode=["http://d:1"]), httpx.AsyncClient())
+    d = c.nodes["http://d:1"]
+    with c.heading_to(d.url, (100.3, 0.05), lambda: t[0]):
+        assert d.arriving == 1
+        [(at, read)] = c.view(100.1).decode[0].arrivals
+        assert at == pytest.approx(0.2) and read == 0.05
+        assert c.view().decode[0].arrivals == ()  # no clock, no arrivals
+        t[0] = 100.2  # P answered early: the turn reaches D now
+    assert d.arriving == 0
+    [(at, read)] = c.view(100.21).decode[0].arrivals
+    assert at == pytest.approx(-0.01) and read == 0.05
+    assert c.view(100.3).decode[0].arrivals == ()  # its read is over
+    with pytest.raises(RuntimeError), c.heading_to(d.url, (101.0, 0.05), lambda: t[0]):
+        raise RuntimeError("prefill failed")
+    assert d.arriving == 0 and c.view(100.21).decode[0].arrivals[0][0] == pytest.approx(-0.01)
+    assert len(d.arrivals) == 1
+    t[0] = 200.0
+    with c.heading_to(d.url, (200.5, 0.05), lambda: t[0]):
+        assert len(d.arrivals) == 1  # the old one, long over, was dropped
+
+
 # ---- policy "auto": the cost model's decision mapped onto a Plan -----------------------------------------
 
 
