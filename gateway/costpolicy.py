@@ -398,7 +398,8 @@ def _cached_on(turn: TurnFacts, d: NodeLike, pinned: NodeLike | None, c: _Cluste
     return _floor_block(round(min(left, turn.prompt_tokens - 1) * _p_keep(d, c)), c.knobs.block_size)
 
 
-def _local(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
+def _local(turn: TurnFacts, pinned: str | None, c: _Cluster, now: bool = True) -> OptionEstimate:
+    """`now`: this turn (False: a look-ahead turn, seconds later, when today's arrivals are long done)."""
     d = c.decode(pinned)
     if d is None:
         why = "no pinned decode node" if pinned is None else f"pinned decode {pinned} is down"
@@ -418,8 +419,7 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
     stall = max(0.0, marginal - steps * c.est.tpot_s(d.url, d.running)) if d.running > 0 else 0.0
     credit = turn.decode_stall_credit_s
     interference = (c.knobs.interference_weight * d.running + _stall_price(credit, c.knobs)) * stall if stall else 0.0
-    start = c.est.queue_s(d.url, d.waiting)
-    blocks = blocked_s(d.arrivals, start, ttft)
+    blocks = blocked_s(d.arrivals, c.est.queue_s(d.url, d.waiting), ttft) if now else 0.0
     interference += c.knobs.arrival_weight * blocks
     base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall,
                           tail_s=_tail_s(ttft, turn, c), blocks_s=blocks)
@@ -480,10 +480,9 @@ def _pd(option: Option, turn: TurnFacts, p: NodeLike, d: NodeLike, holder: str |
     computed = turn.prompt_tokens - context
     read = c.est.transfer_s(holder, p.url, pulled) if holder is not None else 0.0
     back_tokens = turn.prompt_tokens - d_cached
-    ttft = (_p_queue_s(c, p) + read + c.est.prefill_s(p.url, computed, context)
-            + c.est.transfer_s(p.url, d.url, back_tokens) + _d_leg_s(c, d))
+    arrive = _p_queue_s(c, p) + read + c.est.prefill_s(p.url, computed, context)  # when D gets the request
+    ttft = arrive + c.est.transfer_s(p.url, d.url, back_tokens) + _d_leg_s(c, d)
     balance = _balance_s(turn, d, pinned, c) if pinned is not None else 0.0
-    arrive = _p_queue_s(c, p) + read + c.est.prefill_s(p.url, computed, context)
     return OptionEstimate(option, True, "", False, ttft, 0.0, 0.0, p.url, d.url, reuse, computed,
                           pulled + back_tokens, balance_s=balance, tail_s=_tail_s(ttft, turn, c),
                           arrive_s=arrive, d_read_s=c.est.transfer_s(p.url, d.url, back_tokens))
@@ -579,8 +578,8 @@ def _cold(turn: TurnFacts, pinned: str | None, c: _Cluster) -> OptionEstimate:
     return best
 
 
-def _immediate(turn: TurnFacts, pinned: str | None, c: _Cluster) -> tuple[OptionEstimate, ...]:
-    return (_local(turn, pinned, c), _pull(turn, pinned, c), _cold(turn, pinned, c))
+def _immediate(turn: TurnFacts, pinned: str | None, c: _Cluster, now: bool = True) -> tuple[OptionEstimate, ...]:
+    return (_local(turn, pinned, c, now), _pull(turn, pinned, c), _cold(turn, pinned, c))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -652,9 +651,10 @@ def _p_copies_after(turn: TurnFacts, o: OptionEstimate, c: _Cluster) -> tuple[tu
     return (*((u, n) for u, n in turn.prefill_cached if u != p.url), (p.url, turn.prompt_tokens))
 
 
-def _scored(turn: TurnFacts, pinned: str | None, c: _Cluster, depth: int) -> tuple[OptionEstimate, ...]:
+def _scored(turn: TurnFacts, pinned: str | None, c: _Cluster, depth: int,
+            now: bool = True) -> tuple[OptionEstimate, ...]:
     """Options with their horizon term: discount × E[value of the next turn], `depth` turns deep."""
-    opts = _immediate(turn, pinned, c)
+    opts = _immediate(turn, pinned, c, now)
     if depth <= 0 or c.knobs.horizon_discount == 0.0:
         return opts
     out = []
@@ -671,7 +671,7 @@ def _value(turn: TurnFacts, pinned: str | None, c: _Cluster, depth: int) -> floa
     """The best score of a turn (auto policy), forcing a soft-rejected option if nothing else is possible."""
     key = (turn, pinned, depth)
     if key not in c.memo:
-        opts = _scored(turn, pinned, c, depth)
+        opts = _scored(turn, pinned, c, depth, now=False)
         feasible = [o.score_s for o in opts if o.feasible]
         soft = [o.ttft_s + o.interference_s for o in opts if o.soft]
         c.memo[key] = min(feasible) if feasible else min(soft, default=math.inf)

@@ -627,6 +627,8 @@ def test_a_local_turn_pays_for_the_pd_turns_it_would_hold_up_on_d() -> None:
     assert local_one.blocks_s > 0.03, one.reason
     assert local_one.interference_s == pytest.approx(local_free.interference_s + local_one.blocks_s)
     assert "holds up arriving turns" in one.reason
+    # Only this turn can hold them up: the look-ahead's next turn comes long after they are through.
+    assert [o.horizon_s for o in one.options] == [o.horizon_s for o in free.options]
     busy = d(D0, running=2, arriving=4, arrivals=tuple((0.005 * i, 0.3) for i in range(4)))
     held_up = choose(turn, D0, (p(P0),), (busy,), MOE)
     assert held_up.option != "decode_local", held_up.reason
