@@ -69,6 +69,10 @@ class Node:
     # prefill leg is done, when it did) and how long D's read of it should take, until that read is over. A
     # local prefill's step on D would hold them up (costpolicy.blocked_s).
     arrivals: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # Requests of this gateway on the node whose client has seen nothing yet although the node is already
+    # decoding them: streams between their first chunk and first delta (a tool-call parser holding the name
+    # back), and non-streamed requests. A local prefill's stall delays their TTFT itself.
+    holding_back: int = 0
     # Decode only: whether a decode-local turn marked for retention came back with a handle (vLLM with
     # bidirectional_kv_xfer); None until one did or did not. False stops the policy from counting on it.
     local_handles: bool | None = None
@@ -90,7 +94,7 @@ class Node:
         arrivals = () if now is None else tuple(
             (at - now, read) for at, read in self.arrivals.values() if at + read >= now)
         return NodeLoad(self.url, self.healthy, running, self.waiting, self.kv_usage, self.bidirectional,
-                        float(self.arriving), self.prefix_caching is True, arrivals)
+                        float(self.arriving), self.prefix_caching is True, arrivals, float(self.holding_back))
 
 
 def sample_sum(text: str, sample: str, **labels: str) -> float:
@@ -199,6 +203,11 @@ class Cluster:
         node = self.nodes.get(url)
         if node is not None:
             node.inflight += 1
+
+    def hold_back(self, url: str, n: int) -> None:
+        node = self.nodes.get(url)
+        if node is not None:
+            node.holding_back = max(0, node.holding_back + n)
 
     def note_local_handles(self, url: str, kept: bool) -> None:
         """Whether decode node `url` returned a handle for a decode-local turn marked for retention."""

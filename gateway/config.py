@@ -107,6 +107,9 @@ class GatewayConfig:
     # A local prefill's engine step holds up P/D turns arriving on D meanwhile: a second of their delay costs
     # this many seconds (their first token, like this turn's).
     arrival_weight: float = _KNOBS.arrival_weight
+    # A stall on a request whose client has seen nothing yet (tool-call hold-back, or not streamed) delays its
+    # TTFT: this many seconds per second, instead of interference_weight.
+    holdback_weight: float = _KNOBS.holdback_weight
     # Look-ahead (0..3 turns) and its discount: a turn that is cheapest on D now may leave the session
     # without a handle (vLLM returns none for an unmarked locally prefilled request), making the next turn dear.
     horizon_turns: int = _KNOBS.horizon_turns
@@ -186,8 +189,8 @@ class GatewayConfig:
             raise ConfigError("evict_kv_usage_knee must be in [0, 1)")
         if self.tail_weight < 0.0 or not 0.0 < self.tail_quantile < 1.0:
             raise ConfigError("tail_weight must be >= 0 and tail_quantile in (0, 1)")
-        if self.arrival_weight < 0.0:
-            raise ConfigError("arrival_weight must be >= 0")
+        if self.arrival_weight < 0.0 or self.holdback_weight < 0.0:
+            raise ConfigError("arrival_weight and holdback_weight must be >= 0")
         for f in fields(self):
             if f.name.startswith("seed_") and not getattr(self, f.name) > 0:
                 raise ConfigError(f"{f.name} must be > 0")

@@ -95,6 +95,8 @@ class NodeLike(Protocol):
     def prefix_caching(self) -> bool: ...
     @property
     def arrivals(self) -> tuple[tuple[float, float], ...]: ...
+    @property
+    def holding_back(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,9 @@ class NodeState:
     # decode only: of those, (seconds until its request reaches D, seconds of D's read of its KV) as estimated
     # when it was planned (negative: overdue). A local prefill's step delays what falls inside it.
     arrivals: tuple[tuple[float, float], ...] = ()
+    # decode only: of `running`, requests whose client has seen nothing yet (first token out, first delta held
+    # back by a tool-call parser; or not streamed): a stall delays their TTFT itself, not just their TPOT.
+    holding_back: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +231,11 @@ class PolicyKnobs:
     # step waits for its end (GLM-5: up to ~80 ms, seen in the tail of long P/D turns). That delay lands on
     # another session's first token, hence 1 (its TTFT counts like this turn's).
     arrival_weight: float = 1.0
+    # Seconds of this turn's TTFT one second of stall on a running request whose client has seen nothing yet is
+    # worth (instead of interference_weight): its first delta waits for it too. A tool-call parser holds the
+    # first delta back ~11 decode steps after the first token; under local prefills those steps ran 22–34 ms
+    # longer at p50 than under `reference` (session 9, GLM-5 paced).
+    holdback_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.mode not in POLICY_MODES:
@@ -246,8 +256,8 @@ class PolicyKnobs:
             raise ValueError("decode_stall_share must be in [0, 1] and decode_stall_window_s > 0")
         if self.tail_weight < 0.0 or not 0.0 < self.tail_quantile < 1.0:
             raise ValueError("tail_weight must be >= 0 and tail_quantile in (0, 1)")
-        if self.arrival_weight < 0.0:
-            raise ValueError("arrival_weight must be >= 0")
+        if self.arrival_weight < 0.0 or self.holdback_weight < 0.0:
+            raise ValueError("arrival_weight and holdback_weight must be >= 0")
 
     @property
     def stall_burst_s(self) -> float:
@@ -419,6 +429,8 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster, now: bool = True) -
     stall = max(0.0, marginal - steps * c.est.tpot_s(d.url, d.running)) if d.running > 0 else 0.0
     credit = turn.decode_stall_credit_s
     interference = (c.knobs.interference_weight * d.running + _stall_price(credit, c.knobs)) * stall if stall else 0.0
+    held = min(max(0.0, d.holding_back), d.running)
+    interference += max(0.0, c.knobs.holdback_weight - c.knobs.interference_weight) * held * stall
     blocks = blocked_s(d.arrivals, c.est.queue_s(d.url, d.waiting), ttft) if now else 0.0
     interference += c.knobs.arrival_weight * blocks
     base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall,

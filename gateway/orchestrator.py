@@ -142,6 +142,9 @@ class LegResult:
     # Other streams' chunk arrivals on the same D between this leg's send and its first chunk (the last few):
     # the step boundaries a decode-local prefill's mixed step is read from (steps.step_start).
     arrivals_before_first: tuple[float, ...] = ()
+    # Counted in its D's `holding_back` (first token out, first delta not yet): released once, by the first
+    # delta or the end of the leg.
+    holding_back: bool = False
 
 
 class Orchestrator:
@@ -649,11 +652,15 @@ class Orchestrator:
         sresp: httpx.Response | None = None
         try:
             if not ctx.stream:
+                # A non-streamed answer is the first thing its client sees: every stall on D delays it.
+                self.cluster.hold_back(node, 1)
                 try:
                     resp = await self.client.post(url, json=payload, headers=headers)
                 except httpx.HTTPError as exc:
                     raise UpstreamFailure(node, leg, f"{type(exc).__name__}: {exc}",
                                      unreachable=_unreachable(exc)) from None
+                finally:
+                    self.cluster.hold_back(node, -1)
                 data = _json_or_none(resp)
                 if resp.status_code != 200 or not isinstance(data, dict):
                     raise UpstreamFailure(node, leg, f"HTTP {resp.status_code}", resp.status_code, data)
@@ -718,7 +725,7 @@ class Orchestrator:
                         await self._finish(ctx, the_plan, result, span, source)
                     elif payload and payload != "[DONE]":
                         seen_first = result.first_chunk is not None
-                        line = self._relay_chunk(ctx, payload, result, answer, span) or line
+                        line = self._relay_chunk(ctx, the_plan.decode, payload, result, answer, span) or line
                         if result.first_chunk is not None:
                             self._time_chunk(ctx, the_plan, result, seen_first)
                 yield (line + "\n").encode()
@@ -747,7 +754,7 @@ class Orchestrator:
             result.arrivals_before_first = self.chunk_times.since(node, ctx.final_leg_at)[-_STEP_ARRIVALS:]
         self.chunk_times.record(node, at)
 
-    def _relay_chunk(self, ctx: TurnContext, payload: str, result: LegResult, answer: B.StreamAnswer,
+    def _relay_chunk(self, ctx: TurnContext, node: str, payload: str, result: LegResult, answer: B.StreamAnswer,
                      span: trace.Span) -> str | None:
         """Reads one SSE data payload; returns a replacement line when internal fields had to go."""
         try:
@@ -758,10 +765,16 @@ class Orchestrator:
             return None
         if result.first_chunk is None and chunk.get("choices"):
             result.first_chunk = time.perf_counter() - ctx.t0
+            if not B.has_first_token(chunk):
+                # D produced the first token but the client sees nothing yet (a tool-call parser holds the
+                # name back): a local prefill's stall now delays this turn's TTFT itself.
+                result.holding_back = True
+                self.cluster.hold_back(node, 1)
         if result.ttft is None and B.has_first_token(chunk):
             result.ttft = time.perf_counter() - ctx.t0
             span.add_event(T.EVENT_FIRST_TOKEN)
             ctx.span.add_event(T.EVENT_FIRST_TOKEN)
+            self._release_hold_back(node, result)
         ids = B.prompt_ids_of(chunk)
         if ids is not None and result.prompt_ids is None:
             result.prompt_ids = ids
@@ -789,8 +802,14 @@ class Orchestrator:
 
     # ---- end of a turn -----------------------------------------------------------------------
 
+    def _release_hold_back(self, node: str, result: LegResult) -> None:
+        if result.holding_back:
+            result.holding_back = False
+            self.cluster.hold_back(node, -1)
+
     async def _finish(self, ctx: TurnContext, the_plan: Plan, result: LegResult, span: trace.Span,
                       source: str) -> None:
+        self._release_hold_back(the_plan.decode, result)
         try:
             usage = result.usage if isinstance(result.usage, dict) else {}
             if the_plan.prefill is None and source == "none" and B.cached_tokens(usage):
@@ -1026,7 +1045,8 @@ def _knobs(config: GatewayConfig) -> PolicyKnobs:
         recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,
         block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,
         evict_kv_usage_knee=config.evict_kv_usage_knee, rebalance_decode=config.rebalance_decode,
-        tail_weight=config.tail_weight, tail_quantile=config.tail_quantile, arrival_weight=config.arrival_weight)
+        tail_weight=config.tail_weight, tail_quantile=config.tail_quantile, arrival_weight=config.arrival_weight,
+        holdback_weight=config.holdback_weight)
 
 
 _STEP_ARRIVALS = 16  # chunk arrivals kept per leg to find the step before its first chunk

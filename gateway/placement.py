@@ -45,6 +45,7 @@ class NodeLoad:
     prefix_caching: bool = False  # prefill only: its cache_config_info said enable_prefix_caching=True
     # decode only: (seconds until it reaches D, D's read of it) of those arriving turns the plan estimated
     arrivals: tuple[tuple[float, float], ...] = ()
+    holding_back: float = 0.0  # decode only: of `running`, requests whose client has seen nothing yet
 
     @property
     def score(self) -> tuple[float, float]:

@@ -646,3 +646,25 @@ def test_a_pd_decision_says_when_it_reaches_its_decode_node() -> None:
     pick = next(o for o in dec.options if o.option == "pull")
     assert 0.0 < dec.arrive_s == pick.arrive_s < pick.ttft_s
     assert 0.0 < dec.d_read_s == pick.d_read_s < pick.ttft_s - pick.arrive_s
+
+
+def test_a_stall_on_a_request_whose_client_has_seen_nothing_costs_its_ttft() -> None:
+    """A running request whose first delta a tool-call parser still holds back (or that is not streamed) loses
+    the local prefill's stall from its TTFT, not from its TPOT: it is priced at holdback_weight (1), not at
+    interference_weight."""
+    turn = history_turn(20000, 300)
+    knobs = PolicyKnobs(decode_stall_share=1.0)  # no stall budget: the price alone
+    calm = choose(turn, D0, (p(P0),), (d(D0, running=3),), MOE, knobs)
+    held = choose(turn, D0, (p(P0),), (d(D0, running=3, holding_back=2),), MOE, knobs)
+    local_calm = next(o for o in calm.options if o.option == "decode_local")
+    local_held = next(o for o in held.options if o.option == "decode_local")
+    assert local_calm.stall_s > 0.03
+    extra = (1.0 - knobs.interference_weight) * 2 * local_calm.stall_s
+    assert local_held.interference_s == pytest.approx(local_calm.interference_s + extra)
+    # Never more of them than are running; weight 0.2 (= interference_weight) adds nothing.
+    over = choose(turn, D0, (p(P0),), (d(D0, running=3, holding_back=9),), MOE, knobs)
+    assert next(o for o in over.options if o.option == "decode_local").interference_s == pytest.approx(
+        local_calm.interference_s + (1.0 - knobs.interference_weight) * 3 * local_calm.stall_s)
+    same = choose(turn, D0, (p(P0),), (d(D0, running=3, holding_back=2),), MOE,
+                  replace(knobs, holdback_weight=knobs.interference_weight))
+    assert same.scores_s == calm.scores_s

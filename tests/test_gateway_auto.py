@@ -631,3 +631,46 @@ async def test_a_decode_node_that_drops_the_mark_is_no_longer_counted_on() -> No
             assert orch.cluster.nodes[d].local_handles is True
             [last] = (await client.get(f"{url}/admin/sessions")).json()
             assert last["held_tokens"] > first["held_tokens"]
+
+
+async def test_requests_whose_client_has_seen_nothing_are_counted_on_their_decode_node() -> None:
+    """A stream counts in its D's holding_back from its first chunk (D's first token) to its first delta; a
+    non-streamed request for as long as it runs. Each leg is counted once and released once, so the count
+    is back to 0 when the turns are done, also after a client that left mid-answer."""
+    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0)
+    async with SimCluster(spec) as cluster:
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
+                          metrics_poll_interval_s=0.5, min_reuse_tokens=4, learn_estimates=False)
+        app = create_app(cfg)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            d = cluster.decode_urls[0]
+            cl = app.state.gateway.orchestrator.cluster
+            calls: list[tuple[str, int]] = []
+            real = cl.hold_back
+
+            def spy(node: str, n: int) -> None:
+                calls.append((node, n))
+                real(node, n)
+
+            cl.hold_back = spy
+            h = {"x-session-id": "holding-back"}
+            messages = first_messages(59)
+            for turn, stream in enumerate((False, True, True)):
+                before = len(calls)
+                got = await chat(client, url, request_body(messages, stream=stream), h)
+                assert calls[before:] == [(d, 1), (d, -1)], (turn, calls[before:])
+                assert cl.nodes[d].holding_back == 0
+                messages = next_messages(messages, got, 59, turn, result_words=10)
+            # An answer cut off before its first delta (one token: the tool call's opening tag): released at
+            # the end of the leg.
+            before = len(calls)
+            await chat(client, url, request_body(messages, stream=True, max_tokens=1), h)
+            assert calls[before:] == [(d, 1), (d, -1)], calls[before:]
+            # A client that reads the first chunk and leaves.
+            async with client.stream("POST", f"{url}/v1/chat/completions", headers=h,
+                                     json=request_body(messages, stream=True)) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data:"):
+                        break
+    assert cl.nodes[d].holding_back == 0
+    assert sum(n for _, n in calls) == 0
