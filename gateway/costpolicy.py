@@ -229,13 +229,16 @@ class PolicyKnobs:
     # Seconds of this turn's TTFT one second of delay to a P/D turn arriving on D is worth. A local prefill's
     # engine step holds D up: a turn whose KV read should start, or whose first step should run, inside that
     # step waits for its end (GLM-5: up to ~80 ms, seen in the tail of long P/D turns). That delay lands on
-    # another session's first token, hence 1 (its TTFT counts like this turn's).
-    arrival_weight: float = 1.0
+    # another session's first token, so 1 would count it like this turn's. Off (0) by default: one GLM-5 paced
+    # run against 0 (session 9, seed 0) was inconclusive (late p50 −11 ms, p95 +18 ms, TPOT p95 +1.3 points).
+    arrival_weight: float = 0.0
     # Seconds of this turn's TTFT one second of stall on a running request whose client has seen nothing yet is
-    # worth (instead of interference_weight): its first delta waits for it too. A tool-call parser holds the
+    # worth, when above interference_weight: its first delta waits for it too. A tool-call parser holds the
     # first delta back ~11 decode steps after the first token; under local prefills those steps ran 22–34 ms
-    # longer at p50 than under `reference` (session 9, GLM-5 paced).
-    holdback_weight: float = 1.0
+    # longer at p50 than under `reference` (session 9, GLM-5 paced). 1 would count the stall like this turn's
+    # TTFT. Off (0: no more than interference_weight) by default: one GLM-5 paced run of 1 against off
+    # (session 9, seed 0) lost on late p50 (+17 ms) and TPOT p95 (+5.6 points), p95 within noise (+6 ms).
+    holdback_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in POLICY_MODES:

@@ -616,13 +616,15 @@ def test_blocked_s_counts_the_instants_a_local_step_holds_up() -> None:
 
 def test_a_local_turn_pays_for_the_pd_turns_it_would_hold_up_on_d() -> None:
     """A P/D turn about to reach D would wait for a local prefill's engine step (its KV read, or its first
-    step, cannot start inside it): the local option's interference grows by that delay (arrival_weight 1:
-    another session's first token), and enough arrivals inside the step send the turn to P instead."""
+    step, cannot start inside it): with arrival_weight 1 (off by default) the local option's interference
+    grows by that delay (another session's first token), and enough arrivals inside the step send the turn to
+    P instead."""
     turn = history_turn(20000, 300)
-    free = choose(turn, D0, (p(P0),), (d(D0, running=2),), MOE)
+    free = choose(turn, D0, (p(P0),), (d(D0, running=2),), MOE, PolicyKnobs(arrival_weight=1.0))
     assert free.option == "decode_local", free.reason
     local_free = next(o for o in free.options if o.option == "decode_local")
-    one = choose(turn, D0, (p(P0),), (d(D0, running=2, arriving=1, arrivals=((0.02, 0.3),)),), MOE)
+    on = PolicyKnobs(arrival_weight=1.0)
+    one = choose(turn, D0, (p(P0),), (d(D0, running=2, arriving=1, arrivals=((0.02, 0.3),)),), MOE, on)
     local_one = next(o for o in one.options if o.option == "decode_local")
     assert local_one.blocks_s > 0.03, one.reason
     assert local_one.interference_s == pytest.approx(local_free.interference_s + local_one.blocks_s)
@@ -630,12 +632,12 @@ def test_a_local_turn_pays_for_the_pd_turns_it_would_hold_up_on_d() -> None:
     # Only this turn can hold them up: the look-ahead's next turn comes long after they are through.
     assert [o.horizon_s for o in one.options] == [o.horizon_s for o in free.options]
     busy = d(D0, running=2, arriving=4, arrivals=tuple((0.005 * i, 0.3) for i in range(4)))
-    held_up = choose(turn, D0, (p(P0),), (busy,), MOE)
+    held_up = choose(turn, D0, (p(P0),), (busy,), MOE, on)
     assert held_up.option != "decode_local", held_up.reason
-    ignored = choose(turn, D0, (p(P0),), (busy,), MOE, PolicyKnobs(arrival_weight=0.0))
+    ignored = choose(turn, D0, (p(P0),), (busy,), MOE)  # the default
     assert ignored.option == "decode_local", ignored.reason
     # Arrivals after the local step do not count.
-    late = choose(turn, D0, (p(P0),), (d(D0, running=2, arriving=1, arrivals=((1.0, 0.1),)),), MOE)
+    late = choose(turn, D0, (p(P0),), (d(D0, running=2, arriving=1, arrivals=((1.0, 0.1),)),), MOE, on)
     assert next(o for o in late.options if o.option == "decode_local").blocks_s == 0.0
 
 
@@ -650,10 +652,10 @@ def test_a_pd_decision_says_when_it_reaches_its_decode_node() -> None:
 
 def test_a_stall_on_a_request_whose_client_has_seen_nothing_costs_its_ttft() -> None:
     """A running request whose first delta a tool-call parser still holds back (or that is not streamed) loses
-    the local prefill's stall from its TTFT, not from its TPOT: it is priced at holdback_weight (1), not at
-    interference_weight."""
+    the local prefill's stall from its TTFT, not from its TPOT: with holdback_weight 1 (off by default) it is
+    priced at 1, not at interference_weight."""
     turn = history_turn(20000, 300)
-    knobs = PolicyKnobs(decode_stall_share=1.0)  # no stall budget: the price alone
+    knobs = PolicyKnobs(decode_stall_share=1.0, holdback_weight=1.0)  # no stall budget: the price alone
     calm = choose(turn, D0, (p(P0),), (d(D0, running=3),), MOE, knobs)
     held = choose(turn, D0, (p(P0),), (d(D0, running=3, holding_back=2),), MOE, knobs)
     local_calm = next(o for o in calm.options if o.option == "decode_local")
