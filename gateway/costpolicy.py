@@ -434,7 +434,8 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster, now: bool = True) -
     interference = (c.knobs.interference_weight * d.running + _stall_price(credit, c.knobs)) * stall if stall else 0.0
     held = min(max(0.0, d.holding_back), d.running)
     interference += max(0.0, c.knobs.holdback_weight - c.knobs.interference_weight) * held * stall
-    blocks = blocked_s(d.arrivals, c.est.queue_s(d.url, d.waiting), ttft) if now else 0.0
+    priced = now and c.knobs.arrival_weight > 0.0  # off: not computed, so no reason names it
+    blocks = blocked_s(d.arrivals, c.est.queue_s(d.url, d.waiting), ttft) if priced else 0.0
     interference += c.knobs.arrival_weight * blocks
     base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall,
                           tail_s=_tail_s(ttft, turn, c), blocks_s=blocks)
