@@ -16,7 +16,7 @@ from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
 from kvtether.gateway.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
-from test_gateway_sim import LIMITS, SPEED, Rig, metric, rig
+from test_gateway_sim import LIMITS, SPEED, Rig, metric, p2p_tokens, rig
 
 pytestmark = pytest.mark.anyio
 
@@ -535,47 +535,42 @@ async def test_tokenize_calls_use_connections_of_their_own() -> None:
         assert "/tokenize" not in seen["legs"] and "/v1/chat/completions" in seen["legs"], seen
 
 
+# 1P1D, P without prefix caching, auto deciding from its seeds only (learned timings would depend on the CPU).
+_AUTO = {"policy": "auto", "min_reuse_tokens": 4, "learn_estimates": False}
+_NO_P_CACHE = {"prefill_prefix_caching": False}
+
+
 @pytest.mark.parametrize("marked", [True, False])
 async def test_a_decode_local_turn_leaves_a_handle_of_its_whole_sequence(marked: bool) -> None:
     """With local_turn_handles (the default) a decode-local leg carries kv_transfer_params that set neither flag,
     and D keeps the turn's blocks behind a handle as vLLM does: the next, long turn pulls the whole history,
     the local turn's suffix and answer included, and P computes only its own suffix. Unmarked, the store keeps
     the first turn's handle and P recomputes what the local turn added."""
-    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0,
-                       prefill_prefix_caching=False)
-    async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
-                                                                    speed=SPEED)) as oracle:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
-                          metrics_poll_interval_s=0.5, max_local_suffix_tokens=256, min_reuse_tokens=4,
-                          learn_estimates=False, local_turn_handles=marked)
-        app = create_app(cfg)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
-            p = cluster.prefill_urls
-            h = {"x-session-id": f"local-handle-{marked}"}
-            messages = first_messages(57)
-            held: list[int] = []
-            p2p: list[float] = []
-            # turn 0 cold, turn 1 local (a short tool result; streamed: vLLM 0.33 puts the handle on the
-            # finish chunk), turn 2 a long tool result through a pull.
-            for turn, words in enumerate((10, 600, 10)):
-                before = await _node_total(client, p, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
-                got = await chat(client, url, request_body(messages, stream=turn == 1), h)
-                want = await chat(client, oracle.aggregated_urls[0], request_body(messages, stream=False),
-                                  clean=False)
-                assert comparable(got) == comparable(want), f"turn {turn} differs from the oracle"
-                p2p.append(await _node_total(client, p, "vllm:prompt_tokens_cached_by_source_total",
-                                             source="p2p") - before)
-                [s] = (await client.get(f"{url}/admin/sessions")).json()
-                assert s["has_handle"]
-                held.append(s["held_tokens"])
-                # The next turn adds `words` of tool result (or user text, after an answer without tool calls).
-                messages = (next_messages(messages, got, 57, turn, result_words=words) if got.get("tool_calls")
-                            else [*messages, dict(got), {"role": "user", "content": tool_result(f"l{turn}", words)}])
-            sources = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
-            assert sources == 1, (p2p, held)
-            kept = {o: await metric(client, url, "kvtether_local_turn_handles_total", outcome=o)
-                    for o in ("kept", "superseded", "missing")}
-            node = app.state.gateway.orchestrator.cluster.nodes[cluster.decode_urls[0]]
+    async with rig(sim=_NO_P_CACHE, **_AUTO, max_local_suffix_tokens=256, local_turn_handles=marked) as r:
+        client, url = r.client, r.url
+        h = {"x-session-id": f"local-handle-{marked}"}
+        messages = first_messages(57)
+        held: list[int] = []
+        p2p: list[float] = []
+        # turn 0 cold, turn 1 local (a short tool result; streamed: vLLM 0.33 puts the handle on the
+        # finish chunk), turn 2 a long tool result through a pull.
+        for turn, words in enumerate((10, 600, 10)):
+            before = await p2p_tokens(r)
+            got = await chat(client, url, request_body(messages, stream=turn == 1), h)
+            want = await chat(client, r.oracle, request_body(messages, stream=False), clean=False)
+            assert comparable(got) == comparable(want), f"turn {turn} differs from the oracle"
+            p2p.append(await p2p_tokens(r) - before)
+            [s] = (await client.get(f"{url}/admin/sessions")).json()
+            assert s["has_handle"]
+            held.append(s["held_tokens"])
+            # The next turn adds `words` of tool result (or user text, after an answer without tool calls).
+            messages = (next_messages(messages, got, 57, turn, result_words=words) if got.get("tool_calls")
+                        else [*messages, dict(got), {"role": "user", "content": tool_result(f"l{turn}", words)}])
+        sources = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
+        assert sources == 1, (p2p, held)
+        kept = {o: await metric(client, url, "kvtether_local_turn_handles_total", outcome=o)
+                for o in ("kept", "superseded", "missing")}
+        node = r.gw.orchestrator.cluster.nodes[r.cluster.decode_urls[0]]
     assert p2p[1] == 0, "the local turn made a prefill request"
     if marked:
         # The local turn's own handle: it covers the first turn's held sequence and what the turn added.
@@ -598,79 +593,69 @@ async def test_a_decode_node_that_drops_the_mark_is_no_longer_counted_on() -> No
     not use. A handle from a later marked turn would turn it back on."""
     from dataclasses import replace
 
-    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0,
-                       prefill_prefix_caching=False)
-    async with SimCluster(spec) as cluster:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
-                          metrics_poll_interval_s=0.5, max_local_suffix_tokens=256, min_reuse_tokens=4,
-                          learn_estimates=False)
-        app = create_app(cfg)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
-            d = cluster.decode_urls[0]
-            engine = cluster.node(d).engine
-            orch = app.state.gateway.orchestrator
-            h = {"x-session-id": "drops-mark"}
-            messages = first_messages(58)
+    async with rig(sim=_NO_P_CACHE, **_AUTO, max_local_suffix_tokens=256) as r:
+        client, url = r.client, r.url
+        d = r.cluster.decode_urls[0]
+        engine = r.cluster.node(d).engine
+        orch = r.gw.orchestrator
+        h = {"x-session-id": "drops-mark"}
+        messages = first_messages(58)
+        got = await chat(client, url, request_body(messages, stream=False), h)
+        [first] = (await client.get(f"{url}/admin/sessions")).json()
+        engine.cfg = replace(engine.cfg, bidirectional=False)  # from here on D keeps nothing
+        for turn in (0, 1):
+            messages = next_messages(messages, got, 58, turn, result_words=10)
             got = await chat(client, url, request_body(messages, stream=False), h)
-            [first] = (await client.get(f"{url}/admin/sessions")).json()
-            engine.cfg = replace(engine.cfg, bidirectional=False)  # from here on D keeps nothing
-            for turn in (0, 1):
-                messages = next_messages(messages, got, 58, turn, result_words=10)
-                got = await chat(client, url, request_body(messages, stream=False), h)
-                assert orch.cluster.nodes[d].local_handles is False
-                [after] = (await client.get(f"{url}/admin/sessions")).json()
-                assert after["has_handle"] and after["held_tokens"] == first["held_tokens"]
-            assert await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local") == 2
-            nodes = {n["url"]: n for n in (await client.get(f"{url}/ready")).json()["nodes"]}
-            assert nodes[d]["local_handles"] is False and "local_handles" not in nodes[cluster.prefill_urls[0]]
-            # Due only on the first: once noted, the gateway no longer expects one there.
-            assert await metric(client, url, "kvtether_local_turn_handles_total", outcome="missing") == 1
-            engine.cfg = replace(engine.cfg, bidirectional=True)
-            messages = next_messages(messages, got, 58, 2, result_words=10)
-            await chat(client, url, request_body(messages, stream=False), h)
-            assert orch.cluster.nodes[d].local_handles is True
-            [last] = (await client.get(f"{url}/admin/sessions")).json()
-            assert last["held_tokens"] > first["held_tokens"]
+            assert orch.cluster.nodes[d].local_handles is False
+            [after] = (await client.get(f"{url}/admin/sessions")).json()
+            assert after["has_handle"] and after["held_tokens"] == first["held_tokens"]
+        assert await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local") == 2
+        nodes = {n["url"]: n for n in (await client.get(f"{url}/ready")).json()["nodes"]}
+        assert nodes[d]["local_handles"] is False and "local_handles" not in nodes[r.cluster.prefill_urls[0]]
+        # Due only on the first: once noted, the gateway no longer expects one there.
+        assert await metric(client, url, "kvtether_local_turn_handles_total", outcome="missing") == 1
+        engine.cfg = replace(engine.cfg, bidirectional=True)
+        messages = next_messages(messages, got, 58, 2, result_words=10)
+        await chat(client, url, request_body(messages, stream=False), h)
+        assert orch.cluster.nodes[d].local_handles is True
+        [last] = (await client.get(f"{url}/admin/sessions")).json()
+        assert last["held_tokens"] > first["held_tokens"]
 
 
 async def test_requests_whose_client_has_seen_nothing_are_counted_on_their_decode_node() -> None:
     """A stream counts in its D's holding_back from its first chunk (D's first token) to its first delta; a
     non-streamed request for as long as it runs. Each leg is counted once and released once, so the count
     is back to 0 when the turns are done, also after a client that left mid-answer."""
-    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0)
-    async with SimCluster(spec) as cluster:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
-                          metrics_poll_interval_s=0.5, min_reuse_tokens=4, learn_estimates=False)
-        app = create_app(cfg)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
-            d = cluster.decode_urls[0]
-            cl = app.state.gateway.orchestrator.cluster
-            calls: list[tuple[str, int]] = []
-            real = cl.hold_back
+    async with rig(**_AUTO) as r:
+        client, url = r.client, r.url
+        d = r.cluster.decode_urls[0]
+        cl = r.gw.orchestrator.cluster
+        calls: list[tuple[str, int]] = []
+        real = cl.hold_back
 
-            def spy(node: str, n: int) -> None:
-                calls.append((node, n))
-                real(node, n)
+        def spy(node: str, n: int) -> None:
+            calls.append((node, n))
+            real(node, n)
 
-            cl.hold_back = spy
-            h = {"x-session-id": "holding-back"}
-            messages = first_messages(59)
-            for turn, stream in enumerate((False, True, True)):
-                before = len(calls)
-                got = await chat(client, url, request_body(messages, stream=stream), h)
-                assert calls[before:] == [(d, 1), (d, -1)], (turn, calls[before:])
-                assert cl.nodes[d].holding_back == 0
-                messages = next_messages(messages, got, 59, turn, result_words=10)
-            # An answer cut off before its first delta (one token: the tool call's opening tag): released at
-            # the end of the leg.
+        cl.hold_back = spy
+        h = {"x-session-id": "holding-back"}
+        messages = first_messages(59)
+        for turn, stream in enumerate((False, True, True)):
             before = len(calls)
-            await chat(client, url, request_body(messages, stream=True, max_tokens=1), h)
-            assert calls[before:] == [(d, 1), (d, -1)], calls[before:]
-            # A client that reads the first chunk and leaves.
-            async with client.stream("POST", f"{url}/v1/chat/completions", headers=h,
-                                     json=request_body(messages, stream=True)) as resp:
-                async for line in resp.aiter_lines():
-                    if line.startswith("data:"):
-                        break
+            got = await chat(client, url, request_body(messages, stream=stream), h)
+            assert calls[before:] == [(d, 1), (d, -1)], (turn, calls[before:])
+            assert cl.nodes[d].holding_back == 0
+            messages = next_messages(messages, got, 59, turn, result_words=10)
+        # An answer cut off before its first delta (one token: the tool call's opening tag): released at
+        # the end of the leg.
+        before = len(calls)
+        await chat(client, url, request_body(messages, stream=True, max_tokens=1), h)
+        assert calls[before:] == [(d, 1), (d, -1)], calls[before:]
+        # A client that reads the first chunk and leaves.
+        async with client.stream("POST", f"{url}/v1/chat/completions", headers=h,
+                                 json=request_body(messages, stream=True)) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data:"):
+                    break
     assert cl.nodes[d].holding_back == 0
     assert sum(n for _, n in calls) == 0
