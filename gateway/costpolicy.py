@@ -497,11 +497,12 @@ def _pd(option: Option, turn: TurnFacts, p: NodeLike, d: NodeLike, holder: str |
     read = c.est.transfer_s(holder, p.url, pulled) if holder is not None else 0.0
     back_tokens = turn.prompt_tokens - d_cached
     arrive = _p_queue_s(c, p) + read + c.est.prefill_s(p.url, computed, context)  # when D gets the request
-    ttft = arrive + c.est.transfer_s(p.url, d.url, back_tokens) + _d_leg_s(c, d)
+    d_read = c.est.transfer_s(p.url, d.url, back_tokens)
+    ttft = arrive + d_read + _d_leg_s(c, d)
     balance = _balance_s(turn, d, pinned, c) if pinned is not None else 0.0
     return OptionEstimate(option, True, "", False, ttft, 0.0, 0.0, p.url, d.url, reuse, computed,
                           pulled + back_tokens, balance_s=balance, tail_s=_tail_s(ttft, turn, c),
-                          arrive_s=arrive, d_read_s=c.est.transfer_s(p.url, d.url, back_tokens))
+                          arrive_s=arrive, d_read_s=d_read)
 
 
 def _p_cached(turn: TurnFacts, p_url: str, c: _Cluster) -> int:

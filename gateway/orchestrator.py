@@ -355,9 +355,10 @@ class Orchestrator:
         return facts
 
     def _arrival(self, the_plan: Plan) -> tuple[float, float] | None:
-        """When a P/D turn should reach its D (gateway clock) and D's read seconds, from its cost decision."""
+        """When a P/D turn should reach its D (gateway clock) and D's read seconds, from its cost decision;
+        None when nothing reads it (arrival_weight off)."""
         d = the_plan.decision
-        if d is None or d.option == "decode_local":
+        if d is None or d.option == "decode_local" or self.knobs.arrival_weight <= 0.0:
             return None
         return self.clock() + d.arrive_s, d.d_read_s
 
