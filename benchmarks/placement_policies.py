@@ -18,8 +18,10 @@ simulator's own Python CPU time is then a quarter of what it would be at speed 1
 GPU time; what is left of it is still in every number (it is overhead a real deployment also pays, scaled).
 TTFT is measured at the client (first content/tool-call delta of a stream, the project's definition), TTFC
 too (first chunk of any kind: the simulator, like vLLM, sends its role chunk with the first engine output, so
-this is the first *token*; TTFT also waits for the tool-call parser to release the function name, several
+this is the first *token*; TTFT also waits for the tool-call parser to release the function name, a few
 decode steps later); TPOT is each request's mean inter-chunk gap after the first token, p95 over requests.
+The model writes tool calls in its own format (``--tool-call-parser``, default the preset's): GLM-5's glm47
+releases the name after it and one tag (~4 tokens here), Qwen3's hermes after ~12 tokens.
 
 Arrivals: closed loop by default (each session thinks ``--think-s`` after an answer, so a faster policy
 also raises the load it offers), or paced with ``--pace-s`` (each session sends a turn every PACE seconds,
@@ -57,6 +59,7 @@ from kvtether.gateway.costpolicy import PolicyKnobs
 from kvtether.gateway.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from kvtether.sim.presets import get_preset
+from kvtether.sim.template import TOOL_FORMATS
 
 MODEL = "kvtether-sim"
 POLICIES = ("no-pull", "reference", "pull", "auto")
@@ -362,7 +365,8 @@ async def run_policy(name: str, preset: str, plans: list[SessionPlan], args: arg
     spec = ClusterSpec(prefill=args.prefill, decode=args.decode, preset=preset, speed=args.speed,
                        kv_lease_duration=600.0, bidirectional=policy != "no-pull",
                        prefill_prefix_caching=args.prefill_prefix_caching == "on",
-                       prefill_num_gpu_blocks=_prefill_blocks(preset, args.prefill_kv_tokens))
+                       prefill_num_gpu_blocks=_prefill_blocks(preset, args.prefill_kv_tokens),
+                       tool_call_parser=args.tool_call_parser)
     result = Result(name)
     t0 = time.perf_counter()
     async with _cluster(spec, args.sim_process) as (prefill_urls, decode_urls, cluster):
@@ -643,6 +647,9 @@ def main() -> None:
                     help="answers open with reasoning (chat_template_kwargs enable_thinking, GLM-5's and Qwen3's "
                          "default), sent back in the history; the first delta is then reasoning, not the tool "
                          "call the parser holds back until its name is complete")
+    ap.add_argument("--tool-call-parser", choices=TOOL_FORMATS, default=None,
+                    help="how the simulated model writes tool calls (default: the preset's model's: glm47 for "
+                         "GLM-5, whose parser releases the name after it and one tag; hermes for Qwen3, ~12 tokens)")
     ap.add_argument("--think-s", type=float, default=0.3, help="mean simulated think/tool time between turns")
     ap.add_argument("--pace-s", type=float, default=4.0,
                     help="paced (open-loop) turns: each session sends a turn every PACE simulated s (± 25 %%), "
@@ -708,7 +715,8 @@ def main() -> None:
               f"turns, suffix mix {args.suffix_mix} tok, {args.output} output tok/turn, {arrivals}, "
               f"prefill prefix caching {args.prefill_prefix_caching}"
               f"{'' if args.prefill_kv_tokens is None else f' (P cache {args.prefill_kv_tokens} tok)'}"
-              f"{', thinking' if args.thinking else ''}{runs}; "
+              f"{', thinking' if args.thinking else ''}, tool calls "
+              f"{args.tool_call_parser or get_preset(preset).tool_call_parser}{runs}; "
               f"times in SIMULATED seconds "
               f"(speed {args.speed}: client real × {args.speed})\n")
         print(table(results, paced=args.pace_s > 0))

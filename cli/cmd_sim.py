@@ -16,6 +16,7 @@ import typer
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from kvtether.sim.config import EMULATED_VERSIONS, FAILURE_POLICIES
 from kvtether.sim.presets import PRESETS, UnknownPreset, get_preset
+from kvtether.sim.template import TOOL_FORMATS
 from rich.console import Console
 from rich.table import Table
 
@@ -25,10 +26,11 @@ EXIT_USAGE = 2
 def _table(cluster: SimCluster) -> Table:
     spec = cluster.spec
     table = Table(title=f"kvtether sim — preset {spec.preset}, speed ×{spec.speed:g}, vLLM {spec.emulate}")
-    for col in ("role", "url", "engine id", "bidirectional"):
+    for col in ("role", "url", "engine id", "bidirectional", "tool calls"):
         table.add_column(col)
     for node in cluster.nodes:
-        table.add_row(node.cfg.role, node.url, node.cfg.engine_id[:8], "on" if node.cfg.bidirectional else "off")
+        table.add_row(node.cfg.role, node.url, node.cfg.engine_id[:8], "on" if node.cfg.bidirectional else "off",
+                      node.tool_format)
     return table
 
 
@@ -71,6 +73,12 @@ def register(app: typer.Typer) -> None:
             help="Prefix caching off on the prefill nodes (vLLM --no-enable-prefix-caching), as in vLLM's P/D runs.",
         ),
         side_channel_host: str = typer.Option("localhost", "--side-channel-host", help="remote_host advertised."),
+        tool_call_parser: str | None = typer.Option(
+            None,
+            "--tool-call-parser",
+            help=f"How the model writes tool calls ({', '.join(TOOL_FORMATS)}; default: the preset's model's, "
+            "glm47 for GLM-5, else hermes).",
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print the node URLs as one JSON line on stdout."),
     ) -> None:
         """Run a simulated vLLM P/D cluster (bidirectional KV transfer) until Ctrl-C."""
@@ -85,6 +93,9 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(EXIT_USAGE)
         if failure_policy not in FAILURE_POLICIES:
             err.print(f"error: --failure-policy must be one of {', '.join(FAILURE_POLICIES)}", markup=False)
+            raise typer.Exit(EXIT_USAGE)
+        if tool_call_parser is not None and tool_call_parser not in TOOL_FORMATS:
+            err.print(f"error: --tool-call-parser must be one of {', '.join(TOOL_FORMATS)}", markup=False)
             raise typer.Exit(EXIT_USAGE)
         if prefill + decode + aggregated == 0:
             err.print("error: no nodes to run (give --prefill, --decode or --aggregated)", markup=False)
@@ -104,6 +115,7 @@ def register(app: typer.Typer) -> None:
             kv_load_failure_policy=failure_policy,
             side_channel_host=side_channel_host,
             base_port=port,
+            tool_call_parser=tool_call_parser,
         )
         try:
             asyncio.run(_serve(spec, as_json))

@@ -90,7 +90,7 @@ class Completion:
         engine_id = self.id if req.chat else self.id + "-0"
         self.created = int(time.time())
         self.model = node.cfg.model_name
-        self.parser = ChatOutputParser(node.tokenizer, parse_tools=req.parse_tools)
+        self.parser = ChatOutputParser(node.tokenizer, parse_tools=req.parse_tools, tool_format=req.tool_format)
         self.trimmer = StopTrimmer(req.stop)
         self.detok = IncrementalDetokenizer(node.tokenizer)
         self.engine_request = EngineRequest(
@@ -349,7 +349,8 @@ def build_app(node: SimNode) -> Starlette:
                 return error_response(
                     404, f"The model `{body.get('model')}` does not exist.", param="model", kind="NotFoundError"
                 )
-            parsed = parse_request(node.tokenizer, body, chat=chat, max_model_len=node.cfg.max_model_len)
+            parsed = parse_request(node.tokenizer, body, chat=chat, max_model_len=node.cfg.max_model_len,
+                                   tool_format=node.tool_format)
         except BadRequest as e:
             return error_response(400, str(e), param=e.param)
         if node.faults.take_fail():
@@ -371,7 +372,7 @@ def build_app(node: SimNode) -> Starlette:
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
             if "messages" in body:
-                ids = chat_prompt_ids(node.tokenizer, body)
+                ids = chat_prompt_ids(node.tokenizer, body, tool_format=node.tool_format)
             else:
                 ids = completion_prompt_ids(node.tokenizer, body)
         except BadRequest as e:

@@ -43,6 +43,7 @@ class ClusterSpec:
     # KV-cache blocks of each prefill-role node (vLLM --num-gpu-blocks-override); None: the preset's. A
     # smaller P cache stands for one the rest of a large cluster's sessions share.
     prefill_num_gpu_blocks: int | None = None
+    tool_call_parser: str | None = None  # vLLM --tool-call-parser on every node; None: the preset's
 
     def node_configs(self) -> list[NodeConfig]:
         get_preset(self.preset)  # fail early with UnknownPreset
@@ -63,6 +64,7 @@ class ClusterSpec:
                 model_name=self.model_name,
                 enable_prefix_caching=self.prefill_prefix_caching if role == "prefill" else True,
                 num_gpu_blocks_override=self.prefill_num_gpu_blocks if role == "prefill" else None,
+                tool_call_parser=self.tool_call_parser,
             )
             for role in roles
         ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from kvtether.sim.template import TOOL_FORMATS
+
 ROLES = ("prefill", "decode", "aggregated")
 EMULATED_VERSIONS = {"0.32": "0.32.0", "0.33": "0.33.0"}
 FAILURE_POLICIES = ("fail", "recompute")
@@ -35,6 +37,8 @@ class NodeConfig:
     # vLLM --num-gpu-blocks-override: a smaller KV cache than the preset's memory budget gives, e.g. to
     # stand for a node whose cache the rest of a large cluster's traffic shares. None: the preset's.
     num_gpu_blocks_override: int | None = None
+    # vLLM --tool-call-parser: "hermes" (Qwen3) or "glm47" (GLM-4.7 / GLM-5). None: the preset's model's.
+    tool_call_parser: str | None = None
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -49,6 +53,8 @@ class NodeConfig:
             raise ValueError("kv_lease_real_floor_s must be >= 0")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override must be >= 1")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_FORMATS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_FORMATS}, got {self.tool_call_parser!r}")
 
     @property
     def version(self) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtether.sim.template import render_assistant_body
+from kvtether.sim.template import HERMES, render_assistant_body
 from kvtether.sim.tokenizer import Tokenizer
 
 DIGEST_SIZE = 16
@@ -52,6 +52,7 @@ class GenerationSpec:
     seed: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    tool_format: str = HERMES  # how the served model writes a tool call (vLLM --tool-call-parser)
 
 
 @dataclass(slots=True)
@@ -106,7 +107,7 @@ class Model:
             fn = tool.get("function", tool)
             name = str(fn.get("name", "tool"))
             args = json.dumps(self._arguments(rng, fn.get("parameters") or {}), ensure_ascii=False)
-            return render_assistant_body("", reasoning, [(name, args)])
+            return render_assistant_body("", reasoning, [(name, args)], spec.tool_format)
         return render_assistant_body(self._sentences(rng, rng.randint(8, 30)), reasoning, [])
 
     def _pick_tool(self, rng: random.Random, spec: GenerationSpec) -> Mapping[str, Any] | None:

@@ -74,6 +74,7 @@ class SimNode:
         # Like vLLM at start-up: a context longer than the whole KV cache could never be scheduled.
         cfg.max_model_len = min(cfg.max_model_len, blocks * self.preset.block_size)
         self.tokenizer: Tokenizer = default_tokenizer()
+        self.tool_format: str = cfg.tool_call_parser or self.preset.tool_call_parser
         self.clock = SimClock(cfg.speed)
         self.metrics = NodeMetrics(
             cfg.model_name,

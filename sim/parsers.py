@@ -1,4 +1,4 @@
-"""Output parsing like vLLM's Qwen3 reasoning parser and hermes tool parser.
+"""Output parsing like vLLM's Qwen3 reasoning parser and its hermes or glm47 tool parser.
 
 One streaming state machine serves both modes: a non-streamed response's content and reasoning are the
 concatenation of the deltas, and its tool calls are the calls completed by ``</tool_call>``, so the two
@@ -12,6 +12,14 @@ closed, then ``function.arguments`` fragments as the arguments are generated. A 
 ``max_tokens`` has therefore streamed its name and the arguments generated so far; non-streamed, vLLM's
 ``extract_tool_calls`` fails to ``json.loads`` the cut call and returns the raw text as ``content`` with
 no tool calls (see ``ChatOutputParser.finish``).
+
+GLM-4.7 / GLM-5 calls (``tool_format="glm47"``, vLLM's ``glm47`` parser) are
+``<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>``, every tag one special token.
+The name goes out when the first ``<arg_key>`` (or ``</tool_call>``) arrives, so a call's first delta waits
+for the name's tokens plus one, not for the ~12 tokens of a hermes head. Each finished pair then streams as
+a fragment of the arguments' JSON object. A value is JSON where it reads back to the same text (numbers,
+booleans, objects), else a string, so a call sent back by the client renders to the tokens generated. A
+call cut off by ``max_tokens`` is raw content, non-streamed (vLLM's regex needs ``</tool_call>``).
 """
 
 from __future__ import annotations
@@ -22,8 +30,20 @@ import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvtether.sim.tokenizer import THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START, Tokenizer
+from kvtether.sim.template import GLM47, HERMES, TOOL_FORMATS
+from kvtether.sim.tokenizer import (
+    ARG_KEY_END,
+    ARG_KEY_START,
+    ARG_VALUE_END,
+    ARG_VALUE_START,
+    THINK_END,
+    THINK_START,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    Tokenizer,
+)
 
 
 @dataclass(slots=True)
@@ -106,10 +126,54 @@ class _ArgsScanner:
         return text
 
 
+def glm47_value(text: str) -> Any:
+    """An <arg_value> back as a JSON value: parsed where that reads back to the very text, else the string."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(value, str) or json.dumps(value, ensure_ascii=False) != text:
+        return text
+    return value
+
+
+class _Glm47Call:
+    """One glm47 call being generated: its name, then key/value pairs, as the tag tokens arrive."""
+
+    def __init__(self) -> None:
+        self.part = "name"  # "name" | "key" | "between" | "value"
+        self.name = ""
+        self.key = ""
+        self.value = ""
+        self.pairs: list[str] = []  # '"key": value' JSON members, in order
+
+    def text(self, s: str) -> None:
+        if self.part == "name":
+            self.name += s
+        elif self.part == "key":
+            self.key += s
+        elif self.part == "value":
+            self.value += s
+        # between the tags ("between"): GLM-4.5 puts newlines there; they are not part of the call
+
+    def arguments(self) -> str:
+        return "{" + ", ".join(self.pairs) + "}"
+
+
 class ChatOutputParser:
-    def __init__(self, tok: Tokenizer, *, parse_tools: bool = True) -> None:
+    def __init__(self, tok: Tokenizer, *, parse_tools: bool = True, tool_format: str = HERMES) -> None:
+        if tool_format not in TOOL_FORMATS:
+            raise ValueError(f"tool_format must be one of {TOOL_FORMATS}, got {tool_format!r}")
         self._tok = tok
         self._parse_tools = parse_tools
+        self._glm = tool_format == GLM47
+        self._arg_tags = {
+            tok.special(ARG_KEY_START): ARG_KEY_START,
+            tok.special(ARG_KEY_END): ARG_KEY_END,
+            tok.special(ARG_VALUE_START): ARG_VALUE_START,
+            tok.special(ARG_VALUE_END): ARG_VALUE_END,
+        }
+        self._glm_call = _Glm47Call()
         self._think_start = tok.special(THINK_START)
         self._think_end = tok.special(THINK_END)
         self._tool_start = tok.special(TOOL_CALL_START)
@@ -138,19 +202,74 @@ class ChatOutputParser:
             self._enter("tool")
             self._tool_buf = ""
             self._tool_id, self._name_end, self._args_at, self._args_scan, self._args_sent = None, -1, -1, None, ""
+            self._glm_call = _Glm47Call()
         elif token_id == self._tool_end and self._section == "tool":
             self._close_tool(d)
             self._enter("content")
+        elif self._glm and self._section == "tool" and token_id in self._arg_tags:
+            tag = self._arg_tags[token_id]
+            self._tool_buf += tag
+            self._glm_tag(tag, d)
         elif self._tok.is_special(token_id):
             pass  # eos and other specials are skipped, as with skip_special_tokens
         else:
             text = self._decoder.decode(self._tok.token_bytes(token_id))
             if self._section == "tool":
                 self._tool_buf += text
-                self._stream_tool(d)
+                if self._glm:
+                    self._glm_call.text(text)
+                else:
+                    self._stream_tool(d)
             else:
                 self._text(text, d)
         return d
+
+    def _glm_name(self, d: Delta) -> None:
+        """The glm47 name is complete (an <arg_key> or </tool_call> follows it): its delta goes out."""
+        name = self._glm_call.name.strip()
+        if self._tool_id is None and name:
+            self._tool_id = new_tool_call_id()
+            d.tool_calls.append(ToolCallDelta(self._tool_count, id=self._tool_id, name=name))
+            self._tool_count += 1
+
+    def _glm_tag(self, tag: str, d: Delta) -> None:
+        call = self._glm_call
+        if tag == ARG_KEY_START:
+            if call.part == "name":
+                self._glm_name(d)
+            call.part, call.key = "key", ""
+        elif tag == ARG_KEY_END and call.part == "key":
+            call.part = "between"
+        elif tag == ARG_VALUE_START and call.part == "between":
+            call.part, call.value = "value", ""
+        elif tag == ARG_VALUE_END and call.part == "value":
+            member = f"{json.dumps(call.key.strip(), ensure_ascii=False)}: "
+            member += json.dumps(glm47_value(call.value), ensure_ascii=False)
+            if self._tool_id is not None:
+                d.tool_calls.append(ToolCallDelta(self._tool_count - 1, arguments=("{" if not call.pairs else ", ")
+                                                  + member))
+            call.pairs.append(member)
+            call.part = "between"
+
+    def _close_glm(self, d: Delta, *, cut: bool) -> None:
+        call = self._glm_call
+        if cut:
+            d.content = f"{TOOL_CALL_START}{self._tool_buf}"
+            return
+        if call.part == "name":
+            self._glm_name(d)
+        if not call.name.strip():
+            d.content = f"{TOOL_CALL_START}{self._tool_buf}{TOOL_CALL_END}"
+            return
+        arguments = call.arguments()
+        if self._tool_id is None:
+            self._tool_id = new_tool_call_id()
+            d.tool_calls.append(ToolCallDelta(self._tool_count, id=self._tool_id, name=call.name.strip(),
+                                              arguments=arguments))
+            self._tool_count += 1
+        else:
+            d.tool_calls.append(ToolCallDelta(self._tool_count - 1, arguments="}" if call.pairs else "{}"))
+        self.tool_calls.append(ToolCall(id=self._tool_id, name=call.name.strip(), arguments=arguments))
 
     def _stream_tool(self, d: Delta) -> None:
         """Emit the current call's name as soon as it is closed, then its arguments as they grow."""
@@ -183,6 +302,9 @@ class ChatOutputParser:
             d.tool_calls.append(ToolCallDelta(self._tool_count - 1, arguments=new))
 
     def _close_tool(self, d: Delta, *, cut: bool = False) -> None:
+        if self._glm:
+            self._close_glm(d, cut=cut)
+            return
         call = self._parse_tool(self._tool_buf)
         if call is None:
             # vLLM's non-streamed hermes parse falls back to the raw text when json.loads fails; a cut call
@@ -255,9 +377,11 @@ class ParsedOutput:
     tool_calls: list[ToolCall]
 
 
-def parse_chat_output(tok: Tokenizer, ids: Iterable[int], *, parse_tools: bool = True) -> ParsedOutput:
+def parse_chat_output(
+    tok: Tokenizer, ids: Iterable[int], *, parse_tools: bool = True, tool_format: str = HERMES
+) -> ParsedOutput:
     """The non-streamed parse (tool-call deltas are ignored: complete calls come from ``tool_calls``)."""
-    parser = ChatOutputParser(tok, parse_tools=parse_tools)
+    parser = ChatOutputParser(tok, parse_tools=parse_tools, tool_format=tool_format)
     content, reasoning = "", ""
     for t in ids:
         d = parser.push(t)

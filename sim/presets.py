@@ -31,6 +31,8 @@ class Preset:
     max_num_seqs: int  # running requests per node
     block_size: int = 16
     sources: tuple[str, ...] = ()  # where the model and hardware numbers come from
+    # How the model writes tool calls, i.e. the --tool-call-parser vLLM serves it with (sim/template.py).
+    tool_call_parser: str = "hermes"
 
 
 class UnknownPreset(KeyError):
@@ -367,7 +369,11 @@ GLM5_FP8_H200_TP8 = Preset(
         " GPU (ai-dynamo/nixl issue #1514)",
         "ASSUMPTION: efficiency 0.25; absorbed-MLA attention FLOPs; FP8 KV cache (--kv-cache-dtype fp8);"
         " serving overhead not modelled (0)",
+        "tool calls: vLLM's GLM-5 recipe serves it with --tool-call-parser glm47 (recipes.vllm.ai); the format"
+        " <tool_call>name<arg_key>..</arg_key><arg_value>..</arg_value></tool_call> is vllm/parser/glm47_moe.py's",
     ),
+    # GLM-5 writes tool calls in GLM-4.7's XML-like format; vLLM serves it with --tool-call-parser glm47.
+    tool_call_parser="glm47",
 )
 
 
@@ -382,6 +388,7 @@ def _sized(preset: Preset) -> Preset:
         max_num_seqs=preset.max_num_seqs,
         block_size=preset.block_size,
         sources=preset.sources,
+        tool_call_parser=preset.tool_call_parser,
     )
 
 

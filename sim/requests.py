@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtether.sim.model import GenerationSpec
-from kvtether.sim.template import TemplateError, render_chat
+from kvtether.sim.template import HERMES, TemplateError, render_chat
 from kvtether.sim.tokenizer import Tokenizer
 
 
@@ -34,6 +34,7 @@ class ParsedRequest:
     kv_params: Mapping[str, Any] | None
     parse_tools: bool
     cache_salt: str | None = None
+    tool_format: str = HERMES
 
 
 def _int(body: Mapping[str, Any], key: str, default: int | None, *, minimum: int = 0) -> int | None:
@@ -58,7 +59,7 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     raise BadRequest("stop must be a string or a list of strings", "stop")
 
 
-def chat_prompt_ids(tok: Tokenizer, body: Mapping[str, Any]) -> list[int]:
+def chat_prompt_ids(tok: Tokenizer, body: Mapping[str, Any], *, tool_format: str = HERMES) -> list[int]:
     """Messages + tools + template arguments → prompt ids (shared by chat and /tokenize)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -75,6 +76,7 @@ def chat_prompt_ids(tok: Tokenizer, body: Mapping[str, Any]) -> list[int]:
             tools=tools or None,
             add_generation_prompt=bool(body.get("add_generation_prompt", True)),
             enable_thinking=bool(kwargs.get("enable_thinking", False)),
+            tool_format=tool_format,
         )
     except TemplateError as e:
         raise BadRequest(str(e), "messages") from e
@@ -94,7 +96,9 @@ def completion_prompt_ids(tok: Tokenizer, body: Mapping[str, Any]) -> list[int]:
     raise BadRequest("prompt must be a string or a list of token ids (one prompt only)", "prompt")
 
 
-def parse_request(tok: Tokenizer, body: Any, *, chat: bool, max_model_len: int) -> ParsedRequest:
+def parse_request(
+    tok: Tokenizer, body: Any, *, chat: bool, max_model_len: int, tool_format: str = HERMES
+) -> ParsedRequest:
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
     n = _int(body, "n", 1, minimum=1)
@@ -108,7 +112,7 @@ def parse_request(tok: Tokenizer, body: Any, *, chat: bool, max_model_len: int) 
     if isinstance(carried, list) and carried:
         prompt_ids = [int(t) for t in carried]
     else:
-        prompt_ids = chat_prompt_ids(tok, body) if chat else completion_prompt_ids(tok, body)
+        prompt_ids = chat_prompt_ids(tok, body, tool_format=tool_format) if chat else completion_prompt_ids(tok, body)
     if len(prompt_ids) >= max_model_len:
         raise BadRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "
@@ -165,6 +169,7 @@ def parse_request(tok: Tokenizer, body: Any, *, chat: bool, max_model_len: int) 
         seed=seed,
         min_tokens=min(min_tokens, max_tokens),
         ignore_eos=bool(body.get("ignore_eos", False)),
+        tool_format=tool_format,
     )
     return ParsedRequest(
         chat=chat,
@@ -179,4 +184,5 @@ def parse_request(tok: Tokenizer, body: Any, *, chat: bool, max_model_len: int) 
         kv_params=kv_params,
         parse_tools=bool(tools) and tool_choice != "none",
         cache_salt=cache_salt,
+        tool_format=tool_format,
     )

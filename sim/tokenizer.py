@@ -34,6 +34,12 @@ TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 TOOL_RESPONSE_START = "<tool_response>"
 TOOL_RESPONSE_END = "</tool_response>"
+# GLM-4.5 / 4.7 / 5 write a tool call's arguments as XML-like pairs between these tags (vLLM's glm47 parser),
+# and their tokenizer has each tag as one added special token, beside <tool_call> and </tool_call>.
+ARG_KEY_START = "<arg_key>"
+ARG_KEY_END = "</arg_key>"
+ARG_VALUE_START = "<arg_value>"
+ARG_VALUE_END = "</arg_value>"
 
 SPECIAL_TOKENS: tuple[str, ...] = (
     ENDOFTEXT,
@@ -45,6 +51,10 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     TOOL_CALL_END,
     TOOL_RESPONSE_START,
     TOOL_RESPONSE_END,
+    ARG_KEY_START,
+    ARG_KEY_END,
+    ARG_VALUE_START,
+    ARG_VALUE_END,
 )
 _BYTE_BASE = len(SPECIAL_TOKENS)
 _WORD_BASE = _BYTE_BASE + 256

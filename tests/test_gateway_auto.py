@@ -73,9 +73,11 @@ async def test_auto_runs_short_suffixes_on_decode_and_long_ones_through_a_pull()
                 local_before = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
                 attached_before = await metric(client, url, "kvtether_handle_outcomes_total", outcome="attached")
                 p2p_before = await _node_total(client, p, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
-                got = await chat(client, url, request_body(messages, stream=turn % 2 == 1), h)
-                want = await chat(client, oracle.aggregated_urls[0], request_body(messages, stream=False),
-                                  clean=False)
+                # Every answer a tool call, so each turn's suffix is the tool result the plan says (a content
+                # answer would get a short user follow-up instead).
+                body = {**request_body(messages, stream=turn % 2 == 1), "tool_choice": "required"}
+                got = await chat(client, url, body, h)
+                want = await chat(client, oracle.aggregated_urls[0], {**body, "stream": False}, clean=False)
                 assert comparable(got) == comparable(want), f"turn {turn} differs from the oracle"
                 p_after = await _node_total(client, p, "vllm:request_success_total")
                 local_after = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")

@@ -266,3 +266,42 @@ async def test_a_stream_sends_nothing_before_the_first_token(node_url: str, http
     chunks = await sse(http, node_url + "/v1/chat/completions", body)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert any(ch["choices"] and ch["choices"][0]["delta"].get("content") for ch in chunks[1:])
+
+
+@pytest.mark.anyio
+async def test_glm47_node_streams_and_returns_glm_tool_calls(http: httpx.AsyncClient) -> None:
+    """A node serving GLM-5's format (--tool-call-parser glm47): same OpenAI shapes, GLM's tokens."""
+    async with SimCluster(prefill=0, decode=0, aggregated=1, speed=200, tool_call_parser="glm47") as c:
+        url = c.aggregated_urls[0] + "/v1/chat/completions"
+        body = {"messages": MSGS, "tools": TOOLS, "tool_choice": "required", "temperature": 0,
+                "return_token_ids": True}
+        full = (await http.post(url, json=body)).json()
+        choice = full["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        call = choice["message"]["tool_calls"][0]
+        assert call["function"]["name"] == "get_weather" and "city" in json.loads(call["function"]["arguments"])
+        # What the model generated is GLM's layout: the name right after <tool_call>, then the tags.
+        text = (await http.post(c.aggregated_urls[0] + "/detokenize",
+                                json={"tokens": choice["token_ids"]})).json()["prompt"]
+        assert text.startswith("<tool_call>get_weather<arg_key>city</arg_key><arg_value>")
+        chunks = await sse(http, url, body)
+        calls = [tc for ch in chunks if ch["choices"] for tc in ch["choices"][0]["delta"].get("tool_calls", [])]
+        assert calls[0]["function"] == {"name": "get_weather"} and calls[0]["type"] == "function"
+        assert "".join(x["function"].get("arguments", "") for x in calls[1:]) == call["function"]["arguments"]
+        # The client sends the call back: /tokenize renders it to the generated ids (the guard's prefix check).
+        msgs = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        ids = (await http.post(c.aggregated_urls[0] + "/tokenize",
+                               json={"messages": msgs, "tools": TOOLS, "add_generation_prompt": False})).json()
+        held = full["prompt_token_ids"] + choice["token_ids"]  # prompt + answer + eos (<|im_end|>)
+        assert ids["tokens"][: len(held)] == held
+
+
+def test_the_glm5_preset_serves_glm47_tool_calls_and_the_others_hermes() -> None:
+    from kvtether.sim.config import NodeConfig
+    from kvtether.sim.node import SimNode
+
+    assert SimNode(NodeConfig(preset="glm-5-fp8-h200-tp8")).tool_format == "glm47"
+    assert SimNode(NodeConfig(preset="qwen3-32b-h200-tp8")).tool_format == "hermes"
+    assert SimNode(NodeConfig(preset="glm-5-fp8-h200-tp8", tool_call_parser="hermes")).tool_format == "hermes"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        NodeConfig(tool_call_parser="pythonic").validate()
