@@ -1,9 +1,10 @@
 """How far placement alone can lower the late-turn first-delta p50 (issue 8): a replay of measured turns.
 
 The project's TTFT is the first content or tool-call *delta*. A tool-call answer's first delta waits, after
-its first token, for the parser to release the function name (~11 decode steps), and no placement removes
-that. This takes one policy's measured late turns (default ``reference``) from ``placement_policies.py
---json`` output and replaces the first token of a share of the short-suffix turns by a decode-local one
+its first token, for the parser to release the function name (hermes: ~11 decode steps; GLM-5's glm47, the
+simulator's GLM-5 format since 2026-12-02: ~4), and no placement removes that. This takes one policy's
+measured late turns (default ``reference``) from ``placement_policies.py --json`` output and replaces the
+first token of a share of the short-suffix turns by a decode-local one
 (``--local-first-token-s``, measured in the same benchmark's engine trace), keeping each turn's own
 hold-back (its first delta less its first chunk). It prints the p50 that results for each share: the share
 of short turns that would have to run decode-local to reach a target ratio.

@@ -19,7 +19,8 @@ GPU time; what is left of it is still in every number (it is overhead a real dep
 TTFT is measured at the client (first content/tool-call delta of a stream, the project's definition), TTFC
 too (first chunk of any kind: the simulator, like vLLM, sends its role chunk with the first engine output, so
 this is the first *token*; TTFT also waits for the tool-call parser to release the function name, a few
-decode steps later); TPOT is each request's mean inter-chunk gap after the first token, p95 over requests.
+decode steps later); TPOT is each request's time per output token after the first (its first chunk to its
+last delta, over completion_tokens − 1; until 2026-12-02 the mean gap between deltas), p95 over requests.
 The model writes tool calls in its own format (``--tool-call-parser``, default the preset's): GLM-5's glm47
 releases the name after it and one tag (~4 tokens here), Qwen3's hermes after ~12 tokens.
 
@@ -86,7 +87,7 @@ class TurnResult:
     session: int
     turn: int
     ttft_s: float  # simulated
-    tpot_s: float | None  # simulated mean inter-chunk gap after the first token
+    tpot_s: float | None  # simulated seconds per output token after the first (first chunk → last delta)
     prompt_tokens: int
     source: str = ""  # x-kvtether-reuse-source: decode_local | decode_pull | none | prefill_cache
     # Simulated seconds since the policy's run started: request sent, first token, last token (diagnostics:
@@ -160,7 +161,7 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
     content: list[str] = []
     reasoning: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
-    prompt_tokens = 0
+    prompt_tokens = completion_tokens = 0
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
@@ -173,6 +174,7 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
                 raise RuntimeError(str(chunk["error"]))
             if chunk.get("usage"):
                 prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+                completion_tokens = chunk["usage"].get("completion_tokens", 0)
             if first_chunk is None and chunk.get("choices"):
                 first_chunk = time.perf_counter()
             for ch in chunk.get("choices") or []:
@@ -201,7 +203,11 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
     end = time.perf_counter()
     first_at = first if first is not None else end
     ttft = (first_at - t0) * speed
-    tpot = (last - first) / chunks * speed if first is not None and last is not None and chunks else None
+    # Per output token from the first token (the role chunk comes with it) to the last delta: decode speed,
+    # whatever the parser's chunking. A mean gap between deltas would not be: a glm47 call streams each
+    # argument value as one delta, so its silent tokens would lengthen the "gap" though no step was slower.
+    tpot = ((last - first_chunk) / (completion_tokens - 1) * speed
+            if first_chunk is not None and last is not None and completion_tokens > 1 and chunks else None)
     ttfc = ((first_chunk if first_chunk is not None else first_at) - t0) * speed
     return Chat(answer, ttft, tpot, prompt_tokens, source, t0, first_at, last if last is not None else first_at, ttfc)
 

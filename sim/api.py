@@ -202,7 +202,8 @@ def _full_body(c: Completion, events: list[Event]) -> Response:
             content += d.content
             reasoning += d.reasoning
     if c.chat:
-        # A tool call cut off by max_tokens comes back as its raw text (vLLM's hermes parser, non-streamed).
+        # A tool call cut off by max_tokens comes back as its raw text (vLLM's hermes and glm47 parsers,
+        # non-streamed).
         content += c.trimmer.push(c.parser.finish().content)
     content += c.trimmer.flush()
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": c.finish_reason(last)}
