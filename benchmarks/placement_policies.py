@@ -157,7 +157,6 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
     first: float | None = None
     first_chunk: float | None = None
     last: float | None = None
-    chunks = 0
     content: list[str] = []
     reasoning: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
@@ -184,7 +183,7 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
                     if first is None:
                         first = now
                     else:
-                        last, chunks = now, chunks + 1
+                        last = now
                 if d.get("content"):
                     content.append(d["content"])
                 if d.get("reasoning_content"):
@@ -207,7 +206,7 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
     # whatever the parser's chunking. A mean gap between deltas would not be: a glm47 call streams each
     # argument value as one delta, so its silent tokens would lengthen the "gap" though no step was slower.
     tpot = ((last - first_chunk) / (completion_tokens - 1) * speed
-            if first_chunk is not None and last is not None and completion_tokens > 1 and chunks else None)
+            if first_chunk is not None and last is not None and completion_tokens > 1 else None)
     ttfc = ((first_chunk if first_chunk is not None else first_at) - t0) * speed
     return Chat(answer, ttft, tpot, prompt_tokens, source, t0, first_at, last if last is not None else first_at, ttfc)
 

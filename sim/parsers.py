@@ -258,18 +258,13 @@ class ChatOutputParser:
             return
         if call.part == "name":
             self._glm_name(d)
-        if not call.name.strip():
+        # The name only grows before the first tag, and _glm_name sent it there if it had any: a call without
+        # an id here has none, and vLLM's parser gives its raw text back.
+        if self._tool_id is None:
             d.content = f"{TOOL_CALL_START}{self._tool_buf}{TOOL_CALL_END}"
             return
-        arguments = call.arguments()
-        if self._tool_id is None:
-            self._tool_id = new_tool_call_id()
-            d.tool_calls.append(ToolCallDelta(self._tool_count, id=self._tool_id, name=call.name.strip(),
-                                              arguments=arguments))
-            self._tool_count += 1
-        else:
-            d.tool_calls.append(ToolCallDelta(self._tool_count - 1, arguments="}" if call.pairs else "{}"))
-        self.tool_calls.append(ToolCall(id=self._tool_id, name=call.name.strip(), arguments=arguments))
+        d.tool_calls.append(ToolCallDelta(self._tool_count - 1, arguments="}" if call.pairs else "{}"))
+        self.tool_calls.append(ToolCall(id=self._tool_id, name=call.name.strip(), arguments=call.arguments()))
 
     def _stream_tool(self, d: Delta) -> None:
         """Emit the current call's name as soon as it is closed, then its arguments as they grow."""
