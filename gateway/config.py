@@ -98,6 +98,11 @@ class GatewayConfig:
     # they may cause), as a token bucket with a burst of share × window (gateway/stallbudget.py).
     decode_stall_share: float = _KNOBS.decode_stall_share
     decode_stall_window_s: float = _KNOBS.decode_stall_window_s
+    # Each request decoding on a decode node may lose at most this share of its expected decode time to
+    # decode-local prefills (gateway/stallquota.py): the TPOT p95 is over requests, so each gets its quota
+    # instead of the node a total. 1 turns it off. 0.15: TPOT p95 within +4.5 to +7.1 % of classic P/D on
+    # three GLM-5 session sets, where 0.2 gave +8 to +13 % (docs/placement.md, session 11).
+    request_stall_share: float = 0.15
     # A P/D turn may decode on a less loaded D than the pinned one (the pin moves): balance across D's.
     rebalance_decode: bool = _KNOBS.rebalance_decode
     # Tail-aware objective: each second of a turn's estimated TTFT above the tail_quantile of recent turns'
@@ -183,6 +188,8 @@ class GatewayConfig:
             raise ConfigError("horizon_turns must be in [0, 3]")
         if not 0.0 <= self.decode_stall_share <= 1.0 or self.decode_stall_window_s <= 0:
             raise ConfigError("decode_stall_share must be in [0, 1] and decode_stall_window_s > 0")
+        if not 0.0 <= self.request_stall_share <= 1.0:
+            raise ConfigError("request_stall_share must be in [0, 1]")
         if not 0.0 <= self.horizon_discount <= 1.0:
             raise ConfigError("horizon_discount must be in [0, 1]")
         if not 0.0 <= self.evict_kv_usage_knee < 1.0:

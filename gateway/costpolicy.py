@@ -42,8 +42,10 @@ Score = TTFT + interference + horizon + balance (the policy minimises the score,
   history.
 
 Hard limits (an option over a limit is infeasible; "soft" ones can still be forced when nothing else is
-possible, e.g. every P is dead): ``max_local_suffix_tokens``; the TPOT budget (running requests' mean
-inter-token time over their next ``tpot_window_tokens`` tokens, local prefill stall included); pull needs a
+possible, e.g. every P is dead): ``max_local_suffix_tokens``; the TPOT quotas (every request decoding on D
+must be able to absorb the stall within its share of its decode time, stallquota.py) and the node's stall
+budget if one is kept; the TPOT budget (running requests' mean inter-token time over their next
+``tpot_window_tokens`` tokens, local prefill stall included); pull needs a
 valid handle on a live pinned D, reuse ≥ vLLM's ``kv_recompute_threshold``, a bidirectional P, and enough
 handle lifetime left to outlast P's queue.
 
@@ -153,6 +155,11 @@ class TurnFacts:
     # A decode-local turn comes back with a handle of its whole sequence (the shell marks it for retention
     # and the pinned D keeps such turns): the next turn may pull all of it, as after a P/D turn.
     local_keeps_handle: bool = False
+    # Per-request TPOT quotas on the pinned D (stallquota.py): the least stall seconds a request decoding
+    # there may still absorb, and that request's whole quota (the budget's size, for its shadow price);
+    # inf: nobody decoding there, or no quotas kept.
+    request_stall_credit_s: float = math.inf
+    request_stall_quota_s: float = math.inf
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
@@ -169,24 +176,29 @@ class TurnFacts:
             raise ValueError("decode_elsewhere and prefill_cached tokens must be >= 0")
         if math.isnan(self.ttft_tail_s):
             raise ValueError("ttft_tail_s must be a number")
+        if math.isnan(self.request_stall_credit_s) or not self.request_stall_quota_s >= 0:
+            raise ValueError("request_stall_credit_s must be a number and request_stall_quota_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyKnobs:
     mode: PolicyMode = "auto"
     # Decode-local never runs a suffix longer than this (Dynamo's conditional disaggregation has the same
-    # knob). 2048 ≈ one chunked-prefill step on vLLM: beyond it the running batch stalls for several steps.
-    max_local_suffix_tokens: int = 2048
+    # knob). 8192 = one chunked-prefill step at vLLM's default token budget on large GPUs; whether a long
+    # suffix may stall a busy D that long is the TPOT quotas' call (the shell's request_stall_share). 2048
+    # until session 11: every 2–8k tool result then went through P, and those made the TTFT p95.
+    max_local_suffix_tokens: int = 8192
     # Running requests on D must keep a mean inter-token time under this over their next window of tokens,
     # local prefill stall included; a typical interactive TPOT objective.
     tpot_budget_s: float = 0.100
     tpot_window_tokens: int = 16
     # Seconds of this turn's TTFT that one second of delay on *each* running request of D is worth. 1 would
     # count a token's delay like a first token's; lower, because users notice a mid-stream hiccup less.
-    # Since the stall budget below bounds what local prefills may cost the batch in total (and is learned
-    # from the stall itself, docs/placement.md "session 4"), this weight only orders turns within it: 0.5
-    # left a 7 % budget a third unused on GLM-5 (TPOT p95 +0.3 % over classic P/D, first token 0.18 s late
-    # p50), 0.2 spends it (+4.3 %, 0.15 s; same run).
+    # Since the TPOT quotas (or the stall budget below) bound what local prefills may cost the batch (the stall
+    # is learned from the stall itself, docs/placement.md "session 4"), this weight only orders turns within
+    # them: 0.5 left a 7 % budget a third unused on GLM-5 (TPOT p95 +0.3 % over classic P/D, first token
+    # 0.18 s late p50), 0.2 spends it (+4.3 %, 0.15 s; same run); with quotas of 0.2 (session 11) 0.5 ran
+    # 80 late turns locally instead of ~100 and 1 ran 44.
     interference_weight: float = 0.2
     # The share of D's time local prefills may stall its running batch, i.e. about how much they may raise
     # the running requests' TPOT, kept as a token bucket with a burst of share × window (stallbudget.py).
@@ -196,8 +208,10 @@ class PolicyKnobs:
     # near the share, so a request decoding that long sees at most ~2 × share. Below the full burst the
     # policy prices the stall at burst/credit − 1 TTFT-seconds per stall-second (the budget's shadow price):
     # when it runs short, the turns with the most to gain per stall-second (long histories whose pull is
-    # dear) keep running locally and the marginal ones go to P. share = 1 turns the budget off.
-    decode_stall_share: float = 0.07
+    # dear) keep running locally and the marginal ones go to P. share = 1 turns the budget off: the default
+    # since session 11, where per-request TPOT quotas (stallquota.py) took its place, as they bound what a
+    # TPOT p95 sees (each request's share) rather than the node's total (0.07 until then).
+    decode_stall_share: float = 1.0
     decode_stall_window_s: float = 4.0
     # Look-ahead: turns considered after this one, and the weight of each (the session may end, loads change).
     horizon_turns: int = 1
@@ -431,7 +445,9 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster, now: bool = True) -
     marginal = c.est.prefill_s(d.url, n, cached)
     stall = max(0.0, marginal - steps * c.est.tpot_s(d.url, d.running)) if d.running > 0 else 0.0
     credit = turn.decode_stall_credit_s
-    interference = (c.knobs.interference_weight * d.running + _stall_price(credit, c.knobs)) * stall if stall else 0.0
+    price = max(_stall_price(credit, c.knobs.stall_burst_s), _stall_price(turn.request_stall_credit_s,
+                                                                        turn.request_stall_quota_s))
+    interference = (c.knobs.interference_weight * d.running + price) * stall if stall else 0.0
     held = min(max(0.0, d.holding_back), d.running)
     interference += max(0.0, c.knobs.holdback_weight - c.knobs.interference_weight) * held * stall
     priced = now and c.knobs.arrival_weight > 0.0  # off: not computed, so no reason names it
@@ -447,6 +463,11 @@ def _local(turn: TurnFacts, pinned: str | None, c: _Cluster, now: bool = True) -
     if stall > 0.0 and credit < min(stall, c.knobs.stall_burst_s):
         why = (f"stall budget: D's batch would lose {stall:.3f}s, {max(0.0, credit):.3f}s left "
                f"({c.knobs.decode_stall_share:.1%} of D's time)")
+        return replace(base, feasible=False, soft=True, why_not=why)
+    # Per-request quotas: no request decoding on D may lose more than its share of its own decode time.
+    if stall > 0.0 and turn.request_stall_credit_s < stall:
+        why = (f"TPOT quota: a request decoding on D may absorb {max(0.0, turn.request_stall_credit_s):.3f}s more "
+               f"stall (of {turn.request_stall_quota_s:.3f}s), this one is {stall:.3f}s")
         return replace(base, feasible=False, soft=True, why_not=why)
     if d.running > 0:
         tpot = c.est.tpot_s(d.url, d.running) + stall / c.knobs.tpot_window_tokens
@@ -472,12 +493,12 @@ def blocked_s(arrivals: Iterable[tuple[float, float]], start_s: float, end_s: fl
     return total
 
 
-def _stall_price(credit_s: float, knobs: PolicyKnobs) -> float:
+def _stall_price(credit_s: float, burst: float) -> float:
     """TTFT-seconds one second of D's stall costs on top of the interference weight: 0 while the stall budget
-    is full (or not kept), rising as it drains (burst/credit − 1: 1 at half, 3 at a quarter; at most 99, so
-    a forced local turn on an overdrawn budget still has a finite score)."""
-    burst = knobs.stall_burst_s
-    if math.isinf(credit_s) or credit_s >= burst:
+    (a node's share, or the tightest request's quota) is full or not kept, rising as it drains (burst/credit −
+    1: 1 at half, 3 at a quarter; at most 99, so a forced local turn on an overdrawn budget still has a finite
+    score)."""
+    if math.isinf(credit_s) or credit_s >= burst or burst <= 0.0:
         return 0.0
     return burst / max(credit_s, 0.01 * burst) - 1.0
 
@@ -629,6 +650,10 @@ def _after(turn: TurnFacts, o: OptionEstimate, pinned: str | None,
         decode_stall_credit_s=turn.decode_stall_credit_s,
         decode_elsewhere=elsewhere,
         ttft_tail_s=turn.ttft_tail_s,
+        # The same loads: the next turn finds D's decoding requests as this one does (those running now are
+        # done by then, an answer later; others have taken their place).
+        request_stall_credit_s=turn.request_stall_credit_s,
+        request_stall_quota_s=turn.request_stall_quota_s,
     )
     if o.option != "decode_local":
         return [(1.0, nxt, o.decode_url)]
@@ -822,6 +847,8 @@ def _reason(mode: PolicyMode, pick: OptionEstimate, opts: Sequence[OptionEstimat
                      + (f", D still holds {kept} tok of the history" if kept else ""))
     if not math.isinf(turn.decode_stall_credit_s):
         facts.append(f"D stall budget {turn.decode_stall_credit_s:.3f}s of {c.knobs.stall_burst_s:.3f}s")
+    if not math.isinf(turn.request_stall_credit_s):
+        facts.append(f"D's tightest TPOT quota {turn.request_stall_credit_s:.3f}s of {turn.request_stall_quota_s:.3f}s")
     # The P this turn uses, or (decode_local) the one the best P/D option would have used: its queue is
     # often why the turn stayed on D.
     p_url = pick.prefill_url or next((o.prefill_url for o in feasible if o.prefill_url), None)

@@ -8,6 +8,7 @@ and keeps internal fields away from the client.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ import anyio
 import httpx
 from kvtether.gateway import body as B
 from kvtether.gateway import prefillcache as PC
+from kvtether.gateway import stallquota as SQ
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.cluster import Cluster, host_of
 from kvtether.gateway.config import GatewayConfig
@@ -102,6 +104,10 @@ class TurnContext:
     # final_leg_at - t0 - upstream_s is the gateway's own share of the TTFT; and the x-kvtether-* headers.
     upstream_s: float = 0.0
     response_headers: dict[str, str] = field(default_factory=dict)
+    # The answer's expected length (the session's mean, capped by max_tokens): sizes its TPOT quota.
+    expected_output_tokens: int = 256
+    # (decode node, key) of the final leg's entry in the per-request stall quotas while D decodes it.
+    exposure: tuple[str, int] | None = None
 
     @property
     def model(self) -> str:
@@ -166,6 +172,10 @@ class Orchestrator:
         self.knobs = _knobs(config)
         # Per decode node: how much more its running batch may be stalled by decode-local prefills.
         self.stall_budgets: dict[str, StallBudget] = {}
+        # Per decode node: the requests this gateway has decoding there, each with its TPOT quota of stall
+        # (stallquota.py; only with request_stall_share < 1 under auto).
+        self.exposures: dict[str, dict[int, SQ.Exposure]] = {}
+        self._exposure_keys = itertools.count()
         # Per decode node: when its streamed chunks arrived (one burst per engine step).
         self.chunk_times = ChunkTimes()
         # Where recent turns' estimated TTFT tail starts (the tail-aware objective's threshold).
@@ -335,18 +345,19 @@ class Orchestrator:
         facts: dict[str, Any] = {"decode_cached_tokens": ctx.decode_cached}
         if taken is not None:
             facts["handle_age_s"] = max(0.0, self.clock() - taken.handle_at)
+        max_tokens = ctx.body.get("max_completion_tokens") or ctx.body.get("max_tokens")
+        if state is not None and state.avg_output_tokens is not None:
+            out = round(state.avg_output_tokens)
+            facts["expected_output_tokens"] = min(out, max_tokens) if isinstance(max_tokens, int) else out
+        elif isinstance(max_tokens, int) and max_tokens > 0:
+            facts["expected_output_tokens"] = max_tokens
+        ctx.expected_output_tokens = facts.get("expected_output_tokens", ctx.expected_output_tokens)
         if state is None:
             return facts
         facts["last_prefill"] = state.last_prefill
         facts["local_keeps_handle"] = self._local_handle_due(ctx, state.decode)
         if prompt_ids is not None and state.last_tokens is not None:
             facts["suffix_tokens"] = max(0, len(prompt_ids) - state.last_tokens)
-        max_tokens = ctx.body.get("max_completion_tokens") or ctx.body.get("max_tokens")
-        if state.avg_output_tokens is not None:
-            out = round(state.avg_output_tokens)
-            facts["expected_output_tokens"] = min(out, max_tokens) if isinstance(max_tokens, int) else out
-        elif isinstance(max_tokens, int) and max_tokens > 0:
-            facts["expected_output_tokens"] = max_tokens
         if state.avg_suffix_tokens is not None:
             facts["next_suffix_tokens"] = round(state.avg_suffix_tokens)
         facts["decode_elsewhere"] = _elsewhere(state.elsewhere, ctx.decode_cached)
@@ -482,11 +493,36 @@ class Orchestrator:
             self.stall_budgets[node] = budget
         return budget
 
+    def _enter_decoding(self, ctx: TurnContext, node: str) -> None:
+        """D has begun decoding this turn's answer: it gets its TPOT quota of stall (stallquota.py)."""
+        share = self.config.request_stall_share
+        if share >= 1.0 or self.config.policy != "auto":
+            return
+        self._leave_decoding(ctx)  # a leg retried after a failure: one entry per turn, on the node it runs on
+        n = self.cluster.nodes.get(node)
+        running = max(n.running, float(n.inflight)) if n is not None else 1.0
+        step = self.estimator.snapshot(self.clock()).tpot_s(node, max(1.0, running))
+        key = next(self._exposure_keys)
+        self.exposures.setdefault(node, {})[key] = SQ.Exposure(SQ.quota_s(share, ctx.expected_output_tokens, step))
+        ctx.exposure = (node, key)
+
+    def _leave_decoding(self, ctx: TurnContext) -> None:
+        if ctx.exposure is not None:
+            node, key = ctx.exposure
+            ctx.exposure = None
+            mine = self.exposures.get(node)
+            if mine is not None:
+                mine.pop(key, None)
+                if not mine:
+                    del self.exposures[node]
+
     def _plan(self, ctx: TurnContext, turn: Turn) -> Plan:
         now = self.clock()
         credit = self._stall_budget(turn.pinned_decode, now).credit(now) if turn.pinned_decode else math.inf
+        quotas = SQ.credit(self.exposures.get(turn.pinned_decode or "", {}).values())
         turn = replace(turn, exclude=frozenset(ctx.exclude), decode_stall_credit_s=credit,
-                       ttft_tail_s=self.tail.threshold())
+                       ttft_tail_s=self.tail.threshold(), request_stall_credit_s=quotas.credit_s,
+                       request_stall_quota_s=quotas.quota_s)
         with self.tracer.start_as_current_span(T.SPAN_PLAN, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
             view = self.cluster.view(now)
             ctx.plan_view = view
@@ -500,6 +536,8 @@ class Orchestrator:
                 # on the same D cannot both take the last of its budget.
                 stall = next((o.stall_s for o in p.decision.options if o.option == "decode_local"), 0.0)
                 self.stall_budgets[p.decode] = self._stall_budget(p.decode, now).spend(stall, now)
+                if p.decode in self.exposures:
+                    self.exposures[p.decode] = SQ.absorb(self.exposures[p.decode], stall)
                 self.metrics.decode_stall.labels(p.decode).inc(stall)
             if p.decision is not None:
                 T.set_attrs(span, T.cost_attributes(p.decision.trace_attributes()))
@@ -655,6 +693,7 @@ class Orchestrator:
             if not ctx.stream:
                 # A non-streamed answer is the first thing its client sees: every stall on D delays it.
                 self.cluster.hold_back(node, 1)
+                self._enter_decoding(ctx, node)
                 try:
                     resp = await self.client.post(url, json=payload, headers=headers)
                 except httpx.HTTPError as exc:
@@ -686,6 +725,7 @@ class Orchestrator:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
             span.end()
             self.cluster.end(node)
+            self._leave_decoding(ctx)
             if sresp is not None and not isinstance(exc, UpstreamFailure):
                 with anyio.CancelScope(shield=True):
                     await sresp.aclose()
@@ -766,6 +806,7 @@ class Orchestrator:
             return None
         if result.first_chunk is None and chunk.get("choices"):
             result.first_chunk = time.perf_counter() - ctx.t0
+            self._enter_decoding(ctx, node)
             if not B.has_first_token(chunk):
                 # D produced the first token but the client sees nothing yet (a tool-call parser holds the
                 # name back): a local prefill's stall now delays this turn's TTFT itself.
@@ -834,6 +875,7 @@ class Orchestrator:
             log.exception("failed to record the end of a turn")
         finally:
             self.cluster.end(the_plan.decode)
+            self._leave_decoding(ctx)
             span.end()
 
     async def _remember(self, ctx: TurnContext, the_plan: Plan, result: LegResult) -> None:

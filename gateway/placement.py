@@ -87,6 +87,9 @@ class Turn:
     prefill_cached: tuple[tuple[str, int], ...] = ()  # (P url, tokens of the prompt its prefix cache holds)
     ttft_tail_s: float = math.inf  # where recent turns' estimated TTFT tail starts (tail.py); inf: unknown
     local_keeps_handle: bool = False  # a decode-local turn would return a handle (marked, D keeps them)
+    # The pinned D's per-request TPOT quotas (stallquota.py): least headroom and that request's quota.
+    request_stall_credit_s: float = math.inf
+    request_stall_quota_s: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +248,8 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
         prefill_cached=tuple((u, max(0, n)) for u, n in turn.prefill_cached),
         ttft_tail_s=turn.ttft_tail_s,
         local_keeps_handle=turn.local_keeps_handle,
+        request_stall_credit_s=turn.request_stall_credit_s,
+        request_stall_quota_s=turn.request_stall_quota_s,
     )
     if not turn.allow_local:
         # A decode-local leg just failed: an over-limit local turn stays possible only as the last resort.

@@ -28,6 +28,12 @@ D0, D1 = "http://d0", "http://d1"
 P0, P1 = "http://p0", "http://p1"
 SEEDS = EstimatorSeeds()
 SNAP = EstimatorSnapshot(SEEDS)
+# Most situations here exercise the P/D options with a long suffix, several on an idle D where the default local
+# limit (8192 since session 11, the TPOT quotas deciding whether a long suffix may run on a busy D) would run
+# it locally: they keep the earlier 2048-token limit. The local limit and the quotas have cases of their own.
+def knobs(**kw: Any) -> PolicyKnobs:
+    return PolicyKnobs(**{"max_local_suffix_tokens": 2048, **kw})
+
 # A large MoE decode node (GLM-5-FP8 on 8 x H200, the simulator's cost model): a prefill step reads nearly
 # every expert (~70 ms even for a short suffix) while a decode step of a small batch reads few (~7 ms + 2 ms
 # per sequence); a pull reads ~6 us of KV per history token.
@@ -63,7 +69,7 @@ class Case:
     words: tuple[str, ...] = ()  # must all appear in the reason
     prefills: tuple[NodeState, ...] = (p(P0), p(P1))
     decodes: tuple[NodeState, ...] = (d(D0), d(D1))
-    knobs: PolicyKnobs = field(default_factory=PolicyKnobs)
+    knobs: PolicyKnobs = field(default_factory=knobs)
     pinned: str | None = D0
     decode_url: str = D0
     reuse: int | None = None  # expected reuse_tokens of the decision, when it matters
@@ -72,7 +78,7 @@ class Case:
 
 
 # The cases about a turn on its pinned D (local or not) keep the other D out of it; rebalancing has its own.
-STAY = PolicyKnobs(rebalance_decode=False)
+STAY = knobs(rebalance_decode=False)
 
 CASES = {
     "idle-decode-short-suffix": Case(history_turn(8000, 200), "decode_local", ("suffix 200 tok", "pull", "cold")),
@@ -83,7 +89,7 @@ CASES = {
         knobs=STAY),
     "busy-decode-tight-tpot-budget": Case(
         history_turn(12000, 600), "pull", ("TPOT",), decodes=(d(D0, running=48), d(D1)),
-        knobs=PolicyKnobs(tpot_budget_s=0.022, interference_weight=0.0, rebalance_decode=False)),
+        knobs=knobs(tpot_budget_s=0.022, interference_weight=0.0, rebalance_decode=False)),
     "first-turn-no-handle-no-cache": Case(
         TurnFacts(3000, 3000), "cold", ("no valid handle", "no pinned decode node"), pinned=None, decode_url=D0),
     "no-handle-short-cached-suffix": Case(
@@ -129,7 +135,7 @@ CASES = {
     "moe-one-running-short-suffix-tpot-weighted": Case(
         history_turn(16000, 300, expected_output_tokens=32), "pull", ("decode_local interference", "D 1 running"),
         decodes=(d(D0, running=1), d(D1)), est=MOE, reuse=15700,
-        knobs=PolicyKnobs(interference_weight=2.0, rebalance_decode=False)),
+        knobs=knobs(interference_weight=2.0, rebalance_decode=False)),
     # Rebalancing (auto): a P/D turn decodes on a lighter D when the balance pays for moving the whole
     # prompt's KV there; the pull still reads the history from the pinned D.
     "rebalance-pull-onto-the-idle-decode": Case(
@@ -163,18 +169,18 @@ CASES = {
         TurnFacts(9000, 3000, decode_cached_tokens=6000), "cold", ("moves the pin",),
         decodes=(d(D0, running=8, waiting=2), d(D1)), decode_url=D1),
     "pull-policy-never-rebalances": Case(
-        history_turn(8000, 3000), "pull", ("pull -> pull",), knobs=PolicyKnobs(mode="pull"),
+        history_turn(8000, 3000), "pull", ("pull -> pull",), knobs=knobs(mode="pull"),
         decodes=(d(D0, running=32, waiting=4), d(D1)), reuse=5000),
     "pull-policy-short-suffix": Case(
-        history_turn(8000, 200), "pull", ("pull -> pull",), knobs=PolicyKnobs(mode="pull"), reuse=7800),
+        history_turn(8000, 200), "pull", ("pull -> pull",), knobs=knobs(mode="pull"), reuse=7800),
     "pull-policy-without-handle": Case(
-        TurnFacts(8000, 200, decode_cached_tokens=7800), "cold", (), knobs=PolicyKnobs(mode="pull")),
-    "no-pull-policy": Case(history_turn(8000, 200), "cold", ("no-pull -> cold",), knobs=PolicyKnobs(mode="no-pull")),
+        TurnFacts(8000, 200, decode_cached_tokens=7800), "cold", (), knobs=knobs(mode="pull")),
+    "no-pull-policy": Case(history_turn(8000, 200), "cold", ("no-pull -> cold",), knobs=knobs(mode="no-pull")),
     "reference-policy-attaches-handle": Case(
-        history_turn(8000, 200), "pull", ("reference", "round-robin"), knobs=PolicyKnobs(mode="reference"),
+        history_turn(8000, 200), "pull", ("reference", "round-robin"), knobs=knobs(mode="reference"),
         reuse=7800),
     "reference-policy-no-handle": Case(
-        TurnFacts(8000, 200), "cold", ("round-robin, no usable handle",), knobs=PolicyKnobs(mode="reference")),
+        TurnFacts(8000, 200), "cold", ("round-robin, no usable handle",), knobs=knobs(mode="reference")),
 }
 
 
@@ -209,15 +215,15 @@ def test_horizon_changes_a_borderline_decision() -> None:
     # cold. Looking one turn ahead pulls now, which leaves a fresh handle.
     turn = history_turn(20000, 700, next_suffix_tokens=3000, handle_age_s=444.0)
     decodes = (d(D0), d(D1))
-    greedy = choose(turn, D0, (p(P0),), decodes, SNAP, PolicyKnobs(horizon_turns=0))
-    ahead = choose(turn, D0, (p(P0),), decodes, SNAP, PolicyKnobs(horizon_turns=1))
+    greedy = choose(turn, D0, (p(P0),), decodes, SNAP, knobs(horizon_turns=0))
+    ahead = choose(turn, D0, (p(P0),), decodes, SNAP, knobs(horizon_turns=1))
     assert greedy.option == "decode_local", greedy.reason
     assert ahead.option == "pull", ahead.reason
     assert ahead.greedy_option == "decode_local"
     assert "horizon: pull over greedy decode_local" in ahead.reason
     assert "next turn" in ahead.reason
     # A session whose next suffix is small again does not need the handle: local stays.
-    calm = choose(replace(turn, next_suffix_tokens=200), D0, (p(P0),), decodes, SNAP, PolicyKnobs())
+    calm = choose(replace(turn, next_suffix_tokens=200), D0, (p(P0),), decodes, SNAP, knobs())
     assert calm.option == "decode_local", calm.reason
 
 
@@ -228,17 +234,17 @@ def test_tail_weight_keeps_a_tail_turn_off_a_slower_move() -> None:
     changes."""
     turn = history_turn(30000, 3000, expected_output_tokens=128)
     decodes = (d(D0, running=3), d(D1, running=2))
-    moved = choose(turn, D0, (p(P0),), decodes, MOE, PolicyKnobs(tail_weight=4.0))
+    moved = choose(turn, D0, (p(P0),), decodes, MOE, knobs(tail_weight=4.0))
     assert moved.decode_url == D1, moved.reason  # no threshold known yet: the plain score
     stay_ttft = choose(turn, D0, (p(P0),), decodes, MOE, STAY).estimates_s["pull"]
     assert moved.estimates_s["pull"] > stay_ttft  # the move is slower to its first token
     tail = replace(turn, ttft_tail_s=stay_ttft - 0.05)
-    kept = choose(tail, D0, (p(P0),), decodes, MOE, PolicyKnobs(tail_weight=4.0))
+    kept = choose(tail, D0, (p(P0),), decodes, MOE, knobs(tail_weight=4.0))
     assert kept.option == "pull" and kept.decode_url == D0, kept.reason
     assert "tail" in kept.reason and "moves the pin" not in kept.reason
-    off = choose(tail, D0, (p(P0),), decodes, MOE, PolicyKnobs(tail_weight=0.0))
+    off = choose(tail, D0, (p(P0),), decodes, MOE, knobs(tail_weight=0.0))
     assert off.decode_url == D1, off.reason
-    below = choose(replace(turn, ttft_tail_s=10.0), D0, (p(P0),), decodes, MOE, PolicyKnobs(tail_weight=4.0))
+    below = choose(replace(turn, ttft_tail_s=10.0), D0, (p(P0),), decodes, MOE, knobs(tail_weight=4.0))
     assert below.decode_url == D1 and below.scores_s == moved.scores_s
 
 
@@ -247,7 +253,7 @@ def test_look_ahead_remembers_the_decode_a_move_leaves() -> None:
     from kvtether.gateway import costpolicy as C
 
     turn = history_turn(12000, 1000, decode_elsewhere=((D1, 4000),))
-    c = C._Cluster((p(P0),), (d(D0), d(D1)), MOE, PolicyKnobs())
+    c = C._Cluster((p(P0),), (d(D0), d(D1)), MOE, knobs())
     moved = C.OptionEstimate("pull", True, "", False, 0.3, 0.0, 0.0, P0, D1, 11000, 1000, 1000)
     [(prob, nxt, pin)] = C._after(turn, moved, D0, c)
     assert prob == 1.0 and pin == D1 and nxt.decode_elsewhere == ((D0, 10992),)  # whole blocks
@@ -262,13 +268,13 @@ def test_local_turn_keeps_the_unused_handle_for_the_next_turn() -> None:
     # prefix (P computes this turn's suffix and answer too). With a young handle, a large next suffix is
     # no reason to avoid running this turn locally; without any handle it is (the next turn goes cold).
     turn = history_turn(20000, 700, next_suffix_tokens=3000)
-    with_handle = choose(turn, D0, (p(P0),), (d(D0), d(D1)), SNAP)
+    with_handle = choose(turn, D0, (p(P0),), (d(D0), d(D1)), SNAP, knobs())
     assert with_handle.option == "decode_local", with_handle.reason
     local = next(o for o in with_handle.options if o.option == "decode_local")
     pull = next(o for o in with_handle.options if o.option == "pull")
     # The next turn pulls (a bit more to compute on P than after a pull, far from a cold recompute).
     assert pull.horizon_s < local.horizon_s < 1.5 * pull.horizon_s, with_handle.reason
-    no_handle = choose(replace(turn, handle_valid=False, reuse_tokens=0), D0, (p(P0),), (d(D0), d(D1)), SNAP)
+    no_handle = choose(replace(turn, handle_valid=False, reuse_tokens=0), D0, (p(P0),), (d(D0), d(D1)), SNAP, knobs())
     stuck = next(o for o in no_handle.options if o.option == "decode_local")
     assert stuck.horizon_s > 3 * local.horizon_s, no_handle.reason
 
@@ -280,17 +286,17 @@ def test_a_local_turn_that_keeps_a_handle_leaves_the_next_turn_a_whole_history_p
     and the eviction risk of a full D no longer weighs on it (the handle's blocks are pinned)."""
     turn = history_turn(20000, 700, next_suffix_tokens=3000, handle_age_s=444.0)
     decodes = (d(D0), d(D1))
-    unmarked = choose(turn, D0, (p(P0),), decodes, SNAP)
+    unmarked = choose(turn, D0, (p(P0),), decodes, SNAP, knobs())
     assert unmarked.option == "pull", unmarked.reason
-    marked = choose(replace(turn, local_keeps_handle=True), D0, (p(P0),), decodes, SNAP)
+    marked = choose(replace(turn, local_keeps_handle=True), D0, (p(P0),), decodes, SNAP, knobs())
     assert marked.option == "decode_local", marked.reason
     local = next(o for o in marked.options if o.option == "decode_local")
     pull = next(o for o in marked.options if o.option == "pull")
     # The same next turn either way (a fresh whole-history handle), so the same look-ahead cost.
     assert local.horizon_s == pytest.approx(pull.horizon_s), marked.reason
     short = history_turn(20000, 400, local_keeps_handle=True)
-    empty = choose(short, D0, (p(P0),), (d(D0, kv_usage=0.2),), SNAP)
-    full = choose(short, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP)
+    empty = choose(short, D0, (p(P0),), (d(D0, kv_usage=0.2),), SNAP, knobs())
+    full = choose(short, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP, knobs())
     assert next(o for o in full.options if o.option == "decode_local").horizon_s == pytest.approx(
         next(o for o in empty.options if o.option == "decode_local").horizon_s)
 
@@ -299,8 +305,8 @@ def test_horizon_accounts_for_eviction_risk_on_full_decode() -> None:
     # Same short turn; on a D whose KV is nearly full, the history a local turn leaves in the prefix cache
     # is likely gone by the next turn, so the look-ahead costs a local turn more than on an empty D.
     turn = history_turn(20000, 400)
-    empty = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.2),), SNAP)
-    full = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP)
+    empty = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.2),), SNAP, knobs())
+    full = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP, knobs())
     assert full.scores_s["decode_local"] > empty.scores_s["decode_local"]
     assert full.scores_s["pull"] == pytest.approx(empty.scores_s["pull"])
 
@@ -308,42 +314,42 @@ def test_horizon_accounts_for_eviction_risk_on_full_decode() -> None:
 def test_deeper_horizon_is_bounded_and_consistent() -> None:
     turn = history_turn(20000, 700, next_suffix_tokens=3000)
     for h in range(4):
-        dec = choose(turn, D0, (p(P0),), (d(D0, running=4),), SNAP, PolicyKnobs(horizon_turns=h))
+        dec = choose(turn, D0, (p(P0),), (d(D0, running=4),), SNAP, knobs(horizon_turns=h))
         assert dec.option in ("decode_local", "pull")
         assert all(math.isfinite(v) for v in dec.scores_s.values())
     with pytest.raises(ValueError):
-        PolicyKnobs(horizon_turns=4)
+        knobs(horizon_turns=4)
 
 
 def test_no_healthy_decode_raises() -> None:
     with pytest.raises(NoFeasibleOption):
-        choose(history_turn(8000, 200), D0, (p(P0),), (d(D0, healthy=False),), SNAP)
+        choose(history_turn(8000, 200), D0, (p(P0),), (d(D0, healthy=False),), SNAP, knobs())
 
 
 def test_no_prefill_and_dead_pinned_decode_raises() -> None:
     with pytest.raises(NoFeasibleOption):
-        choose(history_turn(8000, 200), D0, (p(P0, healthy=False),), (d(D0, healthy=False), d(D1)), SNAP)
+        choose(history_turn(8000, 200), D0, (p(P0, healthy=False),), (d(D0, healthy=False), d(D1)), SNAP, knobs())
 
 
 def test_exclude_treats_a_failed_node_as_dead() -> None:
-    dec = choose(history_turn(8000, 200), D0, (p(P0), p(P1)), (d(D0), d(D1)), SNAP, exclude=frozenset({D0}))
+    dec = choose(history_turn(8000, 200), D0, (p(P0), p(P1)), (d(D0), d(D1)), SNAP, knobs(), exclude=frozenset({D0}))
     assert dec.option == "cold" and dec.decode_url == D1
-    dec = choose(history_turn(12000, 6000), D0, (p(P0), p(P1)), (d(D0),), SNAP, exclude=frozenset({P0}))
+    dec = choose(history_turn(12000, 6000), D0, (p(P0), p(P1)), (d(D0),), SNAP, knobs(), exclude=frozenset({P0}))
     assert dec.prefill_url == P1
 
 
 def test_reference_policy_round_robins() -> None:
-    knobs = PolicyKnobs(mode="reference")
+    ref = knobs(mode="reference")
     picks = {
         (dec.prefill_url, dec.decode_url)
         for rr in range(4)
-        for dec in [choose(TurnFacts(500, 500), None, (p(P0), p(P1)), (d(D0), d(D1)), SNAP, knobs, round_robin=rr)]
+        for dec in [choose(TurnFacts(500, 500), None, (p(P0), p(P1)), (d(D0), d(D1)), SNAP, ref, round_robin=rr)]
     }
     assert picks == {(P0, D0), (P1, D1)}
 
 
 def test_trace_attributes_are_flat_primitives() -> None:
-    dec = choose(history_turn(12000, 6000), D0, (p(P0),), (d(D0),), SNAP)
+    dec = choose(history_turn(12000, 6000), D0, (p(P0),), (d(D0),), SNAP, knobs())
     attrs = dec.trace_attributes()
     assert attrs["option"] == "pull" and attrs["policy"] == "auto"
     assert "ttft_est_s.pull" in attrs and "rejected.decode_local" in attrs
@@ -351,7 +357,7 @@ def test_trace_attributes_are_flat_primitives() -> None:
 
 
 def test_decision_is_deterministic_and_pure() -> None:
-    args = (history_turn(9000, 900), D0, (p(P0), p(P1)), (d(D0, running=6), d(D1)), SNAP, PolicyKnobs())
+    args = (history_turn(9000, 900), D0, (p(P0), p(P1)), (d(D0, running=6), d(D1)), SNAP, knobs())
     first: CostDecision = choose(*args)
     assert all(choose(*args) == first for _ in range(3))
 
@@ -383,8 +389,8 @@ def test_learned_slow_decode_prefill_moves_short_suffix_to_pull() -> None:
         est.observe_prefill(D0, tokens, ctx, 8 * secs, now=float(i))
         est.observe_prefill(P0, tokens, ctx, secs, now=float(i))  # P is as fast as the seed says
     turn, ps, ds = history_turn(8000, 600), (p(P0),), (d(D0),)
-    assert choose(turn, D0, ps, ds, SNAP).option == "decode_local"
-    assert choose(turn, D0, ps, ds, est.snapshot(30.0)).option == "pull"
+    assert choose(turn, D0, ps, ds, SNAP, knobs()).option == "decode_local"
+    assert choose(turn, D0, ps, ds, est.snapshot(30.0), knobs()).option == "pull"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -587,7 +593,7 @@ def test_look_ahead_counts_the_prefill_copy_a_pd_turn_leaves() -> None:
     from kvtether.gateway import costpolicy as C
 
     turn = history_turn(12000, 1000, prefill_cached=((P0, 8000),))
-    c = C._Cluster((p(P0, prefix_caching=True), p(P1, prefix_caching=True)), (d(D0),), MOE, PolicyKnobs())
+    c = C._Cluster((p(P0, prefix_caching=True), p(P1, prefix_caching=True)), (d(D0),), MOE, knobs())
     on_p1 = C.OptionEstimate("pull", True, "", False, 0.3, 0.0, 0.0, P1, D0, 11000, 1000, 1000)
     [(_, nxt, _)] = C._after(turn, on_p1, D0, c)
     assert nxt.prefill_cached == ((P0, 8000), (P1, 12000))
@@ -595,7 +601,7 @@ def test_look_ahead_counts_the_prefill_copy_a_pd_turn_leaves() -> None:
     for _, nxt, _ in C._after(turn, local, D0, c):
         assert nxt.prefill_cached == ((P0, 8000),)
     # A P without prefix caching keeps nothing of the turn.
-    c = C._Cluster((p(P0, prefix_caching=True), p(P1)), (d(D0),), MOE, PolicyKnobs())
+    c = C._Cluster((p(P0, prefix_caching=True), p(P1)), (d(D0),), MOE, knobs())
     [(_, nxt, _)] = C._after(turn, on_p1, D0, c)
     assert nxt.prefill_cached == ((P0, 8000),)
 
@@ -620,10 +626,10 @@ def test_a_local_turn_pays_for_the_pd_turns_it_would_hold_up_on_d() -> None:
     grows by that delay (another session's first token), and enough arrivals inside the step send the turn to
     P instead."""
     turn = history_turn(20000, 300)
-    free = choose(turn, D0, (p(P0),), (d(D0, running=2),), MOE, PolicyKnobs(arrival_weight=1.0))
+    free = choose(turn, D0, (p(P0),), (d(D0, running=2),), MOE, knobs(arrival_weight=1.0))
     assert free.option == "decode_local", free.reason
     local_free = next(o for o in free.options if o.option == "decode_local")
-    on = PolicyKnobs(arrival_weight=1.0)
+    on = knobs(arrival_weight=1.0)
     one = choose(turn, D0, (p(P0),), (d(D0, running=2, arriving=1, arrivals=((0.02, 0.3),)),), MOE, on)
     local_one = next(o for o in one.options if o.option == "decode_local")
     assert local_one.blocks_s > 0.03, one.reason
@@ -643,7 +649,7 @@ def test_a_local_turn_pays_for_the_pd_turns_it_would_hold_up_on_d() -> None:
 
 def test_a_pd_decision_says_when_it_reaches_its_decode_node() -> None:
     turn = history_turn(20000, 3000)
-    dec = choose(turn, D0, (p(P0),), (d(D0),), MOE)
+    dec = choose(turn, D0, (p(P0),), (d(D0),), MOE, knobs())
     assert dec.option == "pull", dec.reason
     pick = next(o for o in dec.options if o.option == "pull")
     assert 0.0 < dec.arrive_s == pick.arrive_s < pick.ttft_s
@@ -655,18 +661,18 @@ def test_a_stall_on_a_request_whose_client_has_seen_nothing_costs_its_ttft() -> 
     the local prefill's stall from its TTFT, not from its TPOT: with holdback_weight 1 (off by default) it is
     priced at 1, not at interference_weight."""
     turn = history_turn(20000, 300)
-    knobs = PolicyKnobs(decode_stall_share=1.0, holdback_weight=1.0)  # no stall budget: the price alone
-    calm = choose(turn, D0, (p(P0),), (d(D0, running=3),), MOE, knobs)
-    held = choose(turn, D0, (p(P0),), (d(D0, running=3, holding_back=2),), MOE, knobs)
+    k = knobs(decode_stall_share=1.0, holdback_weight=1.0)  # no stall budget: the price alone
+    calm = choose(turn, D0, (p(P0),), (d(D0, running=3),), MOE, k)
+    held = choose(turn, D0, (p(P0),), (d(D0, running=3, holding_back=2),), MOE, k)
     local_calm = next(o for o in calm.options if o.option == "decode_local")
     local_held = next(o for o in held.options if o.option == "decode_local")
     assert local_calm.stall_s > 0.03
-    extra = (1.0 - knobs.interference_weight) * 2 * local_calm.stall_s
+    extra = (1.0 - k.interference_weight) * 2 * local_calm.stall_s
     assert local_held.interference_s == pytest.approx(local_calm.interference_s + extra)
     # Never more of them than are running; weight 0.2 (= interference_weight) adds nothing.
-    over = choose(turn, D0, (p(P0),), (d(D0, running=3, holding_back=9),), MOE, knobs)
+    over = choose(turn, D0, (p(P0),), (d(D0, running=3, holding_back=9),), MOE, k)
     assert next(o for o in over.options if o.option == "decode_local").interference_s == pytest.approx(
-        local_calm.interference_s + (1.0 - knobs.interference_weight) * 3 * local_calm.stall_s)
+        local_calm.interference_s + (1.0 - k.interference_weight) * 3 * local_calm.stall_s)
     same = choose(turn, D0, (p(P0),), (d(D0, running=3, holding_back=2),), MOE,
-                  replace(knobs, holdback_weight=knobs.interference_weight))
+                  replace(k, holdback_weight=k.interference_weight))
     assert same.scores_s == calm.scores_s

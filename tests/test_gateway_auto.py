@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from gateway_agent import chat, comparable, first_messages, next_messages, request_body, tool_result
@@ -113,12 +114,14 @@ async def test_auto_runs_short_suffixes_on_decode_and_long_ones_through_a_pull()
 
 
 async def test_a_failed_decode_local_leg_is_retried_cold() -> None:
-    """A decode-local leg that fails (5xx from the pinned D) is retried as a cold P/D turn; answers stay right."""
+    """A decode-local leg that fails (5xx from the pinned D) is retried as a cold P/D turn; answers stay right.
+    The failed (non-streamed) leg leaves nothing behind: no open request, no TPOT quota entry."""
     spec = ClusterSpec(prefill=1, decode=2, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0)
     async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
                                                                     speed=SPEED)) as oracle:
         cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
-                          metrics_poll_interval_s=0.5, min_reuse_tokens=4, learn_estimates=False)
+                          metrics_poll_interval_s=0.5, min_reuse_tokens=4, learn_estimates=False,
+                          request_stall_share=0.5)
         app = create_app(cfg)
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             h = {"x-session-id": "auto-2"}
@@ -130,7 +133,7 @@ async def test_a_failed_decode_local_leg_is_retried_cold() -> None:
                     # The pinned decode node fails the next request: this turn's decode-local leg.
                     pinned = (await client.get(f"{url}/admin/sessions")).json()[0]["decode"]
                     await client.post(f"{pinned}/admin/fault", json={"fail_next": 1})
-                got = await chat(client, url, request_body(messages, stream=turn % 2 == 0), h)
+                got = await chat(client, url, request_body(messages, stream=turn % 2 == 1), h)
                 want = await chat(client, oracle.aggregated_urls[0], request_body(messages, stream=False),
                                   clean=False)
                 assert comparable(got) == comparable(want), f"turn {turn} differs from the oracle"
@@ -147,11 +150,43 @@ async def test_a_failed_decode_local_leg_is_retried_cold() -> None:
             assert sessions[0]["turns"] == 4
             nodes = app.state.gateway.orchestrator.cluster.nodes.values()
             assert all(n.inflight == 0 for n in nodes), "a failed leg left a request open"
+            assert app.state.gateway.orchestrator.exposures == {}, "a failed leg left a TPOT quota entry"
 
 
-async def test_decode_local_turns_spend_the_decode_nodes_stall_budget() -> None:
-    """While a long answer decodes on D, a first short follow-up runs locally and spends D's stall budget;
-    a second one right after it would stall that answer beyond the budget and goes through P."""
+async def test_a_turn_whose_decode_legs_all_fail_leaves_no_tpot_quota_behind() -> None:
+    """The pinned D fails the decode-local leg and the cold retry's decode leg (non-streamed): the client gets
+    a clean 5xx, and neither leg stays counted as a request decoding there."""
+    async with rig(**_AUTO, request_stall_share=0.5) as r:
+        h = {"x-session-id": "failing"}
+        messages = first_messages(58)
+        got = await chat(r.client, r.url, request_body(messages, stream=False), h)
+        messages = next_messages(messages, got, 58, 0, result_words=10)
+        d = r.cluster.decode_urls[0]
+        await r.client.post(f"{d}/admin/fault", json={"fail_next": 2})
+        resp = await r.client.post(f"{r.url}/v1/chat/completions", json=request_body(messages, stream=False),
+                                   headers=h)
+        assert resp.status_code >= 500 and "error" in resp.json()
+        orch = r.gw.orchestrator
+        assert await metric(r.client, r.url, "kvtether_upstream_errors_total", phase="decode") == 2
+        assert orch.exposures == {}
+        assert all(n.inflight == 0 for n in orch.cluster.nodes.values())
+
+
+# Two ways to bound what local prefills cost D's running batch: a node-level share (a token bucket whose burst,
+# 0.001 × 300 s = 0.3 s, holds one ~0.2 s stall, not two, and barely refills here), or per-request TPOT quotas
+# (the long answer's: 0.09 × 2999 tokens × ~1.1 ms per step ≈ 0.3 s, the same room).
+_BUDGETS = {
+    "node share": ({"decode_stall_share": 0.001, "decode_stall_window_s": 300.0}, "stall budget"),
+    "request quota": ({"request_stall_share": 0.09, "decode_stall_share": 1.0}, "TPOT quota"),
+}
+
+
+@pytest.mark.parametrize("budget", sorted(_BUDGETS))
+async def test_decode_local_turns_spend_the_decode_nodes_stall_budget(budget: str) -> None:
+    """While a long answer decodes on D, a first short follow-up runs locally and spends D's stall budget (a
+    node's share, or the long answer's own TPOT quota); a second one right after it would stall that answer
+    beyond the budget and goes through P. Nothing is left in the quotas once the requests are done."""
+    knobs, refusal = _BUDGETS[budget]
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -165,11 +200,10 @@ async def test_decode_local_turns_spend_the_decode_nodes_stall_budget() -> None:
         cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
                           metrics_poll_interval_s=0.5, min_reuse_tokens=4, learn_estimates=False,
                           # A local prefill is estimated at ~0.2 s, nearly all of it a stall of the running
-                          # answer; only the budget's price weighs it (interference weight 0). The burst
-                          # (0.001 × 300 s = 0.3 s) holds one such stall, not two, and barely refills here.
+                          # answer; only the budget's price weighs it (interference weight 0).
                           seed_prefill_overhead_s=0.2, seed_tpot_base_s=0.001, seed_tpot_s_per_seq=1e-4,
                           seed_transfer_latency_s=0.1,  # a pull is clearly dearer than a local turn
-                          interference_weight=0.0, decode_stall_share=0.001, decode_stall_window_s=300.0)
+                          interference_weight=0.0, **knobs)
         app = create_app(cfg, tracer_provider=provider)
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             histories = {}
@@ -195,14 +229,24 @@ async def test_decode_local_turns_spend_the_decode_nodes_stall_budget() -> None:
                     sources.append("decode_local" if after > before else "through P")
                 plans = [dict(p.attributes or {}) for p in exporter.get_finished_spans() if p.name == "kvtether.plan"]
                 stalled = await metric(client, url, "kvtether_decode_stall_seconds_total", node=cluster.decode_urls[0])
+                exposures = app.state.gateway.orchestrator.exposures
+                quotas = [e.quota_s for e in exposures.get(cluster.decode_urls[0], {}).values()]
                 await resp.aclose()  # the client walks away from the long answer
+            for _ in range(100):  # the gateway notices the client left on its next chunk
+                if not exposures:
+                    break
+                await anyio.sleep(0.02)
+            leftover = {node: dict(e) for node, e in exposures.items()}
     reasons = [p["kvtether.plan.reason"] for p in plans]
     assert len(plans) == 2 and plans[0]["kvtether.plan.cost.option"] == "decode_local", reasons
     assert plans[1]["kvtether.plan.cost.option"] in ("pull", "cold"), reasons
     assert sources == ["decode_local", "through P"]
     assert "D 1 running" in str(plans[0]["kvtether.plan.reason"])
-    assert "stall budget" in str(plans[1]["kvtether.plan.cost.rejected.decode_local"])
+    assert refusal in str(plans[1]["kvtether.plan.cost.rejected.decode_local"])
     assert 0.15 < stalled < 0.3  # the one local turn's estimated stall (~0.2 s), counted per decode node
+    if budget == "request quota":
+        assert len(quotas) == 1 and 0.25 < quotas[0] < 0.35, quotas  # the long answer's alone, while it decodes
+    assert leftover == {}
 
 
 async def test_a_local_prefill_is_learned_from_ds_first_token_not_from_the_first_tool_call_delta() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from kvtether.gateway import body as B
 from kvtether.gateway.config import ConfigError, GatewayConfig, load_config
+from kvtether.gateway.costpolicy import PolicyKnobs
 from kvtether.gateway.guard import HeldSequence, is_exact_extension, truncate_handle, verified_reuse
 from kvtether.gateway.placement import (
     ClusterView,
@@ -457,11 +458,13 @@ def test_auto_short_suffix_runs_on_the_pinned_decode_without_a_prefill() -> None
 
 def test_auto_long_suffix_pulls_exact_or_truncated() -> None:
     idle = cluster(d2=NodeLoad(D2))  # as idle as D1: no reason to move the pin
-    p = plan(auto(prompt_tokens=17_000, suffix_tokens=5_000, decode_cached_tokens=0), idle)
+    # Over the local limit: through P. (Within the default 8192, an idle D would run it itself.)
+    limit = PolicyKnobs(max_local_suffix_tokens=2048)
+    p = plan(auto(prompt_tokens=17_000, suffix_tokens=5_000, decode_cached_tokens=0), idle, None, limit)
     assert p.action is HandleAction.ATTACH and p.prefill == P1 and p.decode == D2 and p.reuse_tokens == 12_000
     assert p.handle_outcome == "attached" and p.decision is not None and p.decision.option == "pull"
     p = plan(auto(prompt_tokens=17_000, suffix_tokens=5_000, reuse_tokens=8_000, decode_cached_tokens=8_000),
-             idle)
+             idle, None, limit)
     assert p.action is HandleAction.TRUNCATE and p.reuse_tokens == 8_000 and p.handle_outcome == "truncated"
 
 

@@ -1,0 +1,67 @@
+"""How much more each request decoding on a decode node may be stalled by decode-local prefills (pure).
+
+The issue's TPOT objective is over requests: the p95 of every request's time per output token. A request's
+TPOT rises by the stall it absorbed over its answer's length, so what a TPOT p95 sees is how the stalls are
+*spread* over requests, not only their total. A node-level share (``stallbudget.StallBudget``) bounds the
+total; where it lets stalls land is left to chance, and the unlucky requests that decode through a burst of
+local prefills make the p95. Here each request decoding on D gets a quota of its own instead: ``share`` of
+its expected decode time (answer tokens × D's step time when it began). A decode-local turn may run only if
+every request decoding on D can still absorb its stall, and running it charges the stall to each of them.
+No request then loses more than ``share`` of its decode time, so the same TPOT p95 leaves room for more
+local turns than a node-level share does (docs/placement.md, session 11).
+
+A request enters when D has begun decoding it (its stream's first chunk; a non-streamed one when it is sent)
+and leaves when its leg ends. A decode-local turn's own prefill is not charged to it. Requests this gateway
+did not send are not seen: with several gateways in front of the same D, each sees only its own.
+
+No clock, no I/O: the shell keeps the exposures per node and passes plain values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+K = TypeVar("K")
+
+
+@dataclass(frozen=True, slots=True)
+class Exposure:
+    """One request decoding on D: the stall it may absorb in all (`quota_s`) and what it already has."""
+
+    quota_s: float
+    absorbed_s: float = 0.0
+
+    @property
+    def headroom_s(self) -> float:
+        return self.quota_s - self.absorbed_s
+
+
+@dataclass(frozen=True, slots=True)
+class Credit:
+    """What D's decoding requests can still absorb: the least headroom among them (`credit_s`) and that
+    request's whole quota (`quota_s`: the budget's size, for its shadow price). Both inf: nobody decoding."""
+
+    credit_s: float = math.inf
+    quota_s: float = math.inf
+
+
+def quota_s(share: float, answer_tokens: int, step_s: float) -> float:
+    """The stall a request of `answer_tokens` decoding at `step_s` per token may absorb: `share` of its decode
+    time (tokens after the first; the first is the prefill's)."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError("share must be in [0, 1]")
+    return share * max(1, answer_tokens - 1) * max(0.0, step_s)
+
+
+def credit(exposures: Iterable[Exposure]) -> Credit:
+    tightest = min(exposures, key=lambda e: e.headroom_s, default=None)
+    return Credit() if tightest is None else Credit(tightest.headroom_s, tightest.quota_s)
+
+
+def absorb(exposures: Mapping[K, Exposure], stall_s: float) -> dict[K, Exposure]:
+    """Every request decoding on D after a local prefill that stalls them `stall_s` seconds."""
+    stall = max(0.0, stall_s)
+    return {k: replace(e, absorbed_s=e.absorbed_s + stall) for k, e in exposures.items()}
