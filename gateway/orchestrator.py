@@ -500,7 +500,7 @@ class Orchestrator:
             return
         self._leave_decoding(ctx)  # a leg retried after a failure: one entry per turn, on the node it runs on
         n = self.cluster.nodes.get(node)
-        running = max(n.running, float(n.inflight)) if n is not None else 1.0
+        running = n.load().running if n is not None else 1.0  # polled gauge or this gateway's own, the fresher
         step = self.estimator.snapshot(self.clock()).tpot_s(node, max(1.0, running))
         key = next(self._exposure_keys)
         self.exposures.setdefault(node, {})[key] = SQ.Exposure(SQ.quota_s(share, ctx.expected_output_tokens, step))
