@@ -413,7 +413,9 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
 
 
-def table(results: dict[str, Result], paced: bool = False) -> str:
+def table(results: dict[str, Result], paced: bool = False, counts: bool = True) -> str:
+    """`counts`: the run's own tallies (errors, gateway overhead, late sends, wall time) are known; pooled
+    --json output carries only the turns."""
     pols = list(results)
     lines = ["| turns | " + " | ".join(f"{p} TTFT p50 / p95 / p99 s" for p in pols) + " | prompt tokens |",
              "|" + "---|" * (len(pols) + 2)]
@@ -434,10 +436,12 @@ def table(results: dict[str, Result], paced: bool = False) -> str:
     tp = {p: [t.tpot_s for t in results[p].turns if t.tpot_s is not None] for p in pols}
     lines.append("| decode TPOT p50 / p95 s | " + " | ".join(f"{_pct(tp[p], .5):.4f} / {_pct(tp[p], .95):.4f}"
                                                           for p in pols) + " | |")
-    lines.append("| turns / errors | " + " | ".join(f"{len(results[p].turns)} / {results[p].errors}"
-                                                   for p in pols) + " | |")
     lines.append("| turns by reuse source | " + " | ".join(
         ", ".join(f"{k} {v}" for k, v in sorted(results[p].options.items()) if v) for p in pols) + " | |")
+    if not counts:
+        return "\n".join(lines)
+    lines.insert(-1, "| turns / errors | " + " | ".join(f"{len(results[p].turns)} / {results[p].errors}"
+                                                       for p in pols) + " | |")
     lines.append("| gateway's own TTFT share, mean s | " + " | ".join(
         f"{results[p].overhead_s / max(1, len(results[p].turns)):.3f}" for p in pols) + " | |")
     if paced:
@@ -627,7 +631,7 @@ def timeline(results: dict[str, Result], output_tokens: int) -> str:
 def per_repeat(results: dict[str, Result], cand: str = "auto") -> str:
     """The verdict's lines for each repeat on its own: how far run-to-run noise moves them."""
     reps = sorted({t.repeat for r in results.values() for t in r.turns})
-    if len(reps) < 2 or not all(p in results for p in (*POLICIES, cand)):
+    if len(reps) < 2 or not all(p in results for p in ("no-pull", "reference", cand)):
         return ""
     out = []
     for rep in reps:
@@ -672,6 +676,10 @@ def main() -> None:
                     help="runs of all policies, each on its own sessions (seed, seed+1, ...); turns are pooled and "
                          "each run's ratios printed; the policies' order rotates so machine load drift is shared")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--pool", nargs="+", metavar="FILE",
+                    help="run nothing: pool the turns of earlier runs' --json output (one file per run, e.g. seeds "
+                         "run as separate processes at the same time) and print the tables and verdict over them, "
+                         "with each run's verdict; pass the runs' --preset and workload flags for the header")
     ap.add_argument("--plan-log", default=None, help="append every turn's placement reason (debug log) to this file")
     ap.add_argument("--engine-trace", default=None, metavar="FILE",
                     help="record every simulated engine's events (request in, KV read, prompt done) as JSON lines "
@@ -693,8 +701,15 @@ def main() -> None:
     for name in policies:  # a misspelt variant fails now, not after the policies before it have run
         policy, knobs = parse_policy(name)
         load_config(None, prefill=["http://p:1"], decode=["http://d:1"], policy=policy, **knobs)
+    if args.pool:
+        if len(presets) != 1:
+            ap.error("--pool: name the runs' one --preset")
+        results = pooled(args.pool)
+        report(presets[0], results, args, f", {len(args.pool)} runs pooled from --json output ({', '.join(args.pool)})",
+               counts=False)
+        return
     for preset in presets:
-        results: dict[str, Result] = {p: Result(p) for p in policies}
+        results = {p: Result(p) for p in policies}
         for rep in range(args.repeat):
             plans = make_plans(args, args.seed + rep)
             for i in range(len(policies)):
@@ -714,36 +729,62 @@ def main() -> None:
         runs = ""
         if args.repeat > 1:
             runs = f", {args.repeat} runs pooled (seeds {args.seed}–{args.seed + args.repeat - 1})"
-        arrivals = (f"paced: a turn every {args.pace_s} s ± 25 %" if args.pace_s > 0
-                    else f"think {args.think_s} s after each answer")
-        print(f"\n### {preset}: {args.prefill}P {args.decode}D, {args.sessions} concurrent sessions × {args.turns} "
-              f"turns, suffix mix {args.suffix_mix} tok, {args.output} output tok/turn, {arrivals}, "
-              f"prefill prefix caching {args.prefill_prefix_caching}"
-              f"{'' if args.prefill_kv_tokens is None else f' (P cache {args.prefill_kv_tokens} tok)'}"
-              f"{', thinking' if args.thinking else ''}, tool calls "
-              f"{args.tool_call_parser or get_preset(preset).tool_call_parser}{runs}; "
-              f"times in SIMULATED seconds "
-              f"(speed {args.speed}: client real × {args.speed})\n")
-        print(table(results, paced=args.pace_s > 0))
-        for cand in [p for p in policies if parse_policy(p)[0] == "auto"]:
-            v = verdict(results, cand)
-            if v:
-                print("\n" + v)
-                print("on the first chunk (= first token): " + " | ".join(
-                    verdict(results, cand, first_chunk=True).splitlines()[:2]))
-            rv = per_repeat(results, cand)
-            if rv:
-                print("\n" + rv)
-        print("\n" + diagnostics(results, args.decode))
-        if args.engine_trace:
-            print("\n" + timeline(results, args.output))
-            with open(args.engine_trace, "a") as f:
-                for pol, res in results.items():
-                    for e in res.engine_events:
-                        f.write(json.dumps({"preset": preset, "policy": pol, **e}) + "\n")
-        if args.json:
-            print(json.dumps({p: [t.__dict__ for t in r.turns] for p, r in results.items()}))
+        report(preset, results, args, runs)
 
+
+def pooled(paths: list[str]) -> dict[str, Result]:
+    """The turns of several runs' ``--json`` output (each file's last JSON line: policy → turns), one repeat
+    per file, pooled per policy. Runs meant to be pooled go in separate processes (each its own seed, or the
+    same seed again), started together: paced runs take minutes of wall time each and use ~15 % of a core.
+    The turns by reuse source are counted from the turns; what the JSON does not carry (errors, the gateway's
+    overhead, late sends, wall time) is left out of the pooled table."""
+    results: dict[str, Result] = {}
+    for rep, path in enumerate(paths):
+        with open(path) as f:
+            lines = [line for line in f if line.startswith("{")]
+        if not lines:
+            raise SystemExit(f"{path}: no --json line (policy -> turns)")
+        for policy, turns in json.loads(lines[-1]).items():
+            acc = results.setdefault(policy, Result(policy))
+            acc.turns += [TurnResult(**{**t, "repeat": rep}) for t in turns]
+            for t in turns:  # by the source each client saw (a run's own count is the gateway's metric)
+                acc.options[t["source"] or "?"] = acc.options.get(t["source"] or "?", 0) + 1
+    return results
+
+
+def report(preset: str, results: dict[str, Result], args: argparse.Namespace, runs: str,
+           counts: bool = True) -> None:
+    """The tables, the issue's verdict for every auto variant (pooled and per run) and the diagnostics."""
+    policies = list(results)
+    arrivals = (f"paced: a turn every {args.pace_s} s ± 25 %" if args.pace_s > 0
+                else f"think {args.think_s} s after each answer")
+    print(f"\n### {preset}: {args.prefill}P {args.decode}D, {args.sessions} concurrent sessions × {args.turns} "
+          f"turns, suffix mix {args.suffix_mix} tok, {args.output} output tok/turn, {arrivals}, "
+          f"prefill prefix caching {args.prefill_prefix_caching}"
+          f"{'' if args.prefill_kv_tokens is None else f' (P cache {args.prefill_kv_tokens} tok)'}"
+          f"{', thinking' if args.thinking else ''}, tool calls "
+          f"{args.tool_call_parser or get_preset(preset).tool_call_parser}{runs}; "
+          f"times in SIMULATED seconds "
+          f"(speed {args.speed}: client real × {args.speed})\n")
+    print(table(results, paced=args.pace_s > 0, counts=counts))
+    for cand in [p for p in policies if parse_policy(p)[0] == "auto"]:
+        v = verdict(results, cand)
+        if v:
+            print("\n" + v)
+            print("on the first chunk (= first token): " + " | ".join(
+                verdict(results, cand, first_chunk=True).splitlines()[:2]))
+        rv = per_repeat(results, cand)
+        if rv:
+            print("\n" + rv)
+    print("\n" + diagnostics(results, args.decode))
+    if args.engine_trace:
+        print("\n" + timeline(results, args.output))
+        with open(args.engine_trace, "a") as f:
+            for pol, res in results.items():
+                for e in res.engine_events:
+                    f.write(json.dumps({"preset": preset, "policy": pol, **e}) + "\n")
+    if args.json:
+        print(json.dumps({p: [t.__dict__ for t in r.turns] for p, r in results.items()}))
 
 if __name__ == "__main__":
     main()

