@@ -470,6 +470,15 @@ def verdict(results: dict[str, Result], cand: str = "auto", first_chunk: bool = 
            f"reference {late('reference', .95):.3f} s (target: lower than both)",
            f"{cand} decode TPOT p95 {tpot95(cand):.4f} s vs no-pull {tpot95('no-pull'):.4f} s: "
            f"{(tpot95(cand) / tpot95('no-pull') - 1) * 100:+.1f} % (target within 10 %)"]
+    # The decode-local turn is the fastest way to serve a late turn (no P leg, no transfer), so no-pull's p50
+    # over the local turns' p50 is about the most any placement reaches against no-pull on these sessions:
+    # every late turn local, each as fast as the local turns were here.
+    local = [t.ttfc_s if first_chunk else t.ttft_s for t in results[cand].turns
+             if t.turn >= 10 and t.source == "decode_local"]
+    if local:
+        out.append(f"{cand} late decode-local turns' {what} p50 {_pct(local, .5):.3f} s: no-pull's late p50 is "
+                   f"{n50 / _pct(local, .5):.2f}× that (about the ceiling of the first ratio: every late turn "
+                   f"local, {len(local)} of {sum(1 for t in results[cand].turns if t.turn >= 10)} were)")
     return "\n".join(out)
 
 

@@ -59,6 +59,9 @@ def test_pooling_counts_every_runs_turns_once_and_keeps_the_runs_apart(tmp_path:
     assert pooled[0].startswith("auto late-turn p50 TTFT: 6.00× lower than no-pull")
     assert "1.50× lower than reference" in pooled[0]
     assert pooled[2].endswith("+20.0 % (target within 10 %)")  # TPOT p95 of all eight: run one's 0.018
+    # Every auto turn was local at 0.2 s: the ceiling against no-pull is the ratio itself.
+    assert pooled[3].startswith("auto late decode-local turns' TTFT p50 0.200 s: no-pull's late p50 is 6.00× that")
+    assert pooled[3].endswith("8 of 8 were)")
     # Each run on its own: 6× and 4× against no-pull, TPOT +20 % and 0 %.
     per_run = bench.per_repeat(results, "auto").splitlines()
     assert len(per_run) == 2
