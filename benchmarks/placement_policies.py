@@ -436,12 +436,13 @@ def table(results: dict[str, Result], paced: bool = False, counts: bool = True) 
     tp = {p: [t.tpot_s for t in results[p].turns if t.tpot_s is not None] for p in pols}
     lines.append("| decode TPOT p50 / p95 s | " + " | ".join(f"{_pct(tp[p], .5):.4f} / {_pct(tp[p], .95):.4f}"
                                                           for p in pols) + " | |")
+    if counts:
+        lines.append("| turns / errors | " + " | ".join(f"{len(results[p].turns)} / {results[p].errors}"
+                                                       for p in pols) + " | |")
     lines.append("| turns by reuse source | " + " | ".join(
         ", ".join(f"{k} {v}" for k, v in sorted(results[p].options.items()) if v) for p in pols) + " | |")
     if not counts:
         return "\n".join(lines)
-    lines.insert(-1, "| turns / errors | " + " | ".join(f"{len(results[p].turns)} / {results[p].errors}"
-                                                       for p in pols) + " | |")
     lines.append("| gateway's own TTFT share, mean s | " + " | ".join(
         f"{results[p].overhead_s / max(1, len(results[p].turns)):.3f}" for p in pols) + " | |")
     if paced:
@@ -757,7 +758,8 @@ def pooled(paths: list[str]) -> dict[str, Result]:
             acc = results.setdefault(policy, Result(policy))
             acc.turns += [TurnResult(**{**t, "repeat": rep}) for t in turns]
             for t in turns:  # by the source each client saw (a run's own count is the gateway's metric)
-                acc.options[t["source"] or "?"] = acc.options.get(t["source"] or "?", 0) + 1
+                source = t["source"] or "?"
+                acc.options[source] = acc.options.get(source, 0) + 1
     return results
 
 

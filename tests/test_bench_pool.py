@@ -7,24 +7,17 @@ run's turns once, keeps each run apart for the per-run lines, and fails loudly o
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
 import types
 from typing import Any
 
+import benchmark_scripts
 import pytest
 
 
 def _bench() -> types.ModuleType:
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "placement_policies.py"
-    spec = importlib.util.spec_from_file_location("placement_policies", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("placement_policies", module)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("placement_policies")
 
 
 def _turns(ttft_s: float, tpot_s: float, source: str, n: int = 4) -> list[dict[str, Any]]:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import pathlib
-import sys
 import types
 
+import benchmark_scripts
 import pytest
 from kvtether.sim.cost import CostModel, Hardware, ModelShape, wall_seconds
 from kvtether.sim.presets import (
@@ -331,14 +329,7 @@ def test_preset_is_frozen() -> None:
 
 
 def _sweep_module() -> types.ModuleType:
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "sim_pull_sweep.py"
-    spec = importlib.util.spec_from_file_location("sim_pull_sweep", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("sim_pull_sweep", module)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load("sim_pull_sweep")
 
 
 @pytest.mark.parametrize("name", ["qwen3-32b-h200-tp8", "glm-5-fp8-h200-tp8"])
