@@ -1,8 +1,8 @@
 """How far placement alone can lower the late-turn first-delta p50 (issue 8): a replay of measured turns.
 
 The project's TTFT is the first content or tool-call *delta*. A tool-call answer's first delta waits, after
-its first token, for the parser to release the function name (hermes: ~11 decode steps; GLM-5's glm47, the
-simulator's GLM-5 format since 2026-12-02: ~4), and no placement removes that. This takes one policy's
+its first token, for the parser to release the function name (hermes: ~11 decode steps; glm47, the format the
+simulator writes GLM-5's calls in: ~4), and no placement removes that. This takes one policy's
 measured late turns (default ``reference``) from ``placement_policies.py --json`` output and replaces the
 first token of a share of the short-suffix turns by a decode-local one
 (``--local-first-token-s``, measured in the same benchmark's engine trace), keeping each turn's own

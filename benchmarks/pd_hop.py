@@ -2,8 +2,8 @@
 
 One session on a simulated 1P 1D GLM-5-FP8 cluster (speed 0.25), a 16k-token history plus 150-token tool results,
 P/D turns only (``max_local_suffix_tokens`` 0), sequential. Prints each turn's hop in simulated ms for
-``reference`` (no guard, no /tokenize), ``auto`` and ``auto`` with /tokenize sharing the prefill leg's
-keep-alive connections (the gateway before 2026-12-02 session 8): the sharing stalled P's answer ~44 ms real.
+``reference`` (no guard, no /tokenize), ``auto``, and, as a control, ``auto`` with /tokenize sharing the prefill
+leg's keep-alive connections: the sharing stalls P's answer ~44 ms real, which is why /tokenize has its own pool.
 
     .venv/bin/python benchmarks/pd_hop.py [--turns 8]
 """
@@ -35,7 +35,7 @@ async def hops(policy: str, turns: int, shared_tokenize: bool) -> list[float]:
         app = create_app(cfg)
         if shared_tokenize:
             orch = app.state.gateway.orchestrator
-            orch.tokenize_client = orch.client
+            orch.sv.tokenize_client = orch.sv.client
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=120) as client:
             messages = [{"role": "system", "content": " ".join(f"w{i}" for i in range(12000))},
                         {"role": "user", "content": "go"}]

@@ -20,14 +20,14 @@ TTFT is measured at the client (first content/tool-call delta of a stream, the p
 too (first chunk of any kind: the simulator, like vLLM, sends its role chunk with the first engine output, so
 this is the first *token*; TTFT also waits for the tool-call parser to release the function name, a few
 decode steps later); TPOT is each request's time per output token after the first (its first chunk to its
-last delta, over completion_tokens − 1; until 2026-12-02 the mean gap between deltas), p95 over requests.
+last delta, over completion_tokens − 1), p95 over requests.
 The model writes tool calls in its own format (``--tool-call-parser``, default the preset's): GLM-5's glm47
 releases the name after it and one tag (~4 tokens here), Qwen3's hermes after ~12 tokens.
 
-Arrivals: closed loop by default (each session thinks ``--think-s`` after an answer, so a faster policy
-also raises the load it offers), or paced with ``--pace-s`` (each session sends a turn every PACE seconds,
-or when its previous answer is done if that is later): every policy then offers the same load, and decode
-TPOT compares at equal decode concurrency (what "without hurting the other sessions" is about).
+Arrivals: paced by default (``--pace-s``: each session sends a turn every PACE seconds, or when its previous
+answer is done if that is later): every policy then offers the same load, and decode TPOT compares at equal
+decode concurrency (what "without hurting the other sessions" is about). ``--pace-s 0`` is a closed loop (each
+session thinks ``--think-s`` after an answer, so a faster policy also raises the load it offers).
 
 The cost policy's estimator seeds are set from the preset's cost model (a calibration an operator would
 take from a short benchmark of the cluster), converted to real seconds at ``--speed``; it learns from there.
@@ -35,7 +35,7 @@ take from a short benchmark of the cluster), converted to real seconds at ``--sp
     .venv/bin/python benchmarks/placement_policies.py [--preset glm-5-fp8-h200-tp8|qwen3-32b-h200-tp8|both]
         [--sessions 16] [--turns 20] [--output 128] [--pace-s 4] [--speed 0.25] [--policies no-pull,reference,pull,auto]
         [--json]
-    # --pace-s 0 --sessions 8 --output 32 --speed 0.2: the closed-loop workload measured until 2026-12-01
+    # a closed-loop workload: --pace-s 0 --sessions 8 --output 32 --speed 0.2
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import httpx
 from kvtether.cli.generate import WORDS, parse_mix
 from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
-from kvtether.gateway.costpolicy import PolicyKnobs
+from kvtether.gateway.policy import TUNING_FIELDS, PolicyKnobs
 from kvtether.gateway.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from kvtether.sim.presets import get_preset
@@ -65,7 +65,7 @@ from kvtether.sim.template import TOOL_FORMATS
 MODEL = "kvtether-sim"
 POLICIES = ("no-pull", "reference", "pull", "auto")
 BUCKETS = ((0, 4), (5, 9), (10, 19), (20, 10_000))
-SIM_SECONDS_KNOBS = ("tpot_budget_s", "decode_stall_window_s")  # converted to real seconds at --speed
+SIM_SECONDS_KNOBS = ("tpot_budget_s",)  # converted to real seconds at --speed
 TOKENS_PER_WORD = 1.37  # the simulator's tokenizer on the generator's vocabulary (measured)
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {
@@ -307,15 +307,20 @@ def _lstsq(rows: list[tuple[float, float, float]], ys: list[float]) -> list[floa
 
 def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
     """``auto`` or a variant ``auto@interference_weight=2+horizon_turns=2``: the policy and gateway config
-    overrides (JSON values). Variants run side by side with the others, on the same sessions."""
+    overrides (JSON values; the cost model's tuning constants go into the config's ``tuning`` table). Variants
+    run side by side with the others, on the same sessions."""
     policy, _, rest = name.partition("@")
     knobs: dict[str, Any] = {}
+    tuning: dict[str, Any] = {}
     for kv in rest.split("+") if rest else ():
         key, _, value = kv.partition("=")
-        knobs[key] = json.loads(value)
+        parsed = json.loads(value)
         integral = ("horizon_turns", "max_local_suffix_tokens", "tpot_window_tokens", "chunk_tokens")
-        if isinstance(knobs[key], int) and not isinstance(knobs[key], bool) and key not in integral:
-            knobs[key] = float(knobs[key])
+        if isinstance(parsed, int) and not isinstance(parsed, bool) and key not in integral:
+            parsed = float(parsed)
+        (tuning if key in TUNING_FIELDS or key == "estimate_half_life_s" else knobs)[key] = parsed
+    if tuning:
+        knobs["tuning"] = tuning
     return policy, knobs
 
 

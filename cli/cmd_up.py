@@ -3,28 +3,39 @@
 Command construction is pure (`launcher.py`); this module owns the processes: every child runs in its own
 process group (vLLM's engine-core processes included), output goes to one log file per child, and every
 group is stopped (SIGTERM, then SIGKILL) on Ctrl-C, on SIGTERM, or as soon as any child dies.
+
+The gateway takes the same settings as `kvtether serve`: `--config FILE` (TOML), `--policy`, `--otlp-endpoint`,
+`--gateway-log-level`, and `--gateway-set KEY=VALUE` for any other GatewayConfig field. `up` itself supplies the
+cluster (prefill/decode URLs), host, port and session/engine TTLs, which win over the file. The gateway's
+configuration is built here, with `load_config` from exactly the arguments its child will get, before any vLLM
+instance starts: a bad setting is a usage error (exit 2), never a half-started cluster.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import datetime
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, Annotated
+from typing import IO, TYPE_CHECKING, Annotated, NoReturn, get_type_hints
 
 import httpx
 import typer
 from kvtether.cli.launcher import (
     DEFAULT_DECODE_TTL_S,
+    DEFAULT_GATEWAY_LOG_LEVEL,
     DEFAULT_GATEWAY_PORT,
     DEFAULT_SIDE_CHANNEL_BASE_PORT,
     ChildCommand,
@@ -35,6 +46,90 @@ from kvtether.cli.launcher import (
     plan_cluster,
 )
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from kvtether.gateway.config import GatewayConfig
+
+EXIT_USAGE = 2
+GATEWAY_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+# Gateway settings `--gateway-set` refuses, with where they come from instead: one way in for each.
+_SET_BY_UP: dict[str, str] = {
+    "prefill": "kvtether up points the gateway at the instances it starts (--prefill/--decode)",
+    "decode": "kvtether up points the gateway at the instances it starts (--prefill/--decode)",
+    "aggregated": "kvtether up starts a prefill/decode cluster, not aggregated replicas",
+    "host": "use --host",
+    "port": "use --port",
+    "session_ttl_s": "derived from --decode-ttl (kept well below the engine's TTL)",
+    "engine_kv_ttl_s": "use --decode-ttl",
+    "policy": "use --policy",
+    "otlp_endpoint": "use --otlp-endpoint",
+}
+
+
+class GatewaySettingError(ValueError):
+    """A `--gateway-set` item that names no gateway setting, or one `up` sets itself."""
+
+
+def parse_gateway_set(items: Sequence[str]) -> dict[str, object]:
+    """`--gateway-set KEY=VALUE` items -> load_config keyword settings (a repeated key: the last one wins).
+
+    VALUE is read as a TOML value when it is one (`5000`, `false`, `["http://x:1"]`, `"quoted"`), else taken as
+    the string written. String settings keep what was written (`model=7` is the model "7"), and TOML dates stay
+    strings too: no gateway setting is a date, and the settings travel to the child as JSON.
+    """
+    from kvtether.gateway.config import GatewayConfig
+
+    hints = get_type_hints(GatewayConfig)
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        name = key.strip().replace("-", "_")
+        if not sep or not name:
+            raise GatewaySettingError(f"--gateway-set {item!r}: expected KEY=VALUE")
+        if name not in hints:
+            raise GatewaySettingError(f"--gateway-set: unknown gateway setting {key.strip()!r}")
+        if name in _SET_BY_UP:
+            raise GatewaySettingError(f"--gateway-set: {name} cannot be set here: {_SET_BY_UP[name]}")
+        out[name] = _setting_value(raw, hints[name])
+    return out
+
+
+def _setting_value(raw: str, hint: object) -> object:
+    try:
+        value: object = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+    if isinstance(value, datetime.date | datetime.time):
+        return raw
+    if hint in (str, str | None) and not isinstance(value, str):
+        return raw
+    return value
+
+
+def gateway_child_config(args: Sequence[str]) -> tuple[GatewayConfig, str]:
+    """The gateway child's configuration and log level from its arguments after `gateway` (launcher.py's
+    `gateway_child_args`): `load_config(FILE, **settings)`. Raises ConfigError for a configuration that cannot
+    work; argparse exits 2 on malformed arguments."""
+    from kvtether.gateway.config import load_config
+
+    parser = argparse.ArgumentParser(prog="python -m kvtether.cli.cmd_up gateway")
+    parser.add_argument("settings", help="JSON object of load_config keyword settings")
+    parser.add_argument("--config", default=None, help="TOML gateway config")
+    parser.add_argument("--log-level", default=DEFAULT_GATEWAY_LOG_LEVEL, choices=GATEWAY_LOG_LEVELS)
+    ns = parser.parse_args(list(args))
+    settings = json.loads(ns.settings)
+    if not isinstance(settings, dict):
+        parser.error("settings must be a JSON object")
+    return load_config(ns.config, **settings), str(ns.log_level)
+
+
+def check_gateway_config(plan: ClusterPlan) -> GatewayConfig | None:
+    """The configuration the plan's gateway child will run with (None without a gateway); ConfigError if it
+    cannot work. Called before any child starts."""
+    if plan.gateway is None:
+        return None
+    return gateway_child_config(plan.gateway.child_args)[0]
 
 
 class ChildDied(RuntimeError):
@@ -169,7 +264,12 @@ def running_cluster(
     health_timeout_s: float = 300.0,
     start_gateway: bool = True,
 ) -> Iterator[Supervisor]:
-    """Start every instance (in parallel), wait for /health, then the gateway; stop everything on exit."""
+    """Start every instance (in parallel), wait for /health, then the gateway; stop everything on exit.
+
+    The gateway's configuration is checked first (ConfigError), so that a bad one starts nothing.
+    """
+    if start_gateway:
+        check_gateway_config(plan)
     sup = Supervisor(log_dir=log_dir, log=log)
     try:
         instances = [sup.start(i.command) for i in plan.instances]
@@ -281,6 +381,37 @@ def register(app: typer.Typer) -> None:
                          "published reverse-pull runs); decode keeps it."),
         ] = False,
         no_gateway: Annotated[bool, typer.Option("--no-gateway", help="Start only the vLLM instances.")] = False,
+        policy: Annotated[
+            str | None,
+            typer.Option("--policy", help="Gateway policy: auto | pull | no-pull | reference (default auto)."),
+        ] = None,
+        config: Annotated[
+            Path | None,
+            typer.Option(
+                "--config",
+                help="Gateway TOML config, as for `kvtether serve --config`. kvtether up supplies the cluster "
+                "(prefill/decode URLs), --host, --port and the session/engine TTLs (from --decode-ttl) itself; "
+                "those win over the file, and so do --policy, --otlp-endpoint and --gateway-set.",
+            ),
+        ] = None,
+        otlp_endpoint: Annotated[
+            str | None, typer.Option("--otlp-endpoint", help="Gateway OTLP/HTTP traces endpoint.")
+        ] = None,
+        gateway_log_level: Annotated[
+            str | None,
+            typer.Option("--gateway-log-level", help=f"Gateway log level: {' | '.join(reversed(GATEWAY_LOG_LEVELS))} "
+                         f"(default {DEFAULT_GATEWAY_LOG_LEVEL})."),
+        ] = None,
+        gateway_set: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--gateway-set",
+                metavar="KEY=VALUE",
+                help="Any other gateway setting (repeatable), over --config: VALUE is read as TOML when it parses "
+                "(max_sessions=5000, partial_reuse=false, unidirectional_prefill='[\"http://h:8100\"]'), else "
+                "as a string.",
+            ),
+        ] = None,
         log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Per-child log files.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line with the URLs on stdout.")] = False,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the commands and env; start nothing.")] = False,
@@ -288,6 +419,8 @@ def register(app: typer.Typer) -> None:
         """Start vLLM prefill/decode instances (bidirectional KV pull) and the kvtether gateway in front.
 
         Extra vLLM arguments go after `--`, e.g. `kvtether up --model M -- --max-model-len 4096`.
+        Gateway settings: --config FILE (as for `kvtether serve`), --policy, --otlp-endpoint, --gateway-log-level
+        and --gateway-set KEY=VALUE; all are checked before anything starts.
         """
         if device not in ("cpu", "cuda"):
             raise typer.BadParameter("--device must be cpu or cuda")
@@ -295,6 +428,19 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("--kv-load-failure-policy must be fail or recompute")
         extra = [a for a in ctx.args if a != "--"]
         dev: Device = "cpu" if device == "cpu" else "cuda"
+        gateway_flags = {"--policy": policy, "--config": config, "--otlp-endpoint": otlp_endpoint,
+                         "--gateway-log-level": gateway_log_level, "--gateway-set": gateway_set}
+        given = [flag for flag, value in gateway_flags.items() if value is not None]
+        if no_gateway and given:
+            _usage_error(f"{', '.join(given)}: gateway options, but --no-gateway starts no gateway")
+        if gateway_log_level is not None and gateway_log_level.lower() not in GATEWAY_LOG_LEVELS:
+            _usage_error(f"--gateway-log-level must be one of {', '.join(GATEWAY_LOG_LEVELS)}")
+        try:
+            settings = parse_gateway_set(gateway_set or [])
+        except GatewaySettingError as e:
+            _usage_error(str(e))
+        if otlp_endpoint is not None:
+            settings["otlp_endpoint"] = otlp_endpoint
         opts = ClusterOptions(
             model=model,
             prefill=prefill,
@@ -313,11 +459,17 @@ def register(app: typer.Typer) -> None:
             extra_vllm_args=extra,
             gateway=not no_gateway,
             gateway_python=sys.executable,
+            gateway_policy=policy,
+            # Absolute: the gateway child is told the path, and it must mean the same file wherever it runs.
+            gateway_config_file=str(config.expanduser().absolute()) if config is not None else None,
+            gateway_settings=settings,
+            gateway_log_level=(gateway_log_level or DEFAULT_GATEWAY_LOG_LEVEL).lower(),
         )
         try:
             plan = plan_cluster(opts)
         except ValueError as e:
             raise typer.BadParameter(str(e)) from e
+        _check_gateway_or_exit(plan)
         if dry_run:
             sys.stdout.write(dry_run_text(plan))
             if as_json:
@@ -328,23 +480,47 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(run_up(plan, log_dir=logs, as_json=as_json, console=console))
 
 
+def _usage_error(msg: str) -> NoReturn:
+    typer.echo(f"kvtether up: {msg}", err=True)
+    raise typer.Exit(EXIT_USAGE)
+
+
+def _check_gateway_or_exit(plan: ClusterPlan) -> None:
+    from kvtether.gateway.config import ConfigError
+
+    try:
+        check_gateway_config(plan)
+    except ConfigError as e:
+        msg = f"gateway settings: {e}"
+        if plan.gateway is not None and plan.gateway.config_file is not None and "aggregated" in str(e):
+            # The file's aggregated nodes meet the prefill/decode URLs up supplies: say which side to change.
+            msg += f" (kvtether up starts prefill/decode instances: remove aggregated from {plan.gateway.config_file})"
+        _usage_error(msg)
+
+
 def main(argv: Sequence[str] | None = None) -> None:  # pragma: no cover - convenience entry
     app = typer.Typer()
     register(app)
     app(args=list(argv) if argv is not None else None)
 
 
-def run_gateway_child(settings_json: str) -> None:
-    """The gateway child of `kvtether up`: `python -m kvtether.cli.cmd_up gateway '<settings JSON>'`."""
-    from kvtether.gateway.config import load_config
+def run_gateway_child(args: Sequence[str]) -> None:
+    """The gateway child of `kvtether up`: `python -m kvtether.cli.cmd_up gateway '<settings JSON>' [--config FILE]
+    --log-level L`."""
+    from kvtether.gateway.config import ConfigError
     from kvtether.gateway.server import run_gateway
 
-    settings = json.loads(settings_json)
-    run_gateway(load_config(**settings), log_level="warning")
+    try:
+        cfg, log_level = gateway_child_config(args)
+    except ConfigError as e:  # `up` checked it; the file may have changed since
+        sys.stderr.write(f"kvtether up gateway: {e}\n")
+        raise SystemExit(EXIT_USAGE) from None
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_gateway(cfg, log_level=log_level)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "gateway":
-        run_gateway_child(sys.argv[2])
+    if len(sys.argv) >= 2 and sys.argv[1] == "gateway":
+        run_gateway_child(sys.argv[2:])
     else:
         main()

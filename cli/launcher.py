@@ -3,6 +3,11 @@
 Nothing here starts a process; `plan_cluster()` returns a `ClusterPlan` with, for every child, the exact
 argv and the environment *additions* (on top of the caller's environment). Process management lives in
 `cmd_up.py`; tests (`tests/test_launcher.py`) check the construction without vLLM installed.
+
+The gateway child gets its settings on its command line: `python -m kvtether.cli.cmd_up gateway '<settings JSON>'
+[--config FILE] --log-level LEVEL`, where it calls `load_config(FILE, **settings)`. The settings `up` derives
+itself (`GATEWAY_OWN_KEYS`: the cluster URLs, host, port and TTLs) are keyword overrides there, so they win over
+the file; reading and validating the file is left to `cmd_up.py`.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ CPU_SHM_RECHECK_MS = 50
 DEFAULT_DECODE_TTL_S = 480.0
 DEFAULT_GATEWAY_PORT = 8000
 DEFAULT_SIDE_CHANNEL_BASE_PORT = 5600
+DEFAULT_GATEWAY_LOG_LEVEL = "warning"
+
+# Gateway settings that follow from the cluster `up` starts; `ClusterOptions.gateway_settings` may not set them.
+GATEWAY_OWN_KEYS: frozenset[str] = frozenset(
+    {"prefill", "decode", "aggregated", "host", "port", "session_ttl_s", "engine_kv_ttl_s"}
+)
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,10 @@ class GatewaySpec:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     command: ChildCommand
+    # The gateway child's arguments after `gateway` (see the module docstring), so that `up` can build the
+    # child's configuration from exactly what the child will receive, before anything is started.
+    child_args: tuple[str, ...] = ()
+    config_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +140,11 @@ class ClusterOptions:
     gateway_python: str = "python"
     gateway_policy: str | None = None
     gateway_session_ttl_s: float | None = None
+    # A TOML gateway config (as `kvtether serve --config` reads), absolute: the child may not share our cwd.
+    gateway_config_file: str | None = None
+    # Further gateway settings (GatewayConfig field names) over the file's; GATEWAY_OWN_KEYS are refused.
+    gateway_settings: Mapping[str, object] = field(default_factory=dict)
+    gateway_log_level: str = DEFAULT_GATEWAY_LOG_LEVEL
     served_model_name: str | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -249,8 +269,10 @@ def vllm_instance_command(
 def gateway_config(
     opts: ClusterOptions, prefill_urls: Sequence[str], decode_urls: Sequence[str], session_ttl_s: float
 ) -> dict[str, object]:
-    """Settings for `kvtether.gateway.config.load_config(**settings)`."""
+    """Keyword settings for `kvtether.gateway.config.load_config(config_file, **settings)`: the caller's extra
+    settings, then `up`'s own (cluster, host, port, TTLs, policy) on top."""
     cfg: dict[str, object] = {
+        **opts.gateway_settings,
         "prefill": list(prefill_urls),
         "decode": list(decode_urls),
         "host": opts.host,
@@ -263,16 +285,28 @@ def gateway_config(
     return cfg
 
 
+def gateway_child_args(opts: ClusterOptions, settings: Mapping[str, object]) -> tuple[str, ...]:
+    """The gateway child's arguments after `python -m kvtether.cli.cmd_up gateway`."""
+    try:
+        encoded = json.dumps(dict(settings), separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"gateway settings must be JSON values: {e}") from e
+    args: tuple[str, ...] = (encoded,)
+    if opts.gateway_config_file is not None:
+        args += ("--config", opts.gateway_config_file)
+    return (*args, "--log-level", opts.gateway_log_level)
+
+
 def gateway_command(
     opts: ClusterOptions, prefill_urls: Sequence[str], decode_urls: Sequence[str], session_ttl_s: float
 ) -> ChildCommand:
     """The gateway in front of the instances, as a child with the project's python.
 
-    Runs `python -m kvtether.cli.cmd_up gateway '<settings JSON>'` (the gateway's own `run_gateway(load_config(...))`)
-    so that it does not depend on the `serve` command's flags.
+    Runs `python -m kvtether.cli.cmd_up gateway '<settings JSON>' [--config FILE] --log-level L` (the gateway's own
+    `run_gateway(load_config(FILE, **settings))`) so that it does not depend on the `serve` command's flags.
     """
     settings = gateway_config(opts, prefill_urls, decode_urls, session_ttl_s)
-    argv = (opts.gateway_python, "-m", "kvtether.cli.cmd_up", "gateway", json.dumps(settings, separators=(",", ":")))
+    argv = (opts.gateway_python, "-m", "kvtether.cli.cmd_up", "gateway", *gateway_child_args(opts, settings))
     return ChildCommand(
         name="gateway",
         argv=argv,
@@ -304,6 +338,11 @@ def plan_cluster(opts: ClusterOptions) -> ClusterPlan:
     overlap = set(side) & (set(ports) | ({opts.gateway_port} if opts.gateway else set()))
     if overlap:
         raise ValueError(f"NIXL side-channel ports collide with HTTP ports: {sorted(overlap)}")
+    own = sorted(GATEWAY_OWN_KEYS & set(opts.gateway_settings))
+    if own:
+        raise ValueError(f"gateway settings {', '.join(own)} follow from the cluster and cannot be set")
+    if opts.gateway_config_file is not None and not os.path.isabs(opts.gateway_config_file):
+        raise ValueError(f"gateway config file must be an absolute path: {opts.gateway_config_file}")
 
     device_envs: list[dict[str, str]]
     if opts.device == "cpu":
@@ -346,6 +385,8 @@ def plan_cluster(opts: ClusterOptions) -> ClusterPlan:
             prefill_urls=p_urls,
             decode_urls=d_urls,
             command=gateway_command(opts, p_urls, d_urls, ttl),
+            child_args=gateway_child_args(opts, gateway_config(opts, p_urls, d_urls, ttl)),
+            config_file=opts.gateway_config_file,
         )
     return ClusterPlan(
         model=opts.model, device=opts.device, decode_ttl_s=opts.decode_ttl_s, prefill=prefill, decode=decode, gateway=gw

@@ -206,7 +206,7 @@ async def metrics(request: Request) -> Response:
 
 async def admin_sessions(request: Request) -> Response:
     gw = _gateway(request)
-    now = gw.orchestrator.clock()
+    now = gw.orchestrator.sv.clock()
     out = []
     for s in await gw.store.list():
         out.append({

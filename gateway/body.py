@@ -69,7 +69,8 @@ def with_host(params: Mapping[str, Any], host: str) -> dict[str, Any]:
 
 def strip_internal(obj: dict[str, Any], *, keep_token_ids: bool) -> bool:
     """Remove internal fields from a response body or stream chunk in place; True when anything changed."""
-    changed = obj.pop(KV_FIELD, None) is not None or KV_FIELD in obj
+    changed = KV_FIELD in obj  # a null value is a field the client did not ask for all the same
+    obj.pop(KV_FIELD, None)
     if keep_token_ids:
         return changed
     for key in TOKEN_ID_FIELDS:

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import anyio
 import httpx
 from kvtether.gateway.config import GatewayConfig
-from kvtether.gateway.placement import ClusterView, NodeLoad
+from kvtether.gateway.policy.placement import ClusterView, NodeLoad
 from prometheus_client.parser import text_string_to_metric_families
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class Node:
     arriving: int = 0
     # P/D turns planned onto this decode node: when each is expected to reach D (the gateway's clock; once its
     # prefill leg is done, when it did) and how long D's read of it should take, until that read is over. A
-    # local prefill's step on D would hold them up (costpolicy.blocked_s).
+    # local prefill's step on D would hold them up (policy/options.blocked_s).
     arrivals: dict[int, tuple[float, float]] = field(default_factory=dict)
     # Requests of this gateway on the node whose client has seen nothing yet although the node is already
     # decoding them: streams between their first chunk and first delta (a tool-call parser holding the name
@@ -301,6 +301,8 @@ class Cluster:
                 node.consecutive_errors = 0
             node.healthy = True
         except (httpx.HTTPError, ValueError) as exc:
+            if node.healthy:
+                log.warning("node %s marked unhealthy: poll failed: %s: %s", node.url, type(exc).__name__, exc)
             node.healthy = False
             node.last_error = f"poll failed: {type(exc).__name__}: {exc}"
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from kvtether.gateway.costpolicy import PolicyKnobs
-from kvtether.gateway.estimates import EstimatorSeeds
+from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
+from kvtether.gateway.policy.knobs import TUNING_FIELDS, PolicyKnobs
 
 # The policy's and the estimator's own defaults are the single source of truth; the config only exposes them.
 _KNOBS = PolicyKnobs()
@@ -87,40 +87,21 @@ class GatewayConfig:
     # stays pinned on D until the engine's decoder_kv_blocks_ttl (its blocks mostly shared with the new one).
     local_turn_handles: bool = True
 
-    # Cost-based placement ("auto"; costpolicy.PolicyKnobs has the reasons behind each default).
-    # A decode-local turn never prefills more than this on D (≈ one chunked-prefill step).
+    # Cost-based placement ("auto", docs/placement.md): the limits an operator sets. The cost model's own
+    # constants live in policy/knobs.py (PolicyKnobs), each with where its value comes from.
+    # A decode-local turn never prefills more than this on D.
     max_local_suffix_tokens: int = _KNOBS.max_local_suffix_tokens
     # Requests decoding on D must keep their mean inter-token time under this, local prefill stall included.
     tpot_budget_s: float = _KNOBS.tpot_budget_s
-    tpot_window_tokens: int = _KNOBS.tpot_window_tokens
-    interference_weight: float = _KNOBS.interference_weight
-    # Local prefills may stall D's running batch for at most this share of its time (≈ the TPOT increase
-    # they may cause), as a token bucket with a burst of share × window (gateway/stallbudget.py).
-    decode_stall_share: float = _KNOBS.decode_stall_share
-    decode_stall_window_s: float = _KNOBS.decode_stall_window_s
     # Each request decoding on a decode node may lose at most this share of its expected decode time to
-    # decode-local prefills (gateway/stallquota.py): the TPOT p95 is over requests, so each gets its quota
-    # instead of the node a total. 1 turns it off. 0.15: TPOT p95 within +4.5 to +7.1 % of classic P/D on
-    # three GLM-5 session sets, where 0.2 gave +8 to +13 % (docs/placement.md, session 11).
+    # decode-local prefills (policy/stallquota.py): about the TPOT increase local turns may cost it. 1 turns
+    # decode-local turns' stall limit off. 0.15: TPOT p95 within +6 % of classic P/D on GLM-5 paced over three
+    # session sets pooled, where 0.2 gave +12 % (docs/placement.md).
     request_stall_share: float = 0.15
+    # The engines' max_num_batched_tokens: a local prefill is spread over steps of this many tokens.
+    chunk_tokens: int = _KNOBS.chunk_tokens
     # A P/D turn may decode on a less loaded D than the pinned one (the pin moves): balance across D's.
     rebalance_decode: bool = _KNOBS.rebalance_decode
-    # Tail-aware objective: each second of a turn's estimated TTFT above the tail_quantile of recent turns'
-    # estimates costs tail_weight seconds more (0: off).
-    tail_weight: float = _KNOBS.tail_weight
-    tail_quantile: float = _KNOBS.tail_quantile
-    # A local prefill's engine step holds up P/D turns arriving on D meanwhile: a second of their delay costs
-    # this many seconds (their first token, like this turn's).
-    arrival_weight: float = _KNOBS.arrival_weight
-    # A stall on a request whose client has seen nothing yet (tool-call hold-back, or not streamed) delays its
-    # TTFT: this many seconds per second, instead of interference_weight.
-    holdback_weight: float = _KNOBS.holdback_weight
-    # Look-ahead (0..3 turns) and its discount: a turn that is cheapest on D now may leave the session
-    # without a handle (vLLM returns none for an unmarked locally prefilled request), making the next turn dear.
-    horizon_turns: int = _KNOBS.horizon_turns
-    horizon_discount: float = _KNOBS.horizon_discount
-    evict_kv_usage_knee: float = _KNOBS.evict_kv_usage_knee
-    chunk_tokens: int = _KNOBS.chunk_tokens  # the engines' max_num_batched_tokens
     # Estimator seeds (seconds): what the policy assumes until it has observed turns, and what an idle
     # node's estimate decays back to. Set them from a short benchmark of the cluster (estimates.EstimatorSeeds).
     seed_prefill_overhead_s: float = _SEEDS.prefill_overhead_s
@@ -131,9 +112,11 @@ class GatewayConfig:
     seed_tpot_base_s: float = _SEEDS.tpot_base_s
     seed_tpot_s_per_seq: float = _SEEDS.tpot_s_per_seq
     seed_queue_s_per_request: float = _SEEDS.queue_s_per_request
-    # Estimator learning: sample weight half-life and whether observed turns update the estimates at all.
-    estimate_half_life_s: float = 600.0
+    # Whether observed turns update the estimates at all (off: the seeds above stay).
     learn_estimates: bool = True
+    # Overrides of the cost model's tuning constants (policy/knobs.py TUNING_FIELDS, and
+    # estimate_half_life_s), for experiments; not a stable interface. TOML: a [gateway.tuning] table.
+    tuning: dict[str, Any] = field(default_factory=dict)
 
     # Cluster view.
     metrics_poll_interval_s: float = 2.0
@@ -154,6 +137,14 @@ class GatewayConfig:
     def guarded(self) -> bool:
         """Policies that verify D's held sequence by tokens before reusing it (and so want token ids)."""
         return self.policy in ("pull", "auto")
+
+    def policy_tuning(self) -> dict[str, Any]:
+        """The [gateway.tuning] overrides of PolicyKnobs."""
+        return {k: v for k, v in self.tuning.items() if k in TUNING_FIELDS}
+
+    def learning_tuning(self) -> dict[str, Any]:
+        """The [gateway.tuning] overrides of the estimator's LearningParams."""
+        return {_LEARNING_TUNING[k]: v for k, v in self.tuning.items() if k in _LEARNING_TUNING}
 
     def is_bidirectional(self, prefill_url: str) -> bool:
         return self.bidirectional_prefill and _norm(prefill_url) not in {_norm(u) for u in self.unidirectional_prefill}
@@ -180,29 +171,16 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be > 0")
         if self.read_timeout_s is not None and self.read_timeout_s <= 0:
             raise ConfigError("read_timeout_s must be > 0 or unset (no read timeout)")
-        if self.max_local_suffix_tokens < 0 or self.tpot_window_tokens < 1 or self.chunk_tokens < 1:
-            raise ConfigError("max_local_suffix_tokens must be >= 0, tpot_window_tokens and chunk_tokens >= 1")
-        if self.tpot_budget_s <= 0 or self.interference_weight < 0:
-            raise ConfigError("tpot_budget_s must be > 0 and interference_weight >= 0")
-        if not 0 <= self.horizon_turns <= 3:
-            raise ConfigError("horizon_turns must be in [0, 3]")
-        if not 0.0 <= self.decode_stall_share <= 1.0 or self.decode_stall_window_s <= 0:
-            raise ConfigError("decode_stall_share must be in [0, 1] and decode_stall_window_s > 0")
+        if self.max_local_suffix_tokens < 0 or self.chunk_tokens < 1:
+            raise ConfigError("max_local_suffix_tokens must be >= 0 and chunk_tokens >= 1")
+        if self.tpot_budget_s <= 0:
+            raise ConfigError("tpot_budget_s must be > 0")
         if not 0.0 <= self.request_stall_share <= 1.0:
             raise ConfigError("request_stall_share must be in [0, 1]")
-        if not 0.0 <= self.horizon_discount <= 1.0:
-            raise ConfigError("horizon_discount must be in [0, 1]")
-        if not 0.0 <= self.evict_kv_usage_knee < 1.0:
-            raise ConfigError("evict_kv_usage_knee must be in [0, 1)")
-        if self.tail_weight < 0.0 or not 0.0 < self.tail_quantile < 1.0:
-            raise ConfigError("tail_weight must be >= 0 and tail_quantile in (0, 1)")
-        if self.arrival_weight < 0.0 or self.holdback_weight < 0.0:
-            raise ConfigError("arrival_weight and holdback_weight must be >= 0")
+        self._validate_tuning()
         for f in fields(self):
             if f.name.startswith("seed_") and not getattr(self, f.name) > 0:
                 raise ConfigError(f"{f.name} must be > 0")
-        if self.estimate_half_life_s <= 0:
-            raise ConfigError("estimate_half_life_s must be > 0")
         if self.min_reuse_tokens < 1:
             raise ConfigError("min_reuse_tokens must be >= 1")
         if self.block_size is not None and self.block_size < 1:
@@ -216,6 +194,30 @@ class GatewayConfig:
         return self
 
 
+    def _validate_tuning(self) -> None:
+        unknown = sorted(set(self.tuning) - TUNING_FIELDS - set(_LEARNING_TUNING))
+        if unknown:
+            known = ", ".join(sorted(TUNING_FIELDS | set(_LEARNING_TUNING)))
+            raise ConfigError(f"tuning: unknown constant(s) {', '.join(unknown)}; known: {known}")
+        defaults = {**{f.name: getattr(_KNOBS, f.name) for f in fields(PolicyKnobs)},
+                    "estimate_half_life_s": LearningParams().half_life_s}
+        for name, value in self.tuning.items():
+            whole = isinstance(defaults[name], int)
+            if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
+                raise ConfigError(f"tuning.{name} must be {'an integer' if whole else 'a number'}, got {value!r}")
+        if self.tuning.get("estimate_half_life_s", 1.0) <= 0:
+            raise ConfigError("tuning.estimate_half_life_s must be > 0")
+        try:
+            PolicyKnobs(**self.policy_tuning())
+            LearningParams(**self.learning_tuning())
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"tuning: {exc}") from None
+
+
+# [gateway.tuning] names of the estimator's learning parameters.
+_LEARNING_TUNING = {"estimate_half_life_s": "half_life_s"}
+
+
 def _norm(url: str) -> str:
     return url.rstrip("/")
 
@@ -224,6 +226,10 @@ _LIST_FIELDS = {"prefill", "decode", "aggregated", "unidirectional_prefill"}
 
 
 def _coerce(name: str, value: Any) -> Any:
+    if name == "tuning":
+        if not isinstance(value, dict):
+            raise ConfigError("tuning must be a table of constant = value")
+        return {str(k).replace("-", "_"): v for k, v in value.items()}
     if name in _LIST_FIELDS:
         if isinstance(value, str):
             value = [value]
@@ -270,12 +276,18 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
     return cfg.validate()
 
 
+# Settings whose default is None (unset): the type a set value must have.
+_OPTIONAL_TYPES: dict[str, type] = {"model": str, "block_size": int, "read_timeout_s": float, "otlp_endpoint": str}
+
+
 def _check_types(cfg: GatewayConfig) -> None:
     defaults = GatewayConfig()
     for f in fields(GatewayConfig):
         value, default = getattr(cfg, f.name), getattr(defaults, f.name)
-        if default is None or value is None:
+        if value is None:
             continue
+        if default is None:
+            default = _OPTIONAL_TYPES[f.name]()
         if isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, float):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kvtether.gateway.guard import HeldSequence
-from kvtether.gateway.prefillcache import PrefillCopy
+from kvtether.gateway.policy.copies import DecodeCopy, PrefillCopy
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +42,9 @@ class SessionState:
     # its prefix cache (evictable): (url, tokens), most recent last. Tokens only, no ids: each is a prefix of
     # the session's history, so its overlap with a new prompt is min(tokens, the prompt's overlap with
     # ``cached``).
-    elsewhere: tuple[tuple[str, int], ...] = ()
+    elsewhere: tuple[DecodeCopy, ...] = ()
     # Prefill nodes that prefilled a turn of the session, and how much of its history each likely still
-    # holds in its prefix cache (prefillcache.py); prefixes of ``cached`` like ``elsewhere``.
+    # holds in its prefix cache (policy/copies.py); prefixes of ``cached`` like ``elsewhere``.
     prefill_copies: tuple[PrefillCopy, ...] = ()
 
     def with_(self, **changes: Any) -> SessionState:

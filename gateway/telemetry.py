@@ -157,8 +157,8 @@ class Metrics:
             registry=r)
         for outcome in LOCAL_HANDLE_OUTCOMES:
             self.local_handles.labels(outcome)
-        # rate() of it is the share of the node's time its running batch lost to local prefills (the stall
-        # budget's share, costpolicy.PolicyKnobs.decode_stall_share, is its ceiling).
+        # rate() of it is the share of the node's time its running batch lost to local prefills (each request's
+        # TPOT quota, request_stall_share, bounds what any one of them loses).
         self.decode_stall = Counter(
             M_DECODE_STALL, "Estimated seconds decode-local prefills stalled the running batch of a decode node",
             ["node"], registry=r)

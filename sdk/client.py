@@ -14,6 +14,9 @@ Mechanism (the same on openai 1.99+ … 3.x; only client methods, never the HTTP
   answer) before it becomes a pydantic object: first-chunk / first-token times, the assembled
   answer and usage. It also covers ``with_raw_response``/``with_streaming_response``, which build
   their stream later and outside ``request()``.
+
+All of this lives once, in ``_StampingHooks`` and the helpers it and the hooks call; ``_AsyncHooks`` and
+``_SyncHooks`` only add the three methods the async client awaits, each a thin wrapper.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import urlsplit
 
@@ -34,11 +38,19 @@ from .session import AgentSession, _Call
 if TYPE_CHECKING:
     from typing import Self
 
+    class _ClientBase:
+        """What the shared hooks reach through super(): both clients have it, with these arguments."""
+
+        def copy(self, *args: Any, **kwargs: Any) -> Self: ...
+
+        def _process_response_data(self, *, data: object, cast_to: Any, response: Any) -> Any: ...
+
     _AsyncBase = openai.AsyncOpenAI
     _SyncBase = openai.OpenAI
 else:
     # At run time the hooks are mixins: they sit in front of whichever client class they stamp
     # (AsyncOpenAI, AsyncAzureOpenAI, a framework's subclass …) and reach it through super().
+    _ClientBase = object
     _AsyncBase = object
     _SyncBase = object
 
@@ -68,9 +80,10 @@ def _body(options: Any) -> dict[str, Any]:
     return {k: v for k, v in body.items() if not isinstance(v, openai.Omit | openai.NotGiven)}
 
 
-def _stamp(session: AgentSession | None, options: Any) -> None:
+def _stamp(session: AgentSession | None, options: Any) -> Any:
+    """Stamp one attempt's (already prepared) options in place; returns them."""
     if session is None:
-        return
+        return options
     given = options.headers if isinstance(options.headers, Mapping) else {}
     ours: dict[str, str] = {contract.SESSION_HEADER: session.id}
     call = _current.get()
@@ -85,6 +98,7 @@ def _stamp(session: AgentSession | None, options: Any) -> None:
     # case-insensitively so one header never goes out twice.
     present = {k.lower() for k in given}
     options.headers = {**{k: v for k, v in ours.items() if k.lower() not in present}, **given}
+    return options
 
 
 def _server(client: Any) -> tuple[str | None, int | None]:
@@ -137,38 +151,70 @@ def _finish_stream(call: _Call, exc: BaseException | None) -> None:
         call.session._finish(call, error=exc)
 
 
-def _observe_async(stream: Any, call: _Call) -> None:
-    inner: AsyncIterator[Any] = stream._iterator
+@contextmanager
+def _streaming(call: _Call) -> Iterator[None]:
+    # Runs around the whole iteration inside the wrapping generator, so closing that generator
+    # (GeneratorExit) reaches it as well as the end of the stream or an error.
+    try:
+        yield
+    except BaseException as e:
+        _finish_stream(call, e)
+        raise
+    _finish_stream(call, None)
+
+
+async def _observed_async(inner: AsyncIterator[Any], call: _Call) -> AsyncIterator[Any]:
+    with _streaming(call):
+        async for item in inner:
+            yield item
+
+
+def _observed_sync(inner: Iterator[Any], call: _Call) -> Iterator[Any]:
+    with _streaming(call):
+        yield from inner
+
+
+@contextmanager
+def _turn(client: Any, options: Any) -> Iterator[None]:
+    """Around one ``request()`` (all attempts): the turn is current for the hooks that run inside it."""
+    call = _begin(client, options)
+    if call is None:
+        yield
+        return
+    token = _current.set(call)
+    try:
+        yield
+    except BaseException as e:
+        call.session._finish(call, error=e)
+        raise
+    finally:
+        _current.reset(token)
+
+
+def _responding(response: Any) -> _Call | None:
+    """Before ``_process_response()``: tie the HTTP response to the current turn, and return that turn."""
+    call = _current.get()
+    if call is not None:
+        _register(response, call)
+    return call
+
+
+def _responded(call: _Call | None, result: Any) -> Any:
+    """After ``_process_response()``: a stream it returned for the current turn gets its iterator
+    swapped for one that passes every item through and ends the turn."""
+    if call is None or not isinstance(result, openai.AsyncStream | openai.Stream):
+        return result
     call.iterator_wrapped = True
-
-    async def observed() -> AsyncIterator[Any]:
-        try:
-            async for item in inner:
-                yield item
-        except BaseException as e:
-            _finish_stream(call, e)
-            raise
-        _finish_stream(call, None)
-
-    stream._iterator = observed()
+    if isinstance(result, openai.AsyncStream):
+        result._iterator = _observed_async(result._iterator, call)
+    else:
+        result._iterator = _observed_sync(result._iterator, call)
+    return result
 
 
-def _observe_sync(stream: Any, call: _Call) -> None:
-    inner: Iterator[Any] = stream._iterator
-    call.iterator_wrapped = True
+class _StampingHooks(_ClientBase):
+    """What the async and sync hooks share: everything but the calls that the async client awaits."""
 
-    def observed() -> Iterator[Any]:
-        try:
-            yield from inner
-        except BaseException as e:
-            _finish_stream(call, e)
-            raise
-        _finish_stream(call, None)
-
-    stream._iterator = observed()
-
-
-class _AsyncHooks(_AsyncBase):
     _kvt_session: AgentSession | None = None
 
     @property
@@ -190,89 +236,35 @@ class _AsyncHooks(_AsyncBase):
 
     with_options = copy
 
+    def _process_response_data(self, *, data: object, cast_to: Any, response: Any) -> Any:
+        _on_data(response, data)
+        return super()._process_response_data(data=data, cast_to=cast_to, response=response)
+
+
+class _AsyncHooks(_StampingHooks, _AsyncBase):
     async def _prepare_options(self, options: Any) -> Any:
-        options = await super()._prepare_options(options)
-        _stamp(self._kvt_session, options)
-        return options
+        return _stamp(self._kvt_session, await super()._prepare_options(options))
 
     async def request(self, cast_to: Any, options: Any, *args: Any, **kwargs: Any) -> Any:
-        call = _begin(self, options)
-        if call is None:
+        with _turn(self, options):
             return await super().request(cast_to, options, *args, **kwargs)
-        token = _current.set(call)
-        try:
-            return await super().request(cast_to, options, *args, **kwargs)
-        except BaseException as e:
-            call.session._finish(call, error=e)
-            raise
-        finally:
-            _current.reset(token)
 
     async def _process_response(self, **kwargs: Any) -> Any:
-        call = _current.get()
-        if call is not None:
-            _register(kwargs.get("response"), call)
-        result = await super()._process_response(**kwargs)
-        if call is not None and isinstance(result, openai.AsyncStream):
-            _observe_async(result, call)
-        return result
-
-    def _process_response_data(self, *, data: object, cast_to: Any, response: Any) -> Any:
-        _on_data(response, data)
-        return super()._process_response_data(data=data, cast_to=cast_to, response=response)
+        call = _responding(kwargs.get("response"))
+        return _responded(call, await super()._process_response(**kwargs))
 
 
-class _SyncHooks(_SyncBase):
-    _kvt_session: AgentSession | None = None
-
-    @property
-    def session(self) -> AgentSession | None:
-        """The session this client stamps for."""
-        return self._kvt_session
-
-    def for_session(self, session: AgentSession) -> Self:
-        """A copy (same connection pool) that stamps for another session."""
-        new = self.with_options()
-        new._kvt_session = session
-        return new
-
-    def copy(self, *args: Any, **kwargs: Any) -> Self:
-        new = super().copy(*args, **kwargs)
-        new._kvt_session = self._kvt_session
-        return new
-
-    with_options = copy
-
+class _SyncHooks(_StampingHooks, _SyncBase):
     def _prepare_options(self, options: Any) -> Any:
-        options = super()._prepare_options(options)
-        _stamp(self._kvt_session, options)
-        return options
+        return _stamp(self._kvt_session, super()._prepare_options(options))
 
     def request(self, cast_to: Any, options: Any, *args: Any, **kwargs: Any) -> Any:
-        call = _begin(self, options)
-        if call is None:
+        with _turn(self, options):
             return super().request(cast_to, options, *args, **kwargs)
-        token = _current.set(call)
-        try:
-            return super().request(cast_to, options, *args, **kwargs)
-        except BaseException as e:
-            call.session._finish(call, error=e)
-            raise
-        finally:
-            _current.reset(token)
 
     def _process_response(self, **kwargs: Any) -> Any:
-        call = _current.get()
-        if call is not None:
-            _register(kwargs.get("response"), call)
-        result = super()._process_response(**kwargs)
-        if call is not None and isinstance(result, openai.Stream):
-            _observe_sync(result, call)
-        return result
-
-    def _process_response_data(self, *, data: object, cast_to: Any, response: Any) -> Any:
-        _on_data(response, data)
-        return super()._process_response_data(data=data, cast_to=cast_to, response=response)
+        call = _responding(kwargs.get("response"))
+        return _responded(call, super()._process_response(**kwargs))
 
 
 class StampedAsyncOpenAI(_AsyncHooks, openai.AsyncOpenAI):
@@ -311,7 +303,7 @@ def _stamped_class(base: type) -> type:
 
 def wrap_client(client: _C, session: AgentSession) -> _C:
     """See ``AgentSession.wrap``."""
-    if isinstance(client, _AsyncHooks | _SyncHooks):
+    if isinstance(client, _StampingHooks):
         return cast(_C, client.for_session(session))
     if not isinstance(client, openai.AsyncOpenAI | openai.OpenAI):
         raise TypeError(f"expected an openai.OpenAI or openai.AsyncOpenAI client, got {type(client).__name__}")

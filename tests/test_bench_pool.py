@@ -1,7 +1,7 @@
 """`placement_policies.py --pool`: runs made as separate processes are pooled into one verdict.
 
-Single paced runs of the GLM-5 benchmark move the issue's ratios by ±10 % between processes (docs/placement.md,
-session 12), so verdicts are read off several runs pooled; these tests pin down that the pooling counts every
+Single paced runs of the GLM-5 benchmark move the verdict's ratios by ±10 % between processes (docs/placement.md,
+"Benchmark"), so verdicts are read off several runs pooled; these tests pin down that the pooling counts every
 run's turns once, keeps each run apart for the per-run lines, and fails loudly on a file without turns.
 """
 

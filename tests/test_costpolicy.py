@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
-from kvtether.gateway.costpolicy import (
+from kvtether.gateway.policy import (
     CostDecision,
     NodeState,
     NoFeasibleOption,
@@ -16,7 +16,7 @@ from kvtether.gateway.costpolicy import (
     choose,
     parse_mode,
 )
-from kvtether.gateway.estimates import (
+from kvtether.gateway.policy.estimates import (
     Estimator,
     EstimatorSeeds,
     EstimatorSnapshot,
@@ -29,8 +29,8 @@ P0, P1 = "http://p0", "http://p1"
 SEEDS = EstimatorSeeds()
 SNAP = EstimatorSnapshot(SEEDS)
 # Most situations here exercise the P/D options with a long suffix, several on an idle D where the default local
-# limit (8192 since session 11, the TPOT quotas deciding whether a long suffix may run on a busy D) would run
-# it locally: they keep the earlier 2048-token limit. The local limit and the quotas have cases of their own.
+# limit (8192, the TPOT quotas deciding whether a long suffix may run on a busy D) would run it locally: they set
+# a 2048-token limit. The local limit and the quotas have cases of their own.
 def knobs(**kw: Any) -> PolicyKnobs:
     return PolicyKnobs(**{"max_local_suffix_tokens": 2048, **kw})
 
@@ -250,15 +250,15 @@ def test_tail_weight_keeps_a_tail_turn_off_a_slower_move() -> None:
 
 def test_look_ahead_remembers_the_decode_a_move_leaves() -> None:
     """After a move the next turn is pinned on the new D, and the D it left holds this turn's history."""
-    from kvtether.gateway import costpolicy as C
+    from kvtether.gateway.policy import lookahead, options
 
     turn = history_turn(12000, 1000, decode_elsewhere=((D1, 4000),))
-    c = C._Cluster((p(P0),), (d(D0), d(D1)), MOE, knobs())
-    moved = C.OptionEstimate("pull", True, "", False, 0.3, 0.0, 0.0, P0, D1, 11000, 1000, 1000)
-    [(prob, nxt, pin)] = C._after(turn, moved, D0, c)
+    c = options.Nodes((p(P0),), (d(D0), d(D1)), MOE, knobs())
+    moved = options.OptionEstimate("pull", True, "", False, 0.3, 0.0, 0.0, P0, D1, 11000, 1000, 1000)
+    [(prob, nxt, pin)] = lookahead.after(turn, moved, D0, c)
     assert prob == 1.0 and pin == D1 and nxt.decode_elsewhere == ((D0, 10992),)  # whole blocks
     stayed = replace(moved, decode_url=D0)
-    [(_, nxt, pin)] = C._after(turn, stayed, D0, c)
+    [(_, nxt, pin)] = lookahead.after(turn, stayed, D0, c)
     assert pin == D0 and nxt.decode_elsewhere == ((D1, 4000),)
 
 
@@ -590,25 +590,25 @@ def test_a_cold_prefill_goes_where_the_history_is_cached() -> None:
 
 
 def test_look_ahead_counts_the_prefill_copy_a_pd_turn_leaves() -> None:
-    from kvtether.gateway import costpolicy as C
+    from kvtether.gateway.policy import lookahead, options
 
     turn = history_turn(12000, 1000, prefill_cached=((P0, 8000),))
-    c = C._Cluster((p(P0, prefix_caching=True), p(P1, prefix_caching=True)), (d(D0),), MOE, knobs())
-    on_p1 = C.OptionEstimate("pull", True, "", False, 0.3, 0.0, 0.0, P1, D0, 11000, 1000, 1000)
-    [(_, nxt, _)] = C._after(turn, on_p1, D0, c)
+    c = options.Nodes((p(P0, prefix_caching=True), p(P1, prefix_caching=True)), (d(D0),), MOE, knobs())
+    on_p1 = options.OptionEstimate("pull", True, "", False, 0.3, 0.0, 0.0, P1, D0, 11000, 1000, 1000)
+    [(_, nxt, _)] = lookahead.after(turn, on_p1, D0, c)
     assert nxt.prefill_cached == ((P0, 8000), (P1, 12000))
-    local = C.OptionEstimate("decode_local", True, "", False, 0.1, 0.0, 0.0, None, D0, 0, 1000, 0)
-    for _, nxt, _ in C._after(turn, local, D0, c):
+    local = options.OptionEstimate("decode_local", True, "", False, 0.1, 0.0, 0.0, None, D0, 0, 1000, 0)
+    for _, nxt, _ in lookahead.after(turn, local, D0, c):
         assert nxt.prefill_cached == ((P0, 8000),)
     # A P without prefix caching keeps nothing of the turn.
-    c = C._Cluster((p(P0, prefix_caching=True), p(P1)), (d(D0),), MOE, knobs())
-    [(_, nxt, _)] = C._after(turn, on_p1, D0, c)
+    c = options.Nodes((p(P0, prefix_caching=True), p(P1)), (d(D0),), MOE, knobs())
+    [(_, nxt, _)] = lookahead.after(turn, on_p1, D0, c)
     assert nxt.prefill_cached == ((P0, 8000),)
 
 
 
 def test_blocked_s_counts_the_instants_a_local_step_holds_up() -> None:
-    from kvtether.gateway.costpolicy import blocked_s
+    from kvtether.gateway.policy import blocked_s
 
     # A local prefill holding D from 0.01 s to 0.09 s (from now).
     assert blocked_s((), 0.01, 0.09) == 0.0
@@ -661,7 +661,7 @@ def test_a_stall_on_a_request_whose_client_has_seen_nothing_costs_its_ttft() -> 
     the local prefill's stall from its TTFT, not from its TPOT: with holdback_weight 1 (off by default) it is
     priced at 1, not at interference_weight."""
     turn = history_turn(20000, 300)
-    k = knobs(decode_stall_share=1.0, holdback_weight=1.0)  # no stall budget: the price alone
+    k = knobs(holdback_weight=1.0)
     calm = choose(turn, D0, (p(P0),), (d(D0, running=3),), MOE, k)
     held = choose(turn, D0, (p(P0),), (d(D0, running=3, holding_back=2),), MOE, k)
     local_calm = next(o for o in calm.options if o.option == "decode_local")

@@ -13,6 +13,8 @@ import anyio
 import httpx
 import pytest
 from gateway_agent import chat, comparable, first_messages, next_messages, request_body, tool_result
+from kvtether.gateway import orchestrator as orchestrator_room
+from kvtether.gateway import remember as remember_room
 from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
 from kvtether.gateway.server import serve_gateway
@@ -148,9 +150,9 @@ async def test_a_failed_decode_local_leg_is_retried_cold() -> None:
             assert await metric(client, url, "kvtether_upstream_errors_total", phase="decode") == 1
             sessions = (await client.get(f"{url}/admin/sessions")).json()
             assert sessions[0]["turns"] == 4
-            nodes = app.state.gateway.orchestrator.cluster.nodes.values()
+            nodes = app.state.gateway.orchestrator.sv.cluster.nodes.values()
             assert all(n.inflight == 0 for n in nodes), "a failed leg left a request open"
-            assert app.state.gateway.orchestrator.exposures == {}, "a failed leg left a TPOT quota entry"
+            assert app.state.gateway.orchestrator.learning.exposures == {}, "a failed leg left a TPOT quota entry"
 
 
 async def test_a_turn_whose_decode_legs_all_fail_leaves_no_tpot_quota_behind() -> None:
@@ -168,16 +170,14 @@ async def test_a_turn_whose_decode_legs_all_fail_leaves_no_tpot_quota_behind() -
         assert resp.status_code >= 500 and "error" in resp.json()
         orch = r.gw.orchestrator
         assert await metric(r.client, r.url, "kvtether_upstream_errors_total", phase="decode") == 2
-        assert orch.exposures == {}
-        assert all(n.inflight == 0 for n in orch.cluster.nodes.values())
+        assert orch.learning.exposures == {}
+        assert all(n.inflight == 0 for n in orch.sv.cluster.nodes.values())
 
 
-# Two ways to bound what local prefills cost D's running batch: a node-level share (a token bucket whose burst,
-# 0.001 × 300 s = 0.3 s, holds one ~0.2 s stall, not two, and barely refills here), or per-request TPOT quotas
-# (the long answer's: 0.09 × 2999 tokens × ~1.1 ms per step ≈ 0.3 s, the same room).
+# What bounds local prefills' cost to D's running batch: per-request TPOT quotas (the long answer's:
+# 0.09 × 2999 tokens × ~1.1 ms per step ≈ 0.3 s, room for one ~0.2 s stall, not two).
 _BUDGETS = {
-    "node share": ({"decode_stall_share": 0.001, "decode_stall_window_s": 300.0}, "stall budget"),
-    "request quota": ({"request_stall_share": 0.09, "decode_stall_share": 1.0}, "TPOT quota"),
+    "request quota": ({"request_stall_share": 0.09}, "TPOT quota"),
 }
 
 
@@ -203,7 +203,7 @@ async def test_decode_local_turns_spend_the_decode_nodes_stall_budget(budget: st
                           # answer; only the budget's price weighs it (interference weight 0).
                           seed_prefill_overhead_s=0.2, seed_tpot_base_s=0.001, seed_tpot_s_per_seq=1e-4,
                           seed_transfer_latency_s=0.1,  # a pull is clearly dearer than a local turn
-                          interference_weight=0.0, **knobs)
+                          tuning={"interference_weight": 0.0}, **knobs)
         app = create_app(cfg, tracer_provider=provider)
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             histories = {}
@@ -229,7 +229,7 @@ async def test_decode_local_turns_spend_the_decode_nodes_stall_budget(budget: st
                     sources.append("decode_local" if after > before else "through P")
                 plans = [dict(p.attributes or {}) for p in exporter.get_finished_spans() if p.name == "kvtether.plan"]
                 stalled = await metric(client, url, "kvtether_decode_stall_seconds_total", node=cluster.decode_urls[0])
-                exposures = app.state.gateway.orchestrator.exposures
+                exposures = app.state.gateway.orchestrator.learning.exposures
                 quotas = [e.quota_s for e in exposures.get(cluster.decode_urls[0], {}).values()]
                 await resp.aclose()  # the client walks away from the long answer
             for _ in range(100):  # the gateway notices the client left on its next chunk
@@ -249,7 +249,8 @@ async def test_decode_local_turns_spend_the_decode_nodes_stall_budget(budget: st
     assert leftover == {}
 
 
-async def test_a_local_prefill_is_learned_from_ds_first_token_not_from_the_first_tool_call_delta() -> None:
+async def test_a_local_prefill_is_learned_from_ds_first_token_not_from_the_first_tool_call_delta(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM sends a stream's role chunk with the first engine output; the first tool-call delta follows once
     the parser has the function name, several decode steps later. The local-prefill sample the estimator
     learns must end at the first chunk: the hold-back is decode time, and counting it as prefill made the
@@ -258,13 +259,17 @@ async def test_a_local_prefill_is_learned_from_ds_first_token_not_from_the_first
         orch = r.gw.orchestrator
         pending: list[tuple[float, float]] = []  # (from the first chunk, from the first delta) of the leg
         samples: list[tuple[float, float, float]] = []
-        learn_decode, observe_prefill = orch._learn_decode, orch.estimator.observe_prefill
+        make_sample, decode_done = remember_room._decode_sample, orch.learning.decode_done
+        observe_prefill = orch.learning.estimator.observe_prefill
 
-        def spy_learn(ctx: Any, the_plan: Any, result: Any, now: float) -> None:
+        def spy_sample(ctx: Any, the_plan: Any, result: Any) -> Any:
             if the_plan.action.value == "decode_local" and ctx.final_leg_at is not None:
                 assert result.first_chunk is not None and result.ttft is not None
                 pending[:] = [(ctx.t0 + result.first_chunk - ctx.final_leg_at, ctx.t0 + result.ttft - ctx.final_leg_at)]
-            learn_decode(ctx, the_plan, result, now)
+            return make_sample(ctx, the_plan, result)
+
+        def spy_learn(sample: Any, now: float) -> None:
+            decode_done(sample, now)
             pending.clear()
 
         def spy_observe(node: str, tokens: int, context: int, seconds: float, *, now: float) -> None:
@@ -272,7 +277,8 @@ async def test_a_local_prefill_is_learned_from_ds_first_token_not_from_the_first
                 samples.append((*pending[0], seconds))
             observe_prefill(node, tokens, context, seconds, now=now)
 
-        orch._learn_decode, orch.estimator.observe_prefill = spy_learn, spy_observe
+        monkeypatch.setattr(remember_room, "_decode_sample", spy_sample)
+        orch.learning.decode_done, orch.learning.estimator.observe_prefill = spy_learn, spy_observe  # type: ignore[method-assign]
         h = {"x-session-id": "learn-1"}
         messages = first_messages(70)
         for turn in range(4):
@@ -299,19 +305,19 @@ async def test_a_local_prefill_on_a_busy_decode_node_is_learned_from_its_mixed_s
     async with SimCluster(spec) as cluster:
         cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
                           metrics_poll_interval_s=0.5, min_reuse_tokens=4, max_local_suffix_tokens=256,
-                          interference_weight=0.0, decode_stall_share=1.0, seed_tpot_base_s=0.01,
+                          tuning={"interference_weight": 0.0}, seed_tpot_base_s=0.01,
                           seed_transfer_latency_s=1.0)  # a pull is clearly dearer: the follow-up runs on D
         app = create_app(cfg)
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             orch = app.state.gateway.orchestrator
             samples: list[tuple[int, int, float, float]] = []  # tokens, context, learned seconds, own TTFT
             ttft: list[float] = []
-            learn_decode, observe_prefill = orch._learn_decode, orch.estimator.observe_prefill
+            decode_done, observe_prefill = orch.learning.decode_done, orch.learning.estimator.observe_prefill
 
-            def spy_learn(ctx: Any, the_plan: Any, result: Any, now: float) -> None:
-                if the_plan.action.value == "decode_local" and result.first_chunk is not None:
-                    ttft[:] = [ctx.t0 + result.first_chunk - ctx.final_leg_at]
-                learn_decode(ctx, the_plan, result, now)
+            def spy_learn(sample: Any, now: float) -> None:
+                if sample.local and sample.first_chunk_at is not None:
+                    ttft[:] = [sample.first_chunk_at - sample.sent_at]
+                decode_done(sample, now)
                 ttft.clear()
 
             def spy_observe(node: str, tokens: int, context: int, seconds: float, *, now: float) -> None:
@@ -319,7 +325,7 @@ async def test_a_local_prefill_on_a_busy_decode_node_is_learned_from_its_mixed_s
                     samples.append((tokens, context, seconds, ttft[0]))
                 observe_prefill(node, tokens, context, seconds, now=now)
 
-            orch._learn_decode, orch.estimator.observe_prefill = spy_learn, spy_observe
+            orch.learning.decode_done, orch.learning.estimator.observe_prefill = spy_learn, spy_observe  # type: ignore[method-assign]
             h = {"x-session-id": "a"}
             first = first_messages(80)
             got = await chat(client, url, request_body(first, stream=True), h)
@@ -364,14 +370,14 @@ async def test_a_pull_turn_moves_the_pin_to_a_lighter_decode_node() -> None:
         messages = await _oracle_turn(r, first_messages(90), 0, h)
         home = await pin()
         other = next(u for u in r.cluster.decode_urls if u != home)
-        orch.cluster.nodes[home].running = 12.0  # polled gauge (the next poll is minutes away)
+        orch.sv.cluster.nodes[home].running = 12.0  # polled gauge (the next poll is minutes away)
         attached = await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached")
         messages = await _oracle_turn(r, messages, 1, h)
         assert await pin() == other, "the pin did not move to the idle decode node"
         # P was sent the old D's handle (and read it: the answer matches the oracle's, and the handle is gone).
         assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == attached + 1
         assert len(r.cluster.node(home).engine.holds) == 0, "the old decode node still holds the history"
-        orch.cluster.nodes[home].running = 0.0
+        orch.sv.cluster.nodes[home].running = 0.0
         # Both idle now: stays, pulling the handle the moved turn left on its new D.
         await _oracle_turn(r, messages, 2, h)
         assert await pin() == other
@@ -384,21 +390,21 @@ async def test_a_turn_in_the_ttft_tail_stays_on_its_pinned_decode_node() -> None
     the slower first token of a move outweighs the balance and the pin stays. (The rig's prompts are short,
     so a move costs ~1 ms of transfer: the weight is large for that; without the term the pin moves.)"""
     async with rig(policy="auto", decode=2, min_reuse_tokens=4, max_local_suffix_tokens=16,
-                   learn_estimates=False, metrics_poll_interval_s=600.0, tail_weight=1000.0) as r:
+                   learn_estimates=False, metrics_poll_interval_s=600.0, tuning={"tail_weight": 1000.0}) as r:
         orch = r.gw.orchestrator
         h = {"x-session-id": "tail-1"}
         messages = await _oracle_turn(r, first_messages(90), 0, h)
-        seen = len(orch.tail)
+        seen = len(orch.learning.tail)
         sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
         home = str(next(s["decode"] for s in sessions if s["session_id"] == "tail-1"))
-        orch.cluster.nodes[home].running = 12.0
-        for _ in range(orch.tail.min_samples):
-            orch.tail.observe(0.0)  # every recent turn was instant: any estimate is above the threshold
+        orch.sv.cluster.nodes[home].running = 12.0
+        for _ in range(orch.learning.tail.min_samples):
+            orch.learning.tail.observe(0.0)  # every recent turn was instant: any estimate is above the threshold
         await _oracle_turn(r, messages, 1, h)
         sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
         # (Pull or cold: P's prefix cache holds the first prompt, so the two differ by a read of a few tokens.)
         assert next(s["decode"] for s in sessions if s["session_id"] == "tail-1") == home
-        assert len(orch.tail) == seen + orch.tail.min_samples + 1  # the auto decision was recorded
+        assert len(orch.learning.tail) == seen + orch.learning.tail.min_samples + 1  # the auto decision was recorded
 
 
 async def test_a_pin_moved_back_reads_only_what_its_old_decode_node_lacks() -> None:
@@ -414,25 +420,25 @@ async def test_a_pin_moved_back_reads_only_what_its_old_decode_node_lacks() -> N
             return await metric(r.client, url, "vllm:prompt_tokens_by_source_total", source=source)
 
         messages = await _oracle_turn(r, first_messages(90), 0, h)
-        state = await orch.store.get("back-1")
+        state = await orch.sv.store.get("back-1")
         assert state is not None and state.decode is not None and state.elsewhere == ()
         home = state.decode
         other = next(u for u in r.cluster.decode_urls if u != home)
-        orch.cluster.nodes[home].running = 12.0  # polled gauges (the next poll is minutes away)
+        orch.sv.cluster.nodes[home].running = 12.0  # polled gauges (the next poll is minutes away)
         messages = await _oracle_turn(r, messages, 1, h)
-        state = await orch.store.get("back-1")
+        state = await orch.sv.store.get("back-1")
         assert state is not None and state.decode == other, "the pin did not move off the busy decode node"
         (left, kept), = state.elsewhere
         assert left == home and kept > 100, state.elsewhere
-        orch.cluster.nodes[home].running = 0.0
-        orch.cluster.nodes[other].running = 12.0
-        block = orch.cluster.block_size(home)
+        orch.sv.cluster.nodes[home].running = 0.0
+        orch.sv.cluster.nodes[other].running = 12.0
+        block = orch.sv.cluster.block_size(home)
         hit, read = await by_source(home, "local_cache_hit"), await by_source(home, "external_kv_transfer")
         plans: list[Any] = []
-        planner = orch._plan
-        orch._plan = lambda ctx, t: plans.append(planner(ctx, t)) or plans[-1]  # type: ignore[method-assign]
+        planner = orch.plan
+        orch.plan = lambda ctx, t: plans.append(planner(ctx, t)) or plans[-1]  # type: ignore[method-assign]
         await _oracle_turn(r, messages, 2, h)
-        state = await orch.store.get("back-1")
+        state = await orch.sv.store.get("back-1")
         assert state is not None and state.decode == home, "the pin did not move back"
         assert f"D still holds {kept // block * block} tok of the history" in plans[-1].reason, plans[-1].reason
         assert state.elsewhere and state.elsewhere[-1][0] == other, "the D the pin left again is not remembered"
@@ -441,20 +447,21 @@ async def test_a_pin_moved_back_reads_only_what_its_old_decode_node_lacks() -> N
         assert 0 < read_now - read < kept, "the old D read the whole prompt again"
 
 
-async def test_a_turn_counts_as_arriving_on_its_decode_node_only_during_its_prefill_leg() -> None:
+async def test_a_turn_counts_as_arriving_on_its_decode_node_only_during_its_prefill_leg(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """While a P/D turn's prefill leg runs, its decode node counts it as arriving (load already on its way,
     which rebalancing counts); after the leg, whether it succeeded or failed, it does not."""
     async with rig(policy="auto", prefill=1, decode=1, min_reuse_tokens=4, learn_estimates=False) as r:
         orch = r.gw.orchestrator
-        d = orch.cluster.nodes[r.cluster.decode_urls[0]]
+        d = orch.sv.cluster.nodes[r.cluster.decode_urls[0]]
         seen: list[int] = []
-        prefill = orch._prefill_with_recovery
+        prefill = orchestrator_room.prefill_with_recovery
 
         async def spy(*args: Any, **kw: Any) -> Any:
             seen.append(d.arriving)
             return await prefill(*args, **kw)
 
-        orch._prefill_with_recovery = spy  # type: ignore[method-assign]
+        monkeypatch.setattr(orchestrator_room, "prefill_with_recovery", spy)
         await chat(r.client, r.url, request_body(first_messages(40), stream=True), {"x-session-id": "arr-1"})
         assert seen == [1] and d.arriving == 0 and d.inflight == 0
         await r.client.post(f"{r.cluster.prefill_urls[0]}/admin/fault", json={"fail_next": 1})
@@ -479,7 +486,7 @@ async def test_clients_that_leave_mid_answer_free_their_decode_slots() -> None:
                           metrics_poll_interval_s=0.5, min_reuse_tokens=4, learn_estimates=False)
         app = create_app(cfg)
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
-            d = app.state.gateway.orchestrator.cluster.nodes[cluster.decode_urls[0]]
+            d = app.state.gateway.orchestrator.sv.cluster.nodes[cluster.decode_urls[0]]
             long = {"min_tokens": 3000, "ignore_eos": True, "max_tokens": 3000}
 
             async def non_streamed() -> None:
@@ -517,18 +524,18 @@ async def test_a_pd_turn_goes_back_to_the_prefill_node_whose_cache_holds_the_his
         orch = r.gw.orchestrator
         lo, hi = sorted(r.cluster.prefill_urls)
         for u in (lo, hi):
-            await orch.cluster.refresh(orch.cluster.nodes[u])  # a poll tells whether P caches, and its size
-        assert orch.cluster.nodes[hi].prefix_caching is p_caching
-        assert (orch.cluster.nodes[hi].kv_capacity_tokens or 0) > 10_000
+            await orch.sv.cluster.refresh(orch.sv.cluster.nodes[u])  # a poll tells whether P caches, and its size
+        assert orch.sv.cluster.nodes[hi].prefix_caching is p_caching
+        assert (orch.sv.cluster.nodes[hi].kv_capacity_tokens or 0) > 10_000
         h = {"x-session-id": "pcache-1"}
-        orch.cluster.nodes[lo].running = 12.0  # the first turn's cold prefill goes to `hi`
+        orch.sv.cluster.nodes[lo].running = 12.0  # the first turn's cold prefill goes to `hi`
         messages = await _oracle_turn(r, first_messages(90), 0, h)
-        state = await orch.store.get("pcache-1")
+        state = await orch.sv.store.get("pcache-1")
         assert state is not None
-        orch.cluster.nodes[lo].running = 0.0
+        orch.sv.cluster.nodes[lo].running = 0.0
         plans: list[Any] = []
-        planner = orch._plan
-        orch._plan = lambda ctx, t: plans.append(planner(ctx, t)) or plans[-1]  # type: ignore[method-assign]
+        planner = orch.plan
+        orch.plan = lambda ctx, t: plans.append(planner(ctx, t)) or plans[-1]  # type: ignore[method-assign]
 
         async def by_source(source: str) -> float:
             return await metric(r.client, hi, "vllm:prompt_tokens_by_source_total", source=source)
@@ -548,17 +555,18 @@ async def test_a_pd_turn_goes_back_to_the_prefill_node_whose_cache_holds_the_his
         assert f"its cache holds {copy.tokens} tok" in the_plan.reason, the_plan.reason
         assert await by_source("local_cache_hit") - hit >= copy.tokens, "P did not hit its prefix cache"
         assert await by_source("external_kv_transfer") - read <= state.cached.num_tokens - copy.tokens
-        after = await orch.store.get("pcache-1")
+        after = await orch.sv.store.get("pcache-1")
         assert after is not None and [c.url for c in after.prefill_copies] == [hi]
         assert after.prefill_copies[0].tokens > copy.tokens  # now this turn's prompt
         # Eviction: the gateway counted what P took in since; on a cache that small the copy is gone.
         (mine,) = after.prefill_copies
-        assert orch._prefill_cached(after.prefill_copies, 10**6) == {hi: mine.tokens}
-        assert orch._prefill_cached(after.prefill_copies, 100) == {hi: 100}  # an edited history cuts it
-        orch.cluster.nodes[hi].kv_capacity_tokens = orch.prefill_written[hi] - mine.written_at + mine.tokens // 2
-        assert orch._prefill_cached(after.prefill_copies, 10**6) == {hi: mine.tokens // 2}  # tail first
-        orch.prefill_written[hi] += mine.tokens
-        assert orch._prefill_cached(after.prefill_copies, 10**6) == {}
+        nodes = orch.sv.cluster.nodes
+        assert orch.learning.prefill_cached(after.prefill_copies, 10**6, nodes) == {hi: mine.tokens}
+        assert orch.learning.prefill_cached(after.prefill_copies, 100, nodes) == {hi: 100}  # an edited history cuts it
+        nodes[hi].kv_capacity_tokens = orch.learning.prefill_written[hi] - mine.written_at + mine.tokens // 2
+        assert orch.learning.prefill_cached(after.prefill_copies, 10**6, nodes) == {hi: mine.tokens // 2}  # tail first
+        orch.learning.prefill_written[hi] += mine.tokens
+        assert orch.learning.prefill_cached(after.prefill_copies, 10**6, nodes) == {}
 
 
 async def test_tokenize_calls_use_connections_of_their_own() -> None:
@@ -567,7 +575,7 @@ async def test_tokenize_calls_use_connections_of_their_own() -> None:
     (benchmarks/pd_hop.py)."""
     async with rig(policy="auto", min_reuse_tokens=4, max_local_suffix_tokens=16, learn_estimates=False) as r:
         gw = r.gw
-        assert gw.orchestrator.tokenize_client is gw.tokenize_client is not gw.client
+        assert gw.orchestrator.sv.tokenize_client is gw.tokenize_client is not gw.client
         seen: dict[str, list[str]] = {"legs": [], "tokenize": []}
 
         async def on(name: str, request: httpx.Request) -> None:
@@ -616,7 +624,7 @@ async def test_a_decode_local_turn_leaves_a_handle_of_its_whole_sequence(marked:
         assert sources == 1, (p2p, held)
         kept = {o: await metric(client, url, "kvtether_local_turn_handles_total", outcome=o)
                 for o in ("kept", "superseded", "missing")}
-        node = r.gw.orchestrator.cluster.nodes[r.cluster.decode_urls[0]]
+        node = r.gw.orchestrator.sv.cluster.nodes[r.cluster.decode_urls[0]]
     assert p2p[1] == 0, "the local turn made a prefill request"
     if marked:
         # The local turn's own handle: it covers the first turn's held sequence and what the turn added.
@@ -652,7 +660,7 @@ async def test_a_decode_node_that_drops_the_mark_is_no_longer_counted_on() -> No
         for turn in (0, 1):
             messages = next_messages(messages, got, 58, turn, result_words=10)
             got = await chat(client, url, request_body(messages, stream=False), h)
-            assert orch.cluster.nodes[d].local_handles is False
+            assert orch.sv.cluster.nodes[d].local_handles is False
             [after] = (await client.get(f"{url}/admin/sessions")).json()
             assert after["has_handle"] and after["held_tokens"] == first["held_tokens"]
         assert await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local") == 2
@@ -663,7 +671,7 @@ async def test_a_decode_node_that_drops_the_mark_is_no_longer_counted_on() -> No
         engine.cfg = replace(engine.cfg, bidirectional=True)
         messages = next_messages(messages, got, 58, 2, result_words=10)
         await chat(client, url, request_body(messages, stream=False), h)
-        assert orch.cluster.nodes[d].local_handles is True
+        assert orch.sv.cluster.nodes[d].local_handles is True
         [last] = (await client.get(f"{url}/admin/sessions")).json()
         assert last["held_tokens"] > first["held_tokens"]
 
@@ -675,7 +683,7 @@ async def test_requests_whose_client_has_seen_nothing_are_counted_on_their_decod
     async with rig(**_AUTO) as r:
         client, url = r.client, r.url
         d = r.cluster.decode_urls[0]
-        cl = r.gw.orchestrator.cluster
+        cl = r.gw.orchestrator.sv.cluster
         calls: list[tuple[str, int]] = []
         real = cl.hold_back
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from kvtether.gateway import body as B
 from kvtether.gateway.config import ConfigError, GatewayConfig, load_config
-from kvtether.gateway.costpolicy import PolicyKnobs
 from kvtether.gateway.guard import HeldSequence, is_exact_extension, truncate_handle, verified_reuse
-from kvtether.gateway.placement import (
+from kvtether.gateway.policy import PolicyKnobs
+from kvtether.gateway.policy.placement import (
     ClusterView,
     HandleAction,
     HandleState,
@@ -277,6 +277,33 @@ def test_config_load_and_validate(tmp_path: Path) -> None:
         load_config(f)
 
 
+def test_tuning_overrides_reach_the_cost_model_and_are_checked(tmp_path: Path) -> None:
+    """The cost model's constants are not settings, but [gateway.tuning] overrides them for experiments: the
+    values reach PolicyKnobs and the estimator; unknown names and wrong types are refused by name."""
+    from kvtether.gateway.orchestrator import learning_params, policy_knobs
+
+    f = tmp_path / "gw.toml"
+    f.write_text('[gateway]\nprefill = ["http://p:1"]\ndecode = ["http://d:1"]\nmax_local_suffix_tokens = 512\n'
+                 "[gateway.tuning]\ninterference-weight = 0.5\nhorizon_turns = 2\nestimate_half_life_s = 60\n")
+    cfg = load_config(f)
+    knobs = policy_knobs(cfg)
+    assert (knobs.interference_weight, knobs.horizon_turns, knobs.max_local_suffix_tokens) == (0.5, 2, 512)
+    assert knobs.tail_weight == PolicyKnobs().tail_weight  # untouched constants keep their defaults
+    assert learning_params(cfg).half_life_s == 60
+    base = {"prefill": ["http://p:1"], "decode": ["http://d:1"]}
+    for tuning, message in (({"max_local_suffix_tokens": 1}, "unknown constant"),  # a setting, not tuning
+                            ({"decode_stall_share": 0.1}, "unknown constant"),
+                            ({"horizon_turns": 1.5}, "must be an integer"),
+                            ({"interference_weight": "x"}, "must be a number"),
+                            ({"horizon_turns": 9}, "horizon_turns must be in"),
+                            ({"estimate_half_life_s": 0}, "estimate_half_life_s must be > 0")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, **base, tuning=tuning)
+    for name, value in (("block_size", "16"), ("read_timeout_s", "5"), ("model", 7)):
+        with pytest.raises(ConfigError, match=name):
+            load_config(None, **base, **{name: value})
+
+
 # ---- body rules ----------------------------------------------------------------------------------
 
 
@@ -303,6 +330,15 @@ def test_strip_internal() -> None:
     resp2 = {"prompt_token_ids": [1], "kv_transfer_params": None, "choices": [{"token_ids": [2]}]}
     B.strip_internal(resp2, keep_token_ids=True)
     assert resp2 == {"prompt_token_ids": [1], "choices": [{"token_ids": [2]}]}
+
+
+def test_a_null_kv_transfer_params_counts_as_stripped() -> None:
+    """The relay re-serializes a chunk only when strip_internal says it changed: a null field removed from
+    the parsed chunk must say so, or the original line (field included) reaches the client."""
+    chunk = {"id": "x", "kv_transfer_params": None, "choices": [{"delta": {"content": "hi"}}]}
+    assert B.strip_internal(chunk, keep_token_ids=True)
+    assert "kv_transfer_params" not in chunk
+    assert not B.strip_internal({"id": "x", "choices": [{"delta": {"content": "hi"}}]}, keep_token_ids=True)
 
 
 def test_chat_keys_link_a_turn_to_the_next() -> None:
@@ -518,10 +554,10 @@ def test_pull_prefers_the_sessions_previous_prefill_when_as_idle() -> None:
 def test_decode_nodes_the_pin_left_are_cut_to_the_prompts_overlap() -> None:
     """Each remembered prefix is a prefix of the session's history: an edit that keeps only `overlap`
     tokens of it cuts every entry to that, an edit before all of them drops them, the new pin's goes."""
-    from kvtether.gateway.orchestrator import _elsewhere
+    from kvtether.gateway.policy.copies import DecodeCopy, cut
 
-    left = (("http://d1", 4000), ("http://d2", 9000))
-    assert _elsewhere(left, 12000) == left
-    assert _elsewhere(left, 6000) == (("http://d1", 4000), ("http://d2", 6000))
-    assert _elsewhere(left, 0) == ()
-    assert _elsewhere(left, 12000, drop="http://d2") == (("http://d1", 4000),)
+    left = (DecodeCopy("http://d1", 4000), DecodeCopy("http://d2", 9000))
+    assert cut(left, 12000) == left
+    assert cut(left, 6000) == (("http://d1", 4000), ("http://d2", 6000))
+    assert cut(left, 0) == ()
+    assert cut(left, 12000, drop="http://d2") == (("http://d1", 4000),)

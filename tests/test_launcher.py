@@ -150,7 +150,8 @@ def test_gateway_command_in_front() -> None:
     assert gw.prefill_urls == ("http://127.0.0.1:8100", "http://127.0.0.1:8101")
     assert gw.decode_urls == ("http://127.0.0.1:8102",)
     argv = gw.command.argv
-    assert argv[:5] == ("/p/python", "-m", "kvtether.cli.cmd_up", "gateway", argv[4])
+    assert argv == ("/p/python", "-m", "kvtether.cli.cmd_up", "gateway", argv[4], "--log-level", "warning")
+    assert gw.child_args == argv[4:]
     settings = json.loads(argv[4])
     assert settings == {
         "prefill": list(gw.prefill_urls),

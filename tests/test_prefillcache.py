@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtether.gateway.prefillcache import (
+from kvtether.gateway.policy.copies import (
     MAX_COPIES,
     PrefillCopy,
     after_prefill,

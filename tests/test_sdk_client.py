@@ -335,3 +335,50 @@ def test_contract_import_does_not_load_openai() -> None:
     code = "import sys, kvtether.sdk.contract, kvtether.sdk.sessionfile; print('openai' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_sync_stream_closed_early_is_aborted(fake: FakeOpenAI) -> None:
+    import gc
+
+    session = AgentSession()
+    client = StampedOpenAI(session=session, base_url=fake.url, api_key="k")
+    fake.script(Reply(content="one two three"))
+    stream = client.chat.completions.create(model="m", messages=HISTORY, stream=True)
+    for _ in stream:
+        break  # the role-only first chunk: no finish_reason seen
+    turn = session.last_turn
+    assert turn is not None and not turn.done
+    stream.close()
+    del stream
+    gc.collect()  # the observed iterator is closed (GeneratorExit) when the stream goes
+    assert turn.done and turn.aborted and turn.error is None
+    client.close()
+
+
+@pytest.mark.anyio
+async def test_async_error_and_stream_closed_early(fake: FakeOpenAI) -> None:
+    import gc
+
+    import anyio.lowlevel
+
+    session = AgentSession()
+    client = StampedAsyncOpenAI(session=session, base_url=fake.url, api_key="k", max_retries=0)
+    fake.script(Reply(fail_first=1), Reply(content="one two three"))
+    with pytest.raises(openai.InternalServerError):
+        await client.chat.completions.create(model="m", messages=HISTORY[:2])
+    failed = session.last_turn
+    assert failed is not None and failed.done and failed.error == "InternalServerError" and failed.attempts == 1
+    stream = await client.chat.completions.create(model="m", messages=HISTORY, stream=True)
+    async for _ in stream:
+        break
+    turn = session.last_turn
+    assert turn is not None and turn is not failed and not turn.done
+    await stream.close()
+    del stream
+    for _ in range(20):  # asyncio closes each dropped async generator (AsyncStream.__aiter__, then ours) in a task
+        if turn.done:
+            break
+        gc.collect()
+        await anyio.lowlevel.checkpoint()
+    assert turn.done and turn.aborted and turn.error is None
+    await client.close()

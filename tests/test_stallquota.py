@@ -6,8 +6,8 @@ import math
 from dataclasses import replace
 
 import pytest
-from kvtether.gateway.costpolicy import NodeState, PolicyKnobs, TurnFacts, choose
-from kvtether.gateway.stallquota import Credit, Exposure, absorb, credit, quota_s
+from kvtether.gateway.policy import NodeState, PolicyKnobs, TurnFacts, choose
+from kvtether.gateway.policy.stallquota import Credit, Exposure, absorb, credit, quota_s
 from test_costpolicy import D0, D1, MOE, P0, history_turn
 
 
@@ -37,7 +37,7 @@ def test_a_local_prefill_charges_every_decoding_request() -> None:
 
 BUSY = (NodeState(D0, running=2), NodeState(D1))
 # The quota's own arithmetic: no node bucket, no interference price, the turn stays on its pinned D.
-QUOTA_ONLY = PolicyKnobs(interference_weight=0.0, decode_stall_share=1.0, rebalance_decode=False)
+QUOTA_ONLY = PolicyKnobs(interference_weight=0.0, rebalance_decode=False)
 
 
 def _local_stall(turn: TurnFacts) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvtether.gateway.steps import ChunkTimes, step_start
+from kvtether.gateway.policy.steps import ChunkTimes, step_start
 
 
 def test_the_step_before_the_first_chunk_ends_at_the_last_burst_before_it() -> None:

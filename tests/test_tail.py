@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from kvtether.gateway.tail import TailTracker
+from kvtether.gateway.policy.tail import TailTracker
 
 
 def nearest_rank(xs: list[float], q: float) -> float:

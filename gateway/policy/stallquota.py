@@ -1,14 +1,14 @@
 """How much more each request decoding on a decode node may be stalled by decode-local prefills (pure).
 
-The issue's TPOT objective is over requests: the p95 of every request's time per output token. A request's
-TPOT rises by the stall it absorbed over its answer's length, so what a TPOT p95 sees is how the stalls are
-*spread* over requests, not only their total. A node-level share (``stallbudget.StallBudget``) bounds the
-total; where it lets stalls land is left to chance, and the unlucky requests that decode through a burst of
-local prefills make the p95. Here each request decoding on D gets a quota of its own instead: ``share`` of
-its expected decode time (answer tokens × D's step time when it began). A decode-local turn may run only if
-every request decoding on D can still absorb its stall, and running it charges the stall to each of them.
-No request then loses more than ``share`` of its decode time, so the same TPOT p95 leaves room for more
-local turns than a node-level share does (docs/placement.md, session 11).
+A TPOT objective is over requests: the p95 of every request's time per output token. A request's TPOT rises
+by the stall it absorbed over its answer's length, so what a TPOT p95 sees is how the stalls are *spread*
+over requests, not only their total. A node-level share would bound the total and leave to chance where
+stalls land: the unlucky requests that decode through a burst of local prefills make the p95. Here each
+request decoding on D gets a quota of its own instead: ``share`` of its expected decode time (answer tokens
+× D's step time when it began). A decode-local turn may run only if every request decoding on D can still
+absorb its stall, and running it charges the stall to each of them. No request then loses more than
+``share`` of its decode time, so the same TPOT p95 leaves room for more local turns than a node-level share
+does (docs/placement.md).
 
 A request enters when D has begun decoding it (its stream's first chunk; a non-streamed one when it is sent)
 and leaves when its leg ends. A decode-local turn's own prefill is not charged to it. Requests this gateway

@@ -5,7 +5,7 @@ guard, the load view) and executes the plan. The plan's ``reason`` is logged and
 every choice can be explained after the fact.
 
 Policies: ``pull``, ``no-pull`` and ``reference`` are fixed rules (below); ``auto`` asks the cost model
-(``costpolicy.choose``) to weigh "run the turn on the pinned decode node" (``HandleAction.DECODE_LOCAL``)
+(``costmodel.choose``) to weigh "run the turn on the pinned decode node" (``HandleAction.DECODE_LOCAL``)
 against "prefill + pull from decode" and "cold prefill", and maps its decision onto a :class:`Plan`.
 """
 
@@ -16,8 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from kvtether.gateway import costpolicy as C
-from kvtether.gateway.estimates import EstimatorSnapshot
+from kvtether.gateway.policy.costmodel import choose
+from kvtether.gateway.policy.estimates import EstimatorSnapshot
+from kvtether.gateway.policy.facts import CostDecision, NoFeasibleOption, TurnFacts
+from kvtether.gateway.policy.knobs import PolicyKnobs
 
 
 class HandleAction(StrEnum):
@@ -81,7 +83,6 @@ class Turn:
     next_suffix_tokens: int | None = None  # the session's running mean suffix; None = this turn's
     allow_local: bool = True  # False on a retry after a failed decode-local leg
     last_prefill: str | None = None  # P of the session's previous P/D turn: its prefix cache may hold the history
-    decode_stall_credit_s: float = math.inf  # the pinned D's stall budget left (stallbudget.py); inf: none kept
     # (decode url, tokens): verified prefix of the prompt a D the pin left still holds in its prefix cache
     decode_elsewhere: tuple[tuple[str, int], ...] = ()
     prefill_cached: tuple[tuple[str, int], ...] = ()  # (P url, tokens of the prompt its prefix cache holds)
@@ -101,7 +102,7 @@ class Plan:
     reason: str
     handle_outcome: str | None = None  # attached | truncated | refused_by_guard | expired | missing
     re_placed: bool = False
-    decision: C.CostDecision | None = None  # auto: the cost model's choice, estimates and reason
+    decision: CostDecision | None = None  # auto: the cost model's choice, estimates and reason
 
 
 class NoCapacity(Exception):
@@ -124,12 +125,12 @@ def _healthy(nodes: Sequence[NodeLoad], exclude: frozenset[str]) -> list[NodeLoa
 
 
 def plan(turn: Turn, cluster: ClusterView, estimates: EstimatorSnapshot | None = None,
-         knobs: C.PolicyKnobs | None = None) -> Plan:
+         knobs: PolicyKnobs | None = None) -> Plan:
     """`estimates` and `knobs` are read by the "auto" policy only (defaults: seeds, default knobs)."""
     if turn.policy == "reference":
         return _plan_reference(turn, cluster)
     if turn.policy == "auto":
-        return _plan_auto(turn, cluster, estimates or EstimatorSnapshot(), knobs or C.PolicyKnobs())
+        return _plan_auto(turn, cluster, estimates or EstimatorSnapshot(), knobs or PolicyKnobs())
     decode, re_placed, d_reason = _choose_decode(turn, cluster)
     if turn.policy == "no-pull":
         p = _preferred_p(cluster.prefill, turn)
@@ -221,8 +222,8 @@ def _usable_reuse(turn: Turn) -> tuple[int, str | None]:
     return reuse, None
 
 
-def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: C.PolicyKnobs) -> Plan:
-    """The cost-based choice (costpolicy.choose) as a Plan.
+def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: PolicyKnobs) -> Plan:
+    """The cost-based choice (costmodel.choose) as a Plan.
 
     Without a verified prompt length the cost model has nothing to weigh: the turn goes the "pull" rule's
     way (cold unless a handle is verified, which needs the prompt's tokens anyway).
@@ -234,7 +235,7 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
     pinned = turn.pinned_decode
     pinned_alive = pinned is not None and any(
         n.url == pinned and n.healthy and n.url not in turn.exclude for n in cluster.decode)
-    facts = C.TurnFacts(
+    facts = TurnFacts(
         prompt_tokens=turn.prompt_tokens,
         suffix_tokens=max(0, turn.suffix_tokens),
         reuse_tokens=reuse,
@@ -243,7 +244,6 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
         decode_cached_tokens=max(0, turn.decode_cached_tokens) if pinned_alive else 0,
         expected_output_tokens=max(0, turn.expected_output_tokens),
         next_suffix_tokens=turn.next_suffix_tokens,
-        decode_stall_credit_s=turn.decode_stall_credit_s,
         decode_elsewhere=tuple((u, max(0, n)) for u, n in turn.decode_elsewhere if u != pinned),
         prefill_cached=tuple((u, max(0, n)) for u, n in turn.prefill_cached),
         ttft_tail_s=turn.ttft_tail_s,
@@ -255,9 +255,9 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
         # A decode-local leg just failed: an over-limit local turn stays possible only as the last resort.
         knobs = replace(knobs, max_local_suffix_tokens=0)
     try:
-        d = C.choose(facts, pinned if pinned_alive else None, cluster.prefill, cluster.decode, est, knobs,
+        d = choose(facts, pinned if pinned_alive else None, cluster.prefill, cluster.decode, est, knobs,
                      exclude=turn.exclude, round_robin=turn.round_robin)
-    except C.NoFeasibleOption as exc:
+    except NoFeasibleOption as exc:
         raise NoCapacity("decode" if "decode" in exc.why else "prefill") from None
     # Off the pinned D: it is lost, or (rebalancing) a P/D turn decodes on a lighter D and the pin moves.
     re_placed = pinned is not None and d.decode_url != pinned

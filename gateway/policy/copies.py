@@ -1,4 +1,11 @@
-"""What prefill nodes' prefix caches still hold of a session (pure): the shell's estimate for the cost policy.
+"""What other nodes' prefix caches still hold of a session (pure): the shell's estimate for the cost policy.
+
+Two kinds of copy, one rule: each is a prefix of the session's history, so its overlap with a new prompt is
+min(its tokens, the prompt's verified overlap with the history) (:func:`cut`).
+
+- :class:`DecodeCopy`: a decode node the session's pin left (rebalancing) still caches the history it
+  decoded; moving the pin back there ships only the rest.
+- :class:`PrefillCopy`: a prefill node that prefilled a turn of the session (below).
 
 A P with prefix caching on keeps the blocks of every prompt it prefilled — the ones it computed and the ones
 it read from D in a pull — after the request ends, until newer blocks evict them (vLLM frees a request's
@@ -10,9 +17,9 @@ likely still holds.
 
 Per session, one :class:`PrefillCopy` per P: how many leading tokens of the session's history it cached
 and the P's write counter at that moment. Each copy is a prefix of the history as of its turn; cutting it
-to every later prompt's verified overlap with the history (what ``_elsewhere`` does for decode nodes) keeps
-it a prefix of the current one. Tokens only, no ids, no hashes: a wrong estimate costs a worse choice,
-never a wrong answer (vLLM's prefix cache matches by content hash).
+to every later prompt's verified overlap with the history keeps it a prefix of the current one. Tokens
+only, no ids, no hashes: a wrong estimate costs a worse choice, never a wrong answer (vLLM's prefix cache
+matches by content hash).
 
 Eviction: a P's cache holds ``capacity`` tokens; the gateway counts the tokens of new KV each P took in
 since (computed plus read, i.e. prompt − its own cache hit: :func:`new_kv_tokens`). Blocks written after
@@ -26,16 +33,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
 
 MAX_COPIES = 8  # prefill nodes a session remembers (more hold too little of it to matter by then)
+MAX_DECODE_COPIES = 8  # decode nodes a session remembers having left (a cluster rarely has more worth going back to)
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillCopy:
+class DecodeCopy(NamedTuple):
+    url: str
+    tokens: int  # leading tokens of the session's history in this D's prefix cache (evictable)
+
+
+class PrefillCopy(NamedTuple):
     url: str
     tokens: int  # leading tokens of the session's history in this P's prefix cache (block-aligned)
     written_at: int  # the P's count of new KV tokens once these were in its cache
+
+
+AnyCopy = TypeVar("AnyCopy", DecodeCopy, PrefillCopy)
 
 
 def cached_tokens(prompt_tokens: int, block_size: int) -> int:
@@ -63,10 +78,10 @@ def surviving(copy: PrefillCopy, written_now: int, capacity_tokens: int | None, 
     return max(0, min(copy.tokens, room))
 
 
-def cut(copies: Iterable[PrefillCopy], overlap: int, *, drop: str | None = None) -> tuple[PrefillCopy, ...]:
+def cut(copies: Iterable[AnyCopy], overlap: int, *, drop: str | None = None) -> tuple[AnyCopy, ...]:
     """The copies as prefixes of a prompt that shares `overlap` leading tokens with the session's history;
-    `drop`: the P this turn prefills on (its copy is replaced by the turn's own prompt)."""
-    return tuple(PrefillCopy(c.url, min(c.tokens, overlap), c.written_at)
+    `drop`: the node this turn runs on (its copy is replaced by the turn's own)."""
+    return tuple(c._replace(tokens=min(c.tokens, overlap))
                  for c in copies if c.url != drop and min(c.tokens, overlap) > 0)
 
 

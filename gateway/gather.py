@@ -1,0 +1,123 @@
+"""What the plan needs to know about a turn, gathered before placing it.
+
+The session's handle is taken from the store (atomic, single use: a concurrent turn of the same session
+goes cold). The prompt is tokenized only when there is something to compare it with — a handle's held
+sequence, or what D's prefix cache holds after a decode-local turn — since ``/tokenize`` sits on the TTFT
+path; the guard (pure, ``guard.py``) then says how much of the held sequence the prompt verifiably
+extends. The result is a :class:`~kvtether.gateway.policy.placement.Turn`: plain facts for ``plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtether.gateway import body as B
+from kvtether.gateway import telemetry as T
+from kvtether.gateway.guard import handle_groups, handle_num_tokens, verified_reuse
+from kvtether.gateway.legs import tokenize
+from kvtether.gateway.policy.copies import cut
+from kvtether.gateway.policy.placement import HandleState, Turn
+from kvtether.gateway.sessions import TakenHandle
+from kvtether.gateway.turn import Services, TurnContext
+
+
+@dataclass
+class Gathered:
+    turn: Turn
+    taken: TakenHandle | None  # the session's handle, now out of the store
+    has_handle: bool  # taken and not expired
+    prompt_ids: list[int] | None  # None: not tokenized (nothing to compare with) or tokenize failed
+
+
+async def gather(sv: Services, ctx: TurnContext, round_robin: int) -> Gathered:
+    policy = sv.config.policy
+    state = ctx.state
+    taken: TakenHandle | None = None
+    handle_state = HandleState.MISSING
+    if state is not None and ctx.session_id is not None and policy in ("pull", "reference", "auto"):
+        taken = await sv.store.take_handle(ctx.session_id)
+        if taken is None and state.handle is not None:
+            # A concurrent turn of the same session took it first: this one goes cold.
+            sv.metrics.handle_outcomes.labels("lost_race").inc()
+        if taken is not None:
+            age = sv.clock() - taken.handle_at
+            handle_state = HandleState.EXPIRED if age >= sv.config.session_ttl_s else HandleState.PRESENT
+            ctx.span.set_attribute(T.ATTR_HANDLE_AGE, age)
+    T.set_attrs(ctx.span, {T.ATTR_TURN: state.turns if state else 0,
+                           T.ATTR_PINNED: state.decode if state else None})
+    has_handle = taken is not None and handle_state is HandleState.PRESENT
+    prompt_ids: list[int] | None = None
+    reuse: int | None = None
+    cached_held = state.cached if state is not None and policy == "auto" else None
+    if policy in ("pull", "auto") and (has_handle or cached_held is not None):
+        prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx)
+        if prompt_ids is not None:
+            reuse = _guard(sv, ctx, taken if has_handle else None, prompt_ids)
+    turn = Turn(
+        policy=policy,
+        new_session=state is None,
+        pinned_decode=state.decode if state is not None else None,
+        handle=handle_state,
+        handle_tokens=handle_num_tokens(taken.handle) if taken else None,
+        handle_groups=handle_groups(taken.handle) if taken else 1,
+        prompt_tokens=len(prompt_ids) if prompt_ids is not None else None,
+        reuse_tokens=reuse,
+        min_reuse_tokens=sv.config.min_reuse_tokens,
+        partial_reuse=sv.config.partial_reuse,
+        round_robin=round_robin,
+        **_auto_facts(sv, ctx, taken, prompt_ids),
+    )
+    return Gathered(turn, taken, has_handle, prompt_ids)
+
+
+def _guard(sv: Services, ctx: TurnContext, taken: TakenHandle | None, prompt_ids: list[int]) -> int | None:
+    """The verified reuse of the handle's held sequence (None: no held sequence to check), and what D's
+    prefix cache holds of the prompt (into ctx.decode_cached)."""
+    held = taken.held if taken is not None else None
+    cached_held = ctx.state.cached if ctx.state is not None and sv.config.policy == "auto" else None
+    if held is None and cached_held is None:
+        return None
+    reuse: int | None = None
+    with sv.tracer.start_as_current_span(T.SPAN_GUARD, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
+        if held is not None:
+            reuse = verified_reuse(held, prompt_ids)
+            verdict = T.guard_verdict(reuse, held.num_tokens, sv.config.min_reuse_tokens)
+            T.set_attrs(span, {T.ATTR_HELD_TOKENS: held.num_tokens, T.ATTR_REUSE_TOKENS: reuse,
+                               T.ATTR_GUARD_VERDICT: verdict})
+            ctx.span.set_attribute(T.ATTR_GUARD_VERDICT, verdict)
+        if cached_held is not None:
+            # Not a correctness check (a local turn hits D's prefix cache by content hash, never
+            # positionally): the cost policy's estimate of how much of the prompt D holds.
+            ctx.decode_cached = verified_reuse(cached_held, prompt_ids)
+            span.set_attribute(T.ATTR_DECODE_CACHED_TOKENS, ctx.decode_cached)
+        span.set_attribute(T.ATTR_PROMPT_TOKENS, len(prompt_ids))
+    return reuse
+
+
+def _auto_facts(sv: Services, ctx: TurnContext, taken: TakenHandle | None,
+                prompt_ids: list[int] | None) -> dict[str, Any]:
+    """The session facts the cost policy weighs (docs/placement.md); harmless for the other policies."""
+    state = ctx.state
+    facts: dict[str, Any] = {"decode_cached_tokens": ctx.decode_cached}
+    if taken is not None:
+        facts["handle_age_s"] = max(0.0, sv.clock() - taken.handle_at)
+    max_tokens = ctx.body.get("max_completion_tokens") or ctx.body.get("max_tokens")
+    if state is not None and state.avg_output_tokens is not None:
+        out = round(state.avg_output_tokens)
+        facts["expected_output_tokens"] = min(out, max_tokens) if isinstance(max_tokens, int) else out
+    elif isinstance(max_tokens, int) and max_tokens > 0:
+        facts["expected_output_tokens"] = max_tokens
+    ctx.expected_output_tokens = facts.get("expected_output_tokens", ctx.expected_output_tokens)
+    if state is None:
+        return facts
+    facts["last_prefill"] = state.last_prefill
+    facts["local_keeps_handle"] = sv.local_handle_due(ctx, state.decode)
+    if prompt_ids is not None and state.last_tokens is not None:
+        facts["suffix_tokens"] = max(0, len(prompt_ids) - state.last_tokens)
+    if state.avg_suffix_tokens is not None:
+        facts["next_suffix_tokens"] = round(state.avg_suffix_tokens)
+    facts["decode_elsewhere"] = cut(state.elsewhere, ctx.decode_cached)
+    ctx.prefill_cached = sv.learning.prefill_cached(state.prefill_copies, ctx.decode_cached, sv.cluster.nodes)
+    facts["prefill_cached"] = tuple(ctx.prefill_cached.items())
+    return facts

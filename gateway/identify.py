@@ -1,0 +1,39 @@
+"""Which session a request belongs to: the first step of a turn.
+
+The id comes from the SDK's or another router's session header; a chat request without one is matched to
+its session by the message-chain hash of its history (what the previous turn stored as *prompt + its
+answer*), and otherwise starts an anonymous session that its next turn will find the same way.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from kvtether.gateway import body as B
+from kvtether.gateway import telemetry as T
+from kvtether.gateway.sessions import SessionStore
+from kvtether.gateway.turn import TurnContext
+from kvtether.sdk.contract import session_id_from_headers
+from opentelemetry import trace
+
+
+async def identify(store: SessionStore, kind: str, body: dict[str, Any], headers: Mapping[str, str],
+                   span: trace.Span) -> TurnContext:
+    sid = session_id_from_headers(headers)
+    source = "header" if sid else "none"
+    if sid is None and kind == "chat":
+        parent_key, _ = B.chat_keys(body)
+        if parent_key is not None:
+            sid = await store.find_by_prefix(parent_key)
+            source = "prefix" if sid else source
+        if sid is None:
+            # A plain OpenAI client: a fresh session the next turn finds by its message-chain hash.
+            sid, source = f"anon-{uuid.uuid4().hex}", "new"
+    state = await store.get(sid) if sid else None
+    T.set_attrs(span, {T.GEN_AI_CONVERSATION_ID: sid if source == "header" else None,
+                       T.ATTR_SESSION_SOURCE: source})
+    return TurnContext(kind, body, {k.lower(): v for k, v in headers.items()}, body.get("stream") is True,
+                       body.get("return_token_ids") is True, sid, source, state, time.perf_counter(), span)

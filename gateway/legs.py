@@ -1,0 +1,228 @@
+"""The upstream legs of a turn: ``/tokenize`` for the guard, the prefill leg, and the final leg whose answer
+the client sees (decode in P/D mode, the replica in aggregated mode).
+
+Each leg has its own CLIENT span, counts itself in its node's in-flight requests, and turns every upstream
+problem into an :class:`~kvtether.gateway.turn.UpstreamFailure` that says whether the node or the request
+is at fault, so the orchestrator can retry, re-place or answer the client cleanly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import httpx
+from kvtether.gateway import body as B
+from kvtether.gateway import telemetry as T
+from kvtether.gateway.errors import GatewayError
+from kvtether.gateway.guard import handle_num_tokens
+from kvtether.gateway.policy.placement import Plan, Turn
+from kvtether.gateway.relay import chain, read_preamble, relay
+from kvtether.gateway.remember import finish, read_body
+from kvtether.gateway.turn import PATHS, LegResult, Prefilled, Services, TurnContext, UpstreamFailure
+from opentelemetry import trace
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+
+async def tokenize(sv: Services, ctx: TurnContext) -> list[int] | None:
+    """The prompt's token ids from the least-loaded P's ``/tokenize`` (same messages, tools and template
+    arguments as the completion); None when it fails, and the turn goes on unverified."""
+    view = sv.cluster.view()
+    nodes = [n for n in view.prefill if n.healthy] or list(view.prefill)
+    if not nodes:
+        return None
+    node = min(nodes, key=lambda n: (n.score, n.url)).url
+    payload = B.tokenize_body(ctx.kind, ctx.body)
+    if payload is None:
+        return None
+    with sv.tracer.start_as_current_span(T.SPAN_TOKENIZE, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
+        span.set_attribute(T.ATTR_PREFILL, node)
+        started = time.perf_counter()
+        try:
+            try:
+                timeout = httpx.Timeout(sv.config.tokenize_timeout_s, connect=sv.config.connect_timeout_s)
+                resp = await sv.tokenize_client.post(f"{node}/tokenize", json=payload, timeout=timeout)
+            finally:
+                ctx.upstream_s += time.perf_counter() - started
+            if resp.status_code != 200:
+                raise UpstreamFailure(node, "tokenize", f"HTTP {resp.status_code}", resp.status_code)
+            tokens = resp.json().get("tokens")
+            if not isinstance(tokens, list):
+                raise UpstreamFailure(node, "tokenize", "no tokens in /tokenize answer", resp.status_code)
+            span.set_attribute(T.ATTR_PROMPT_TOKENS, len(tokens))
+            return [int(t) for t in tokens]
+        except (httpx.HTTPError, ValueError) as exc:
+            sv.count_error(UpstreamFailure(node, "tokenize", str(exc)))
+        except UpstreamFailure as failure:
+            sv.count_error(failure)
+        span.set_attribute(T.ERROR_TYPE, "tokenize_failed")
+        return None
+
+
+async def prefill_with_recovery(sv: Services, ctx: TurnContext, the_plan: Plan, kv: dict[str, Any] | None,
+                                replan: Callable[[Turn], Plan]) -> tuple[Prefilled, Plan]:
+    """The prefill leg, recovered: a failed pull is retried once without its handle (protocol §2: an expired
+    or failed pull errors the prefill), a failed P is replaced by another (`replan`) while one is left."""
+    for _ in range(1 + len(sv.cluster.role("prefill"))):
+        assert the_plan.prefill is not None
+        try:
+            return await prefill(sv, ctx, the_plan.prefill, kv), the_plan
+        except UpstreamFailure as failure:
+            sv.count_error(failure)
+            if kv is not None:
+                sv.metrics.handle_outcomes.labels("retried_cold").inc()
+                ctx.span.set_attribute(T.ATTR_RETRIED, True)
+                kv = None
+                continue
+            if not failure.node_fault:
+                raise
+            sv.mark_failed(failure)
+            ctx.exclude.add(failure.node)
+            turn = Turn(policy=sv.config.policy, new_session=False, pinned_decode=the_plan.decode,
+                        round_robin=0, exclude=frozenset(ctx.exclude))
+            try:
+                the_plan = replan(turn)
+            except GatewayError:
+                raise failure from None  # no other prefill node: report what went wrong upstream
+    raise GatewayError(502, "every prefill node failed", type_="upstream_error", code="upstream_failed")
+
+
+async def prefill(sv: Services, ctx: TurnContext, node: str, kv: dict[str, Any] | None) -> Prefilled:
+    span = sv.leg_span(ctx, node, "prefill")
+    started = time.perf_counter()
+    sv.cluster.begin(node)
+    try:
+        payload = B.prefill_body(ctx.body, kv)
+        # A leg with a handle gets a bound (pull_timeout_s): a stuck pull is retried without the handle.
+        # A cold leg keeps the client's read timeout: it may legitimately compute for a long time.
+        timeout = sv.client.timeout
+        if kv is not None:
+            c = sv.config
+            timeout = httpx.Timeout(connect=c.connect_timeout_s, read=c.pull_timeout_s,
+                                    write=c.write_timeout_s, pool=c.pool_timeout_s)
+        try:
+            resp = await sv.client.post(f"{node}{PATHS[ctx.kind]}", json=payload,
+                                        headers=sv.upstream_headers(ctx, span), timeout=timeout)
+        except httpx.ReadTimeout:
+            raise UpstreamFailure(node, "prefill", f"prefill with a handle did not answer within "
+                                  f"{sv.config.pull_timeout_s:g} s") from None
+        except httpx.HTTPError as exc:
+            raise UpstreamFailure.from_http(node, "prefill", exc) from None
+        finally:
+            ctx.upstream_s += time.perf_counter() - started
+        data = _json_or_none(resp)
+        if resp.status_code != 200 or not isinstance(data, dict):
+            raise UpstreamFailure(node, "prefill", f"HTTP {resp.status_code}", resp.status_code, data)
+        sv.cluster.mark_ok(node)
+        params = data.get(B.KV_FIELD)
+        usage = data.get("usage")
+        cached = B.cached_tokens(usage)
+        T.set_attrs(span, {T.GEN_AI_RESPONSE_TTFC: time.perf_counter() - started,
+                           T.GEN_AI_USAGE_INPUT: usage.get("prompt_tokens") if isinstance(usage, dict) else None,
+                           T.GEN_AI_USAGE_CACHE_READ: cached})
+        _prefill_learned(sv, ctx, node, usage, cached, time.perf_counter() - started, kv)
+        return Prefilled(params if isinstance(params, dict) else None, cached, kv is not None)
+    except UpstreamFailure as failure:
+        span.set_attribute(T.ERROR_TYPE, str(failure.status or "connection"))
+        span.set_status(trace.Status(trace.StatusCode.ERROR, str(failure)))
+        raise
+    finally:
+        sv.cluster.end(node)
+        span.end()
+
+
+def _prefill_learned(sv: Services, ctx: TurnContext, node: str, usage: Any, cached: int, seconds: float,
+                     kv: dict[str, Any] | None) -> None:
+    """What the policy learns from a prefill leg: P's speed, and the new KV its cache took in."""
+    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if not isinstance(prompt, int):
+        return
+    pulled = (handle_num_tokens(kv) or 0) if kv is not None else 0
+    holder = ctx.state.decode if ctx.state is not None else None
+    sv.learning.prefill_done(node, prompt, cached, seconds, now=sv.clock(), load=ctx.load_at_plan(node),
+                             pulled_tokens=pulled, pulled_from=holder)
+    # Without a handle P's cached tokens are its own hit; with one they include what it read from D (which its
+    # cache takes in too), so the plan's estimate of its own hit stands in.
+    sv.learning.wrote(node, prompt, ctx.prefill_cached.get(node, 0) if kv is not None else cached)
+
+
+async def final_leg(sv: Services, ctx: TurnContext, the_plan: Plan, payload: dict[str, Any], leg: str,
+                    source: str) -> Response:
+    """The leg whose answer the client sees: D in P/D mode, the replica in aggregated mode."""
+    node = the_plan.decode
+    span = sv.leg_span(ctx, node, leg)
+    sv.cluster.begin(node)  # ended by remember.finish, or below on failure
+    ctx.final_leg_at = time.perf_counter()
+    sresp: httpx.Response | None = None
+    try:
+        if not ctx.stream:
+            data = await _send_whole(sv, ctx, node, leg, payload, span)
+        else:
+            sresp = await _send_stream(sv, ctx, node, leg, payload, span)
+            lines = sresp.aiter_lines()
+            preamble = await read_preamble(sresp, lines, node, leg)
+    except BaseException as exc:  # a failure, or the client leaving (cancelled): nothing is left open
+        if isinstance(exc, UpstreamFailure):
+            span.set_attribute(T.ERROR_TYPE, str(exc.status or "connection"))
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+        span.end()
+        sv.cluster.end(node)
+        sv.leave_decoding(ctx)
+        if sresp is not None and not isinstance(exc, UpstreamFailure):
+            with anyio.CancelScope(shield=True):
+                await sresp.aclose()
+        raise
+    sv.cluster.mark_ok(node)
+    if sresp is None:
+        result = LegResult(ok=True, usage=data.get("usage"), ttft=time.perf_counter() - ctx.t0)
+        read_body(data, result)
+        B.strip_internal(data, keep_token_ids=ctx.keep_token_ids)
+        await finish(sv, ctx, the_plan, result, span, source)
+        return JSONResponse(data, headers=ctx.response_headers)
+    # The reuse decision is final before the decode leg starts, so it can go into the stream's headers.
+    return StreamingResponse(relay(sv, ctx, the_plan, sresp, chain(preamble, lines), span, source),
+                             media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", **ctx.response_headers})
+
+
+async def _send_whole(sv: Services, ctx: TurnContext, node: str, leg: str, payload: dict[str, Any],
+                      span: trace.Span) -> dict[str, Any]:
+    # A non-streamed answer is the first thing its client sees: every stall on D delays it.
+    sv.cluster.hold_back(node, 1)
+    sv.enter_decoding(ctx, node)
+    try:
+        resp = await sv.client.post(f"{node}{PATHS[ctx.kind]}", json=payload, headers=sv.upstream_headers(ctx, span))
+    except httpx.HTTPError as exc:
+        raise UpstreamFailure.from_http(node, leg, exc) from None
+    finally:
+        sv.cluster.hold_back(node, -1)
+    data = _json_or_none(resp)
+    if resp.status_code != 200 or not isinstance(data, dict):
+        raise UpstreamFailure(node, leg, f"HTTP {resp.status_code}", resp.status_code, data)
+    return data
+
+
+async def _send_stream(sv: Services, ctx: TurnContext, node: str, leg: str, payload: dict[str, Any],
+                       span: trace.Span) -> httpx.Response:
+    req = sv.client.build_request("POST", f"{node}{PATHS[ctx.kind]}", json=payload,
+                                  headers=sv.upstream_headers(ctx, span))
+    try:
+        sresp = await sv.client.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        raise UpstreamFailure.from_http(node, leg, exc) from None
+    if sresp.status_code != 200:
+        with contextlib.suppress(httpx.HTTPError):
+            await sresp.aread()
+        await sresp.aclose()
+        raise UpstreamFailure(node, leg, f"HTTP {sresp.status_code}", sresp.status_code, _json_or_none(sresp))
+    return sresp
+
+
+def _json_or_none(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except (ValueError, httpx.ResponseNotRead):
+        return None

@@ -1,0 +1,74 @@
+"""The gateway's decisions (pure: no I/O, no clock read) and what they learn from finished turns.
+
+- ``placement.plan``: facts about a turn, its session and the cluster in; a :class:`Plan` with its reason
+  out. The fixed policies (``pull``, ``no-pull``, ``reference``) are rules there; ``auto`` asks the cost
+  model.
+- The cost model: ``costmodel.choose`` weighs decode-local, pull and cold per turn (``options`` estimates
+  each, ``lookahead`` adds the next turn, ``facts`` and ``knobs`` are its inputs and parameters).
+- What it reads of the cluster's speed: ``estimates`` (online node speeds), ``stallquota`` (per-request TPOT
+  quotas), ``tail`` (where the TTFT tail starts), ``steps`` (engine step boundaries), ``copies`` (what other
+  nodes' prefix caches still hold of a session); ``learning.Learning`` keeps them up to date from the turns
+  the shell reports.
+"""
+
+from kvtether.gateway.policy.costmodel import choose
+from kvtether.gateway.policy.estimates import Estimator, EstimatorSeeds, EstimatorSnapshot, LearningParams
+from kvtether.gateway.policy.facts import (
+    OPTIONS,
+    POLICY_MODES,
+    CostDecision,
+    NodeLike,
+    NodeState,
+    NoFeasibleOption,
+    Option,
+    OptionEstimate,
+    PolicyMode,
+    TurnFacts,
+    parse_mode,
+)
+from kvtether.gateway.policy.knobs import TUNING_FIELDS, PolicyKnobs
+from kvtether.gateway.policy.options import blocked_s
+from kvtether.gateway.policy.placement import (
+    ClusterView,
+    HandleAction,
+    HandleState,
+    NoCapacity,
+    NodeLoad,
+    Plan,
+    Turn,
+    least_loaded,
+    plan,
+    plan_aggregated,
+)
+
+__all__ = [
+    "OPTIONS",
+    "POLICY_MODES",
+    "TUNING_FIELDS",
+    "ClusterView",
+    "CostDecision",
+    "Estimator",
+    "EstimatorSeeds",
+    "EstimatorSnapshot",
+    "HandleAction",
+    "HandleState",
+    "LearningParams",
+    "NoCapacity",
+    "NoFeasibleOption",
+    "NodeLike",
+    "NodeLoad",
+    "NodeState",
+    "Option",
+    "OptionEstimate",
+    "Plan",
+    "PolicyKnobs",
+    "PolicyMode",
+    "Turn",
+    "TurnFacts",
+    "blocked_s",
+    "choose",
+    "least_loaded",
+    "parse_mode",
+    "plan",
+    "plan_aggregated",
+]

@@ -1,0 +1,216 @@
+"""Cost-based per-turn placement (pure): which of three ways to run a turn is cheapest, and why.
+
+Options for a turn of a session pinned to decode node D (vLLM P/D with ``bidirectional_kv_xfer``):
+
+- ``decode_local``: send the whole request to D. D's prefix cache already holds the history (the handle's
+  blocks, or what an earlier local turn left), so D prefills only the uncached suffix — but it does so in
+  the same engine steps as the decode batch already running there, stalling those requests (interference).
+  On vLLM such a turn returns **no handle** (its KV stays in D's prefix cache, evictable) unless the shell
+  marks it for retention (``TurnFacts.local_keeps_handle``): then a handle of its whole sequence.
+- ``pull``: P receives D's (verified, possibly truncated) handle, reads the reused tokens' KV from D, computes
+  the suffix, then D reads back only what its prefix cache lacks (≈ the suffix) and decodes. Leaves a fresh
+  handle on D.
+- ``cold``: P computes the whole prompt, D reads what it lacks. Leaves a fresh handle. The only option when
+  the pinned D is dead (then on another D, which lacks everything).
+
+Estimated TTFT of each (all terms from an :class:`EstimatorSnapshot`, learned online):
+
+    local = queue_D(waiting_D) + max(prefill_D(n_local | cached), ceil(n_local/chunk)·tpot_D(running_D+1))
+    pull  = queue_P(waiting_P+running_P) + transfer(D→P, reuse−cached_P) + prefill_P(prompt−context | context)
+            + transfer(P→D, prompt−cached_D) + queue_D(waiting_D) + tpot_D(running_D+1),
+            context = cached_P + what P read (a read under kv_recompute_threshold is computed instead)
+    cold  = queue_P(...) + prefill_P(prompt−cached_P | cached_P) + transfer(P→D, prompt−cached_D)
+            + queue_D(waiting_D) + tpot_D(running_D+1)
+
+Score = TTFT + interference + horizon + balance + tail (the policy minimises the score, reports both):
+
+- interference (local only) = ``interference_weight`` × running_D × stall, stall = max(0, local prefill
+  time − steps·tpot_D(running_D)): every request decoding on D is delayed by the part of the local
+  prefill that does not hide under its memory-bound decode steps. P's queue is FIFO, so work sent to P does
+  not delay requests already there; that asymmetry is why only D's batch is charged.
+- balance (auto, ``rebalance_decode``; P/D options only) = what decoding the answer on a D other than the
+  pinned one saves, load for load (negative on a lighter D): see ``options.balance_term``. The pull still reads the
+  history from the pinned D, but the new D lacks the whole prompt (the TTFT counts that transfer).
+- tail = ``tail_weight`` × the estimated TTFT above the tail threshold (recent turns' quantile), so a turn
+  already in the tail is not moved to a lighter D that lacks its history.
+- horizon = ``horizon_discount`` × E[best score of the next turn | what this option leaves behind], recursively
+  for ``horizon_turns`` turns, with the same loads and a typical next suffix. After pull/cold D holds a fresh
+  handle (next turn may pull all of it). So it does after a decode_local turn the shell marks for retention
+  (``local_keeps_handle``: vLLM keeps a request with kv_transfer_params that is not a prefill leg). Unmarked,
+  D holds no fresh one after decode_local: only the handle this turn did not use (the gateway puts it back,
+  older by this turn), whose prefix the next turn may still pull, and the rest in D's prefix cache, which may
+  be evicted (likely once D's KV usage passes ``evict_kv_usage_knee``). Without a live old handle the next
+  turn can only go local or cold. This is what stops the policy from greedily running a turn locally when
+  the session would then be stuck with large local prefills on a busy D or a cold prefill of the whole
+  history.
+
+Hard limits (an option over a limit is infeasible; "soft" ones can still be forced when nothing else is
+possible, e.g. every P is dead): ``max_local_suffix_tokens``; the TPOT quotas (every request decoding on D
+must be able to absorb the stall within its share of its decode time, stallquota.py); the TPOT budget
+(running requests' mean inter-token time over their next ``tpot_window_tokens`` tokens, local prefill stall
+included); pull needs a valid handle on a live pinned D, reuse ≥ vLLM's ``kv_recompute_threshold``, a
+bidirectional P, and enough handle lifetime left to outlast P's queue.
+
+Modules: ``facts`` (what goes in and out), ``knobs`` (parameters), ``options`` (each option's estimate),
+``lookahead`` (the horizon term), this one (the choice and its reason).
+
+No I/O, no clock: the shell gathers the facts and the snapshot, executes the decision, records ``reason``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from kvtether.gateway.policy.estimates import EstimatorSnapshot
+from kvtether.gateway.policy.facts import (
+    OPTIONS,
+    CostDecision,
+    NodeLike,
+    NoFeasibleOption,
+    Option,
+    OptionEstimate,
+    PolicyMode,
+    TurnFacts,
+)
+from kvtether.gateway.policy.knobs import PolicyKnobs
+from kvtether.gateway.policy.lookahead import scored
+from kvtether.gateway.policy.options import Nodes, cached_on, d_cached_tokens, p_cached_tokens, pd_option
+
+
+def choose(
+    turn: TurnFacts,
+    pinned_decode: str | None,
+    prefills: Sequence[NodeLike],
+    decodes: Sequence[NodeLike],
+    estimates: EstimatorSnapshot,
+    knobs: PolicyKnobs | None = None,
+    *,
+    exclude: frozenset[str] = frozenset(),
+    round_robin: int = 0,
+) -> CostDecision:
+    """Place one turn. `pinned_decode` holds the session's history (and its handle, if `turn.handle_valid`).
+
+    `exclude`: nodes that just failed this turn (retry). `round_robin`: the shell's counter, used only by
+    the ``reference`` mode. Raises :class:`NoFeasibleOption` when no node can serve the turn.
+    """
+    knobs = knobs or PolicyKnobs()
+    c = Nodes(
+        tuple(p for p in prefills if p.healthy and p.url not in exclude),
+        tuple(d for d in decodes if d.healthy and d.url not in exclude),
+        estimates,
+        knobs,
+    )
+    if not c.decodes:
+        raise NoFeasibleOption("no healthy decode node")
+    if knobs.mode == "reference":
+        return _reference(turn, pinned_decode, c, round_robin)
+
+    opts = scored(turn, pinned_decode, c, knobs.horizon_turns if knobs.mode == "auto" else 0)
+    by = {o.option: o for o in opts}
+    feasible = [o for o in opts if o.feasible]
+    greedy: Option | None = None
+    forced = False
+    if knobs.mode == "auto":
+        pick = min(feasible, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
+        if pick is not None and knobs.horizon_turns > 0:
+            greedy = min(feasible, key=lambda o: (o.ttft_s + o.interference_s, OPTIONS.index(o.option))).option
+    elif knobs.mode == "pull":
+        pick = next((by[o] for o in ("pull", "cold") if by[o].feasible), None)
+    else:  # no-pull: classic disaggregation
+        pick = by["cold"] if by["cold"].feasible else None
+    if pick is None:
+        # Every P is down (or the only way left is over a limit): run it locally rather than fail the turn.
+        local = by["decode_local"]
+        if not (local.feasible or local.soft):
+            raise NoFeasibleOption("; ".join(f"{o.option}: {o.why_not}" for o in opts))
+        pick, forced = local, True
+    assert pick.decode_url is not None
+    return CostDecision(
+        option=pick.option,
+        reason=_reason(knobs.mode, pick, opts, turn, c, forced, greedy, pinned_decode),
+        estimates_s={o.option: round(o.ttft_s, 6) for o in opts if o.feasible},
+        prefill_url=pick.prefill_url,
+        decode_url=pick.decode_url,
+        reuse_tokens=pick.reuse_tokens if pick.option == "pull" else 0,
+        policy=knobs.mode,
+        scores_s={o.option: round(o.score_s, 6) for o in opts if o.feasible},
+        options=opts,
+        forced=forced,
+        greedy_option=greedy,
+        arrive_s=pick.arrive_s,
+        d_read_s=pick.d_read_s,
+    )
+
+
+def _reference(turn: TurnFacts, pinned: str | None, c: Nodes, rr: int) -> CostDecision:
+    """vLLM's reference proxy: round-robin P and D, the conversation's handle attached whenever held."""
+    if not c.prefills:
+        raise NoFeasibleOption("no healthy prefill node")
+    p, d = c.prefills[rr % len(c.prefills)], c.decodes[rr % len(c.decodes)]
+    holder = c.decode(pinned)
+    reuse = min(turn.reuse_tokens, turn.prompt_tokens - 1)
+    d_cached = d_cached_tokens(turn, c) if d.url == pinned else 0  # a different D lacks the whole history
+    if turn.handle_valid and holder is not None and p.bidirectional and reuse > 0:
+        pick = pd_option("pull", turn, p, d, holder.url, reuse, d_cached, c)
+        why = "round-robin, conversation handle attached"
+    else:
+        pick = pd_option("cold", turn, p, d, None, 0, d_cached, c)
+        why = "round-robin, no usable handle"
+    return CostDecision(
+        option=pick.option,
+        reason=f"reference -> {pick.option}: {why}, est {pick.ttft_s:.3f}s (suffix {turn.suffix_tokens} tok, "
+        f"reuse {pick.reuse_tokens} tok)",
+        estimates_s={pick.option: round(pick.ttft_s, 6)},
+        prefill_url=p.url,
+        decode_url=d.url,
+        reuse_tokens=pick.reuse_tokens,
+        policy="reference",
+        scores_s={pick.option: round(pick.score_s, 6)},
+        options=(pick,),
+        arrive_s=pick.arrive_s,
+        d_read_s=pick.d_read_s,
+    )
+
+
+def _reason(mode: PolicyMode, pick: OptionEstimate, opts: Sequence[OptionEstimate], turn: TurnFacts,
+            c: Nodes, forced: bool, greedy: Option | None, pinned: str | None = None) -> str:
+    """E.g. ``auto -> pull: pull 0.210s < decode_local 0.260s < cold 0.900s [ttft …] (suffix …; …)``."""
+    feasible = sorted((o for o in opts if o.feasible), key=lambda o: (o.score_s, OPTIONS.index(o.option)))
+    head = f"{mode} -> {pick.option}" + (" (forced)" if forced else "") + ": "
+    head += " < ".join(f"{o.option} {o.score_s:.3f}s" for o in feasible) or "no option within limits"
+    detail = []
+    if any(o.interference_s or o.horizon_s or o.balance_s or o.tail_s for o in feasible):
+        detail.append("ttft " + ", ".join(f"{o.option} {o.ttft_s:.3f}s" for o in feasible))
+        detail += [f"{o.option} interference {o.interference_s:.3f}s" for o in feasible if o.interference_s]
+        detail += [f"{o.option} holds up arriving turns {o.blocks_s:.3f}s" for o in feasible if o.blocks_s]
+        detail += [f"{o.option} on {o.decode_url} balance {o.balance_s:.3f}s" for o in feasible if o.balance_s]
+        detail += [f"{o.option} tail {o.tail_s:.3f}s (over {turn.ttft_tail_s:.3f}s)" for o in feasible if o.tail_s]
+        detail.append("next turn " + ", ".join(f"{o.option} {o.horizon_s:.3f}s" for o in feasible))
+    if greedy is not None and greedy != pick.option:
+        detail.append(f"horizon: {pick.option} over greedy {greedy}")
+    facts = [f"suffix {turn.suffix_tokens} tok", f"reuse {turn.reuse_tokens if turn.handle_valid else 0} tok"]
+    d = c.decode(pick.decode_url)
+    if d is not None:
+        facts.append(f"D {d.running:g} running/{d.waiting:g} waiting"
+                     + (f"/{d.arriving:g} arriving" if d.arriving else ""))
+    home = c.decode(pinned)
+    if home is not None and d is not None and d is not home:
+        kept = cached_on(turn, d, home, c)
+        facts.append(f"moves the pin from {home.url} ({home.running:g} running/{home.waiting:g} waiting)"
+                     + (f", D still holds {kept} tok of the history" if kept else ""))
+    if not math.isinf(turn.request_stall_credit_s):
+        facts.append(f"D's tightest TPOT quota {turn.request_stall_credit_s:.3f}s of {turn.request_stall_quota_s:.3f}s")
+    # The P this turn uses, or (decode_local) the one the best P/D option would have used: its queue is
+    # often why the turn stayed on D.
+    p_url = pick.prefill_url or next((o.prefill_url for o in feasible if o.prefill_url), None)
+    p = next((n for n in c.prefills if n.url == p_url), None)
+    if p is not None:
+        held = p_cached_tokens(turn, p.url, c)
+        facts.append(f"P {p.running:g} running/{p.waiting:g} waiting"
+                     + (f", its cache holds {held} tok of the prompt" if held else ""))
+    facts += [f"{o.option} n/a: {o.why_not}" for o in opts if not o.feasible]
+    out = head
+    if detail:
+        out += " [" + "; ".join(detail) + "]"
+    return out + " (" + "; ".join(facts) + ")"

@@ -1,0 +1,100 @@
+"""The cost model's parameters: the few an operator sets (copied from ``GatewayConfig``) and the tuning
+constants, each with where its value comes from.
+
+The constants can be overridden for experiments through the gateway's ``[gateway.tuning]`` table
+(``GatewayConfig.tuning``); that is not a stable interface. "GLM-5 paced" below means
+``benchmarks/placement_policies.py`` on the simulated GLM-5-FP8 8×H200 preset, 16 paced agent sessions,
+P's prefix caching off (docs/placement.md has the figures).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from kvtether.gateway.policy.facts import POLICY_MODES, PolicyMode
+
+MAX_HORIZON_TURNS = 3  # the look-ahead tree grows ~3^h; deeper adds cost, not insight (loads change anyway)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyKnobs:
+    mode: PolicyMode = "auto"
+
+    # ---- operator settings (GatewayConfig has the same names and defaults) ----
+    # Decode-local never runs a suffix longer than this (Dynamo's conditional disaggregation has the same
+    # knob). 8192 = one chunked-prefill step at vLLM's default token budget on large GPUs; whether a long
+    # suffix may stall a busy D that long is the TPOT quotas' call (GatewayConfig.request_stall_share).
+    max_local_suffix_tokens: int = 8192
+    # Running requests on D must keep a mean inter-token time under this over their next
+    # `tpot_window_tokens`, local prefill stall included: a typical interactive TPOT objective.
+    tpot_budget_s: float = 0.100
+    # vLLM's kv_recompute_threshold: P recomputes rather than pulls fewer tokens, so "pull" would be cold.
+    recompute_threshold_tokens: int = 64
+    # The gateway's handle TTL (below the engine's decoder_kv_blocks_ttl, 480 s).
+    handle_ttl_s: float = 450.0
+    block_size: int = 16  # prefix caching hits whole blocks only
+    chunk_tokens: int = 2048  # vLLM's max_num_batched_tokens: the local prefill is spread over these steps
+    # A P/D turn (pull or cold) may decode on another D than the pinned one when that D is less loaded enough
+    # to pay for moving the whole prompt's KV there (the pin moves with it). Without it a pinned session keeps
+    # whatever imbalance its turns' timing gave its D, which every one of its tokens pays in TPOT.
+    rebalance_decode: bool = True
+
+    # ---- tuning constants ----
+    # The window of the TPOT budget above: 16 tokens ≈ what a reader perceives as one hiccup.
+    tpot_window_tokens: int = 16
+    # Seconds of this turn's TTFT that one second of delay on *each* running request of D is worth (1 would
+    # count a token's delay like a first token's). The TPOT quotas bound what local prefills may cost the
+    # batch, so this orders turns within them: on GLM-5 paced with quotas, 0.5 ran ~80 late turns locally
+    # where 0.2 ran ~100, and 1 ran 44 (lower TPOT p95, higher late TTFT p50).
+    interference_weight: float = 0.2
+    # Look-ahead: turns considered after this one, and the weight of each (the session may end, loads change).
+    # One turn is enough to see what an option leaves behind (a handle or none, a moved pin).
+    horizon_turns: int = 1
+    horizon_discount: float = 0.7
+    # P declines a read this close to the handle's expiry (vLLM ≤ 0.28: 5 s): a pull must start before.
+    handle_margin_s: float = 5.0
+    # Look-ahead: above this KV usage of D, a history held only in D's prefix cache may be evicted before the
+    # next turn; the probability rises linearly to 1 at full usage (vLLM evicts free blocks only when no free
+    # block is left, so below ~80 % usage nothing cached is lost between two turns).
+    evict_kv_usage_knee: float = 0.8
+    # Tail-aware objective: every second of an option's estimated TTFT above the `tail_quantile` of recent
+    # turns' estimates costs `tail_weight` seconds more, so a turn already in the tail (a long tool result) is
+    # not moved to a lighter D that lacks its history. 3 on GLM-5 paced, three session sets against 0: late
+    # p95 TTFT 11–54 ms lower and p50 1–10 ms lower in each, decode TPOT p95 3–5 % higher.
+    tail_weight: float = 3.0
+    tail_quantile: float = 0.9
+    # Seconds of this turn's TTFT one second of delay to a P/D turn arriving on D is worth (a local prefill's
+    # engine step holds up another turn's KV read or first step). Off: at 1 on GLM-5 paced the late p50 moved
+    # −11 ms and the p95 +18 ms, within the run-to-run noise, at +1.3 points of TPOT.
+    arrival_weight: float = 0.0
+    # Seconds of this turn's TTFT one second of stall on a request whose client has seen nothing yet is worth
+    # (a tool-call parser holding the first delta back, or a non-streamed request), when above
+    # interference_weight. Off: at 1 on GLM-5 paced the late p50 rose 17 ms and TPOT p95 5.6 points.
+    holdback_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in POLICY_MODES:
+            raise ValueError(f"unknown mode {self.mode!r}")
+        if not 0 <= self.horizon_turns <= MAX_HORIZON_TURNS:
+            raise ValueError(f"horizon_turns must be in [0, {MAX_HORIZON_TURNS}]")
+        if not 0.0 <= self.horizon_discount <= 1.0:
+            raise ValueError("horizon_discount must be in [0, 1]")
+        if self.interference_weight < 0 or self.tpot_budget_s <= 0 or self.tpot_window_tokens < 1:
+            raise ValueError("interference_weight >= 0, tpot_budget_s > 0, tpot_window_tokens >= 1")
+        if self.max_local_suffix_tokens < 0 or self.recompute_threshold_tokens < 0:
+            raise ValueError("token limits must be >= 0")
+        if not 0.0 <= self.evict_kv_usage_knee < 1.0:
+            raise ValueError("evict_kv_usage_knee must be in [0, 1)")
+        if self.block_size < 1 or self.chunk_tokens < 1:
+            raise ValueError("block_size and chunk_tokens must be >= 1")
+        if self.tail_weight < 0.0 or not 0.0 < self.tail_quantile < 1.0:
+            raise ValueError("tail_weight must be >= 0 and tail_quantile in (0, 1)")
+        if self.arrival_weight < 0.0 or self.holdback_weight < 0.0:
+            raise ValueError("arrival_weight and holdback_weight must be >= 0")
+
+
+# What `[gateway.tuning]` may override: the constants above (the operator settings have their own names).
+TUNING_FIELDS: frozenset[str] = frozenset(
+    f.name for f in fields(PolicyKnobs)
+    if f.name not in {"mode", "max_local_suffix_tokens", "tpot_budget_s", "recompute_threshold_tokens",
+                      "handle_ttl_s", "block_size", "chunk_tokens", "rebalance_decode"})

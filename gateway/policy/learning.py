@@ -1,0 +1,205 @@
+"""What the cost policy learns from the turns the gateway serves, and the live state it plans with.
+
+One :class:`Learning` per gateway. The shell reports what happened in plain values (a prefill leg's time, a
+finished decode leg's timing, when chunks arrived, which requests are decoding where); the policy reads back
+an :class:`EstimatorSnapshot`, the pinned D's tightest TPOT quota and the TTFT tail threshold. No I/O; every
+time is passed in from the caller's clock (the gateway's monotonic clock, or ``time.perf_counter`` for
+stream timing, as noted per method).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtether.gateway.policy import copies as PC
+from kvtether.gateway.policy import stallquota as SQ
+from kvtether.gateway.policy.estimates import Estimator, EstimatorSeeds, EstimatorSnapshot, LearningParams
+from kvtether.gateway.policy.knobs import PolicyKnobs
+from kvtether.gateway.policy.placement import HandleAction, Plan
+from kvtether.gateway.policy.steps import ChunkTimes, step_start
+from kvtether.gateway.policy.tail import TailTracker
+
+log = logging.getLogger(__name__)
+
+STEP_ARRIVALS = 16  # chunk arrivals kept per leg to find the step before its first chunk
+
+
+class NodeFacts(Protocol):
+    """What learning reads of a node (the shell's ``cluster.Node`` fits as is)."""
+
+    @property
+    def role(self) -> str: ...
+    @property
+    def prefix_caching(self) -> bool | None: ...
+    @property
+    def kv_capacity_tokens(self) -> int | None: ...
+    @property
+    def kv_usage(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSample:
+    """A finished final leg on a decode node, as the relay timed it (``time.perf_counter`` seconds)."""
+
+    node: str
+    local: bool  # a decode-local turn: D prefilled the suffix itself
+    load: tuple[float, float]  # (running, waiting) on D as the plan saw it
+    prompt_tokens: int | None
+    cached_tokens: int  # of the prompt, what D's prefix cache held (its usage's count, else the guard's)
+    sent_at: float | None  # the leg was sent
+    first_chunk_at: float | None  # its first chunk with choices (D's first token)
+    arrivals_before_first: tuple[float, ...] = ()  # other streams' chunks on D in between
+    out_first_at: float | None = None  # first and last output chunk, and the tokens between them
+    out_last_at: float | None = None
+    out_tokens_timed: int = 0
+
+
+class Learning:
+    def __init__(self, seeds: EstimatorSeeds, params: LearningParams, knobs: PolicyKnobs, *,
+                 request_stall_share: float = 1.0, enabled: bool = True) -> None:
+        """`request_stall_share`: each decoding request's TPOT quota (1: none kept, as under fixed policies);
+        `enabled`: whether finished turns update the estimates (off: the seeds stay)."""
+        # Node speeds learned from served turns (prefill, transfer, decode step, queue).
+        self.estimator = Estimator(seeds, params)
+        self.knobs = knobs
+        self.enabled = enabled
+        self.request_stall_share = request_stall_share
+        # Per decode node: the requests this gateway has decoding there, each with its TPOT quota of stall.
+        self.exposures: dict[str, dict[int, SQ.Exposure]] = {}
+        self._exposure_keys = itertools.count()
+        # Per decode node: when its streamed chunks arrived (one burst per engine step).
+        self.chunk_times = ChunkTimes()
+        # Where recent turns' estimated TTFT tail starts (the tail-aware objective's threshold).
+        self.tail = TailTracker(knobs.tail_quantile)
+        # Per prefill node: tokens of new KV it took in (what evicts its older cached blocks; copies.py).
+        self.prefill_written: dict[str, int] = {}
+
+    # ---- what planning reads ---------------------------------------------------------------------
+
+    def snapshot(self, now: float) -> EstimatorSnapshot:
+        return self.estimator.snapshot(now)
+
+    def quota_credit(self, decode: str | None) -> SQ.Credit:
+        """The tightest TPOT quota among the requests decoding on `decode` (inf: none)."""
+        return SQ.credit(self.exposures.get(decode or "", {}).values())
+
+    def tail_threshold(self) -> float:
+        return self.tail.threshold()
+
+    def prefill_cached(self, copies: Iterable[PC.PrefillCopy], overlap: int,
+                       nodes: Mapping[str, NodeFacts]) -> dict[str, int]:
+        """Per P with prefix caching on: how much of this prompt its cache likely still holds (the session's
+        copies there, cut to the prompt's verified overlap with the history, eviction discounted)."""
+        out: dict[str, int] = {}
+        for c in PC.cut(copies, overlap):
+            node = nodes.get(c.url)
+            if node is None or node.role != "prefill" or node.prefix_caching is not True:
+                continue
+            kept = PC.surviving(c, self.prefill_written.get(c.url, 0), node.kv_capacity_tokens, node.kv_usage)
+            if kept > 0:
+                out[c.url] = kept
+        return out
+
+    # ---- what the shell reports ------------------------------------------------------------------
+
+    def planned(self, p: Plan) -> float:
+        """A plan about to run; returns the stall seconds a decode-local turn charges D's running requests.
+
+        Called without an await between planning and this, so two turns planned at once on the same D cannot
+        both take the last of its quotas."""
+        d = p.decision
+        stall = 0.0
+        if d is not None and p.action is HandleAction.DECODE_LOCAL:
+            stall = next((o.stall_s for o in d.options if o.option == "decode_local"), 0.0)
+            if p.decode in self.exposures:
+                self.exposures[p.decode] = SQ.absorb(self.exposures[p.decode], stall)
+        if d is not None and d.policy == "auto" and not d.forced:
+            self.tail.observe(d.estimates_s.get(d.option, math.inf))
+        return stall
+
+    def prefill_done(self, node: str, prompt_tokens: int, cached: int, seconds: float, *, now: float,
+                     load: tuple[float, float], pulled_tokens: int, pulled_from: str | None) -> None:
+        """A prefill leg answered after `seconds`: `cached` of its prompt came from P's cache or D's KV."""
+        if not self.enabled or prompt_tokens <= cached:
+            return
+        running, waiting = load
+        self.estimator.observe_prefill_leg(node, prompt_tokens - cached, cached, seconds, now=now,
+                                           ahead=running + waiting, pulled_tokens=pulled_tokens,
+                                           pulled_from=pulled_from)
+
+    def wrote(self, node: str, prompt_tokens: int, hit: int) -> None:
+        """P `node` took in the KV of a prompt less its own cache hit (what may evict older blocks)."""
+        self.prefill_written[node] = self.prefill_written.get(node, 0) + PC.new_kv_tokens(prompt_tokens, hit)
+
+    def chunk_arrived(self, node: str, at: float) -> None:
+        self.chunk_times.record(node, at)
+
+    def arrivals_since(self, node: str, after: float) -> tuple[float, ...]:
+        """The last few chunk arrivals on `node` after `after`: the step boundaries a decode-local turn's
+        mixed step is read from (read before that turn's own first chunk is recorded)."""
+        return self.chunk_times.since(node, after)[-STEP_ARRIVALS:]
+
+    def decoding(self, node: str, expected_output_tokens: int, running: float, now: float) -> int | None:
+        """D has begun decoding a request: it gets its TPOT quota of stall; returns its key (None: no quotas
+        are kept, i.e. request_stall_share is 1: off, or the policy is not auto)."""
+        share = self.request_stall_share
+        if share >= 1.0:
+            return None
+        step = self.estimator.snapshot(now).tpot_s(node, max(1.0, running))
+        key = next(self._exposure_keys)
+        self.exposures.setdefault(node, {})[key] = SQ.Exposure(SQ.quota_s(share, expected_output_tokens, step))
+        return key
+
+    def done_decoding(self, node: str, key: int) -> None:
+        mine = self.exposures.get(node)
+        if mine is not None:
+            mine.pop(key, None)
+            if not mine:
+                del self.exposures[node]
+
+    def decode_done(self, s: DecodeSample, now: float) -> None:
+        """D's side of a finished turn: a decode-local first-token time (local prefill) when nothing queued
+        ahead of it, and its decode step time from the stream's inter-token gaps."""
+        if not self.enabled:
+            return
+        running, waiting = s.load
+        # Streams only: a non-streamed answer has no first-token time (its latency is the whole decode).
+        if (s.local and s.first_chunk_at is not None and s.sent_at is not None and s.prompt_tokens is not None
+                and waiting == 0):
+            tokens = s.prompt_tokens - s.cached_tokens
+            seconds: float | None = s.first_chunk_at - s.sent_at
+            if running > 0:
+                seconds = self._mixed_step_s(s, running, tokens, now)
+            log.debug("local prefill on %s: %d tok after %d, %g running: first chunk %.4fs after send, learned %s",
+                      s.node, tokens, s.cached_tokens, running, s.first_chunk_at - s.sent_at,
+                      "-" if seconds is None else f"{seconds:.4f}s")
+            if seconds is not None:
+                self.estimator.observe_prefill(s.node, tokens, s.cached_tokens, seconds, now=now)
+        # Not learned here: the P→D transfer from D's first token after a P leg. That time is mostly D's request
+        # handling (template, tokenizing, admission) for a read of a few blocks, and the link's fit is shared
+        # with the D→P pull: it taught the policy that every pull is slow.
+        if s.out_first_at is not None and s.out_last_at is not None and s.out_tokens_timed >= 2:
+            gap = (s.out_last_at - s.out_first_at) / s.out_tokens_timed
+            self.estimator.observe_tpot(s.node, running + 1, gap, now=now)
+
+    def _mixed_step_s(self, s: DecodeSample, running: float, tokens: int, now: float) -> float | None:
+        """How long the engine step that prefilled a local suffix took, read off the other streams on D.
+
+        On a busy D this, not the turn's time to first token, is the local prefill's cost: the running
+        requests waited exactly this step for their next token (the stall is it less a plain decode step),
+        while the turn's own wait also holds D's request handling and the step in flight when it arrived
+        (a stall learned from that overcharges every local turn on a busy D).
+        None when it cannot be read: a suffix over several chunked steps, or no other stream's chunk between
+        this leg's send and its first chunk (nothing streaming there, or only non-streamed requests).
+        """
+        if tokens > self.knobs.chunk_tokens or s.sent_at is None or s.first_chunk_at is None:
+            return None
+        # Chunks of one step arrive within relay jitter of each other; a step apart, a decode step or more.
+        same_step = 0.5 * self.estimator.snapshot(now).tpot_s(s.node, running)
+        start = step_start(s.arrivals_before_first, s.sent_at, s.first_chunk_at, same_step)
+        return None if start is None else s.first_chunk_at - start

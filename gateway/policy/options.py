@@ -1,0 +1,263 @@
+"""Each option's estimate for one turn, without look-ahead (pure): TTFT, interference, balance, tail, and
+the limits that make an option infeasible.
+
+``Nodes`` is what one decision sees: the healthy nodes not excluded, the estimator's snapshot and the
+knobs. ``local_option``, ``pull_option`` and ``cold_option`` each return an :class:`OptionEstimate`;
+``immediate`` all three.
+The formulas are in costmodel.py's docstring and docs/placement.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from kvtether.gateway.policy.estimates import EstimatorSnapshot
+from kvtether.gateway.policy.facts import NodeLike, Option, OptionEstimate, TurnFacts
+from kvtether.gateway.policy.knobs import PolicyKnobs
+
+
+@dataclass(frozen=True, slots=True)
+class Nodes:
+    prefills: tuple[NodeLike, ...]  # healthy, not excluded
+    decodes: tuple[NodeLike, ...]  # healthy, not excluded
+    est: EstimatorSnapshot
+    knobs: PolicyKnobs
+    # Look-ahead memo, per call of choose: after pull and after cold the next turn is the same situation.
+    memo: dict[tuple[TurnFacts, str | None, int], float] = field(default_factory=dict)
+
+    def decode(self, url: str | None) -> NodeLike | None:
+        return next((d for d in self.decodes if d.url == url), None) if url is not None else None
+
+
+def tail_term(ttft: float, turn: TurnFacts, c: Nodes) -> float:
+    if c.knobs.tail_weight == 0.0 or math.isinf(turn.ttft_tail_s):
+        return 0.0
+    return c.knobs.tail_weight * max(0.0, ttft - turn.ttft_tail_s)
+
+
+def floor_block(tokens: int, block: int) -> int:
+    return max(0, tokens // block * block)
+
+
+def p_queue_s(c: Nodes, p: NodeLike) -> float:
+    # A P node's running requests are prefills still computing: a new one waits behind them as behind the
+    # waiting ones (chunked prefill shares steps, which costs the same total time).
+    return c.est.queue_s(p.url, p.waiting + p.running)
+
+
+def d_leg_s(c: Nodes, d: NodeLike) -> float:
+    """D's part of a P/D turn after the KV arrived: its queue, then one decode step produces the first token."""
+    return c.est.queue_s(d.url, d.waiting) + c.est.tpot_s(d.url, d.running + 1)
+
+
+def d_cached_tokens(turn: TurnFacts, c: Nodes) -> int:
+    """Tokens of the prompt the pinned D's prefix cache holds: the handle's blocks (verified), or the estimate."""
+    held = max(turn.decode_cached_tokens, turn.reuse_tokens if turn.handle_valid else 0)
+    # vLLM recomputes at least the last prompt token, and hits whole blocks only.
+    return floor_block(min(held, turn.prompt_tokens - 1), c.knobs.block_size)
+
+
+def keep_probability(d: NodeLike, c: Nodes) -> float:
+    """Probability that D's free (cached, unpinned) blocks survive until the next use: ~1 below the KV-usage
+    knee, falling linearly to 0 at full usage (vLLM evicts free blocks LRU only when no free block is left)."""
+    knee = c.knobs.evict_kv_usage_knee
+    return 1.0 - min(1.0, max(0.0, (d.kv_usage - knee) / (1.0 - knee)))
+
+
+def cached_on(turn: TurnFacts, d: NodeLike, pinned: NodeLike | None, c: Nodes) -> int:
+    """Tokens of the prompt `d`'s prefix cache holds: the pinned D's (handle or estimate), or what another D
+    kept of the session since the pin left it (expected, eviction discounted: a transfer's cost is linear
+    in the tokens D lacks)."""
+    if pinned is not None and d.url == pinned.url:
+        return d_cached_tokens(turn, c)
+    left = max((n for url, n in turn.decode_elsewhere if url == d.url), default=0)
+    return floor_block(round(min(left, turn.prompt_tokens - 1) * keep_probability(d, c)), c.knobs.block_size)
+
+
+def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True) -> OptionEstimate:
+    """`now`: this turn (False: a look-ahead turn, seconds later, when today's arrivals are long done)."""
+    d = c.decode(pinned)
+    if d is None:
+        why = "no pinned decode node" if pinned is None else f"pinned decode {pinned} is down"
+        return OptionEstimate("decode_local", False, why)
+    cached = d_cached_tokens(turn, c)
+    n = turn.prompt_tokens - cached
+    compute = c.est.prefill_s(d.url, n, cached)
+    # Chunked prefill: each of its steps also decodes the running batch, so it cannot beat that step time.
+    steps = math.ceil(n / c.knobs.chunk_tokens)
+    ttft = c.est.queue_s(d.url, d.waiting) + max(compute, steps * c.est.tpot_s(d.url, d.running + 1))
+    # What the running requests lose: a decode step is memory-bound (weights + KV read), so prefill work up
+    # to one step time per step rides along for free (roofline: a step costs max(compute, memory)); the rest
+    # stalls every one of them. The per-request constant counts too: on a MoE model it is mostly the expert
+    # weights a prefill chunk touches and a small decode batch does not (GLM-5: ~70 ms against a ~10 ms
+    # step); on a dense model it is about one step's weight read, which the decode step covers.
+    marginal = c.est.prefill_s(d.url, n, cached)
+    stall = max(0.0, marginal - steps * c.est.tpot_s(d.url, d.running)) if d.running > 0 else 0.0
+    price = stall_price(turn.request_stall_credit_s, turn.request_stall_quota_s)
+    interference = (c.knobs.interference_weight * d.running + price) * stall if stall else 0.0
+    held = min(max(0.0, d.holding_back), d.running)
+    interference += max(0.0, c.knobs.holdback_weight - c.knobs.interference_weight) * held * stall
+    priced = now and c.knobs.arrival_weight > 0.0  # off: not computed, so no reason names it
+    blocks = blocked_s(d.arrivals, c.est.queue_s(d.url, d.waiting), ttft) if priced else 0.0
+    interference += c.knobs.arrival_weight * blocks
+    base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall,
+                          tail_s=tail_term(ttft, turn, c), blocks_s=blocks)
+    if n > c.knobs.max_local_suffix_tokens:
+        return replace(base, feasible=False, soft=True,
+                       why_not=f"local suffix {n} tok > max_local_suffix_tokens {c.knobs.max_local_suffix_tokens}")
+    # Per-request quotas: no request decoding on D may lose more than its share of its own decode time.
+    if stall > 0.0 and turn.request_stall_credit_s < stall:
+        why = (f"TPOT quota: a request decoding on D may absorb {max(0.0, turn.request_stall_credit_s):.3f}s more "
+               f"stall (of {turn.request_stall_quota_s:.3f}s), this one is {stall:.3f}s")
+        return replace(base, feasible=False, soft=True, why_not=why)
+    if d.running > 0:
+        tpot = c.est.tpot_s(d.url, d.running) + stall / c.knobs.tpot_window_tokens
+        if tpot > c.knobs.tpot_budget_s:
+            why = f"TPOT of D's {d.running:g} running {tpot:.3f}s > budget {c.knobs.tpot_budget_s:.3f}s"
+            return replace(base, feasible=False, soft=True, why_not=why)
+    return base
+
+
+def blocked_s(arrivals: Iterable[tuple[float, float]], start_s: float, end_s: float) -> float:
+    """Seconds a local prefill holding D from `start_s` to `end_s` (from now) delays P/D turns arriving there.
+
+    Each arrival needs D twice: when its request comes in (its KV read starts at the next step boundary)
+    and when its read is done (its first step). vLLM runs one engine step at a time, so either instant inside
+    the local prefill's step waits for the step's end."""
+    total = 0.0
+    if end_s <= start_s:
+        return total
+    for at, read in arrivals:
+        for t in (at, at + max(0.0, read)):
+            if start_s < t < end_s:
+                total += end_s - t
+    return total
+
+
+def stall_price(credit_s: float, burst: float) -> float:
+    """TTFT-seconds one second of D's stall costs on top of the interference weight: 0 while the tightest
+    request's TPOT quota on D (`burst`) is full or none is kept, rising as it drains (burst/credit − 1: 1 at
+    half, 3 at a quarter; at most 99, so a forced local turn on an overdrawn quota still has a finite score)."""
+    if math.isinf(credit_s) or credit_s >= burst or burst <= 0.0:
+        return 0.0
+    return burst / max(credit_s, 0.01 * burst) - 1.0
+
+
+def pd_option(option: Option, turn: TurnFacts, p: NodeLike, d: NodeLike, holder: str | None, reuse: int,
+        d_cached: int, c: Nodes, pinned: NodeLike | None = None) -> OptionEstimate:
+    """A P/D turn on the given nodes: P pulls `reuse` tokens from `holder` (0: cold), D lacks the rest.
+    `pinned`: the session's D, when `d` may be another one (rebalancing)."""
+    p_cached = p_cached_tokens(turn, p.url, c)
+    # vLLM's P reads only what its own cache lacks of the handle's tokens, and computes a read too short to
+    # be worth it (count < kv_recompute_threshold) itself.
+    pulled = max(0, reuse - p_cached) if holder is not None else 0
+    if pulled < c.knobs.recompute_threshold_tokens:
+        pulled = 0
+    context = p_cached + pulled
+    computed = turn.prompt_tokens - context
+    read = c.est.transfer_s(holder, p.url, pulled) if holder is not None else 0.0
+    back_tokens = turn.prompt_tokens - d_cached
+    arrive = p_queue_s(c, p) + read + c.est.prefill_s(p.url, computed, context)  # when D gets the request
+    d_read = c.est.transfer_s(p.url, d.url, back_tokens)
+    ttft = arrive + d_read + d_leg_s(c, d)
+    balance = balance_term(turn, d, pinned, c) if pinned is not None else 0.0
+    return OptionEstimate(option, True, "", False, ttft, 0.0, 0.0, p.url, d.url, reuse, computed,
+                          pulled + back_tokens, balance_s=balance, tail_s=tail_term(ttft, turn, c),
+                          arrive_s=arrive, d_read_s=d_read)
+
+
+def p_cached_tokens(turn: TurnFacts, p_url: str, c: Nodes) -> int:
+    """Tokens of the prompt P's prefix cache holds: the session's copy there, or the shared floor."""
+    mine = max((n for url, n in turn.prefill_cached if url == p_url), default=0)
+    held = max(turn.prefill_cached_tokens, mine)
+    return floor_block(min(held, turn.prompt_tokens - 1), c.knobs.block_size)
+
+
+def cheapest(cands: Iterable[OptionEstimate]) -> OptionEstimate | None:
+    return min(cands, key=lambda o: (o.ttft_s + o.balance_s + o.tail_s, o.prefill_url or "", o.balance_s != 0.0),
+               default=None)
+
+
+def decode_choices(pinned: NodeLike, c: Nodes) -> tuple[NodeLike, ...]:
+    """Where a P/D turn of a session pinned to `pinned` may decode: there, or (auto, rebalancing on) any D."""
+    if c.knobs.mode != "auto" or not c.knobs.rebalance_decode:
+        return (pinned,)
+    return (pinned, *(d for d in c.decodes if d.url != pinned.url))
+
+
+def decode_load(d: NodeLike) -> float:
+    # Turns already headed to D count: without them, turns planned while another's prefill leg runs all
+    # see the same light D and herd onto it.
+    return d.running + d.waiting + d.arriving
+
+
+def balance_term(turn: TurnFacts, d: NodeLike, pinned: NodeLike, c: Nodes) -> float:
+    """Decoding this turn's answer on `d` instead of the pinned D, in TTFT-seconds.
+
+    Each request a new one joins is delayed by one sequence's share of a decode step (tpot's per-sequence
+    term) for about the answer's length: priced at `interference_weight`, like a local prefill's stall. The
+    new answer itself decodes at its node's step time: this session's own latency (its agent waits for the
+    whole answer before the next tool call), so a second of it counts as a second of TTFT. Both scale with
+    the node's load (running + waiting).
+    """
+    if d.url == pinned.url:
+        return 0.0
+    out = turn.expected_output_tokens
+
+    def cost(n: NodeLike) -> float:
+        per_seq = max(0.0, c.est.tpot_s(n.url, 2.0) - c.est.tpot_s(n.url, 1.0))
+        others = c.knobs.interference_weight * decode_load(n) * per_seq * out
+        return others + out * c.est.tpot_s(n.url, decode_load(n) + 1.0)
+
+    return cost(d) - cost(pinned)
+
+
+def pull_option(turn: TurnFacts, pinned: str | None, c: Nodes) -> OptionEstimate:
+    def no(why: str) -> OptionEstimate:
+        return OptionEstimate("pull", False, why)
+
+    if not turn.handle_valid:
+        return no("no valid handle")
+    d = c.decode(pinned)
+    if d is None:
+        return no("the handle's decode node is down")
+    reuse = min(turn.reuse_tokens, turn.prompt_tokens - 1)  # P computes at least the last token
+    if reuse < max(1, c.knobs.recompute_threshold_tokens):
+        return no(f"verified reuse {reuse} tok < threshold {c.knobs.recompute_threshold_tokens}")
+    ps = [p for p in c.prefills if p.bidirectional]
+    if not ps:
+        return no("no healthy bidirectional prefill node")
+    best = cheapest(pd_option("pull", turn, p, dd, d.url, reuse, cached_on(turn, dd, d, c), c, d)
+                 for p in ps for dd in decode_choices(d, c))
+    assert best is not None
+    p_url = best.prefill_url or ""
+    # P reads after its queue: the handle must still be alive (with the engine's decline margin) by then.
+    reads_at = turn.handle_age_s + p_queue_s(c, next(p for p in ps if p.url == p_url))
+    if reads_at + c.knobs.handle_margin_s >= c.knobs.handle_ttl_s:
+        return no(f"handle expires: age {turn.handle_age_s:.0f}s + queue, ttl {c.knobs.handle_ttl_s:.0f}s")
+    return best
+
+
+def cold_option(turn: TurnFacts, pinned: str | None, c: Nodes) -> OptionEstimate:
+    if not c.prefills:
+        return OptionEstimate("cold", False, "no healthy prefill node")
+    home = c.decode(pinned)
+    if home is not None:
+        choices = decode_choices(home, c)
+    else:
+        # Re-pin on the decode node that would serve a first token soonest.
+        d = min(c.decodes, key=lambda n: (d_leg_s(c, n), n.url), default=None)
+        if d is None:
+            return OptionEstimate("cold", False, "no healthy decode node")
+        choices = (d,)
+    best = cheapest(pd_option("cold", turn, p, dd, None, 0, cached_on(turn, dd, home, c), c, home)
+                 for p in c.prefills for dd in choices)
+    assert best is not None
+    return best
+
+
+def immediate(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True) -> tuple[OptionEstimate, ...]:
+    return (local_option(turn, pinned, c, now), pull_option(turn, pinned, c), cold_option(turn, pinned, c))
+

@@ -1,0 +1,225 @@
+"""The end of a turn: its span and metrics closed, what the policy learns fed to it, and the session's new
+state (pin, handle and held sequence, what D's prefix cache holds, running means) put into the store.
+
+Runs once per turn, whatever happened: after a non-streamed answer, before a stream's ``[DONE]`` reaches the
+client, or when the client left or the stream broke. Bookkeeping never turns an answer the client already
+has into an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvtether.gateway import body as B
+from kvtether.gateway import telemetry as T
+from kvtether.gateway.cluster import host_of
+from kvtether.gateway.guard import HeldSequence, handle_num_tokens
+from kvtether.gateway.policy import copies as PC
+from kvtether.gateway.policy.learning import DecodeSample
+from kvtether.gateway.policy.placement import HandleAction, Plan
+from kvtether.gateway.sessions import SessionState
+from kvtether.gateway.turn import LegResult, Services, TurnContext
+from opentelemetry import trace
+
+log = logging.getLogger(__name__)
+
+_MEAN_WEIGHT = 0.3  # of the latest turn in the session's running means (≈ the last three turns count)
+
+
+def release_hold_back(sv: Services, node: str, result: LegResult) -> None:
+    if result.holding_back:
+        result.holding_back = False
+        sv.cluster.hold_back(node, -1)
+
+
+async def finish(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResult, span: trace.Span,
+                 source: str) -> None:
+    release_hold_back(sv, the_plan.decode, result)
+    try:
+        usage = result.usage if isinstance(result.usage, dict) else {}
+        if the_plan.prefill is None and source == "none" and B.cached_tokens(usage):
+            source = "prefill_cache"
+        T.set_attrs(span, {T.GEN_AI_RESPONSE_FINISH_REASONS: result.finish_reasons or None,
+                           T.GEN_AI_USAGE_INPUT: usage.get("prompt_tokens"),
+                           T.GEN_AI_USAGE_OUTPUT: usage.get("completion_tokens"),
+                           T.GEN_AI_USAGE_CACHE_READ: B.cached_tokens(usage) if usage else None,
+                           T.ATTR_REUSE_SOURCE: source, T.ATTR_TTFT: result.ttft})
+        # The gateway's own share: until the final leg was sent, less the time awaiting tokenize/prefill
+        # (from there on it only relays, and the first token's arrival is the TTFT's end).
+        overhead = (max(0.0, ctx.final_leg_at - ctx.t0 - ctx.upstream_s)
+                    if result.ttft is not None and ctx.final_leg_at is not None else None)
+        T.set_attrs(ctx.span, {T.ATTR_REUSE_SOURCE: source, T.ATTR_TTFT: result.ttft,
+                               T.ATTR_GATEWAY_OVERHEAD: overhead,
+                               T.ATTR_PREFILL: the_plan.prefill, T.ATTR_DECODE: the_plan.decode})
+        if result.ttft is not None:
+            sv.metrics.observe_ttft(source, sv.config.mode, result.ttft, overhead)
+        await remember(sv, ctx, the_plan, result)
+    except Exception:  # the client already has its answer; bookkeeping must not turn it into an error
+        log.exception("failed to record the end of a turn")
+    finally:
+        sv.cluster.end(the_plan.decode)
+        sv.leave_decoding(ctx)
+        span.end()
+
+
+async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResult) -> None:
+    if ctx.session_id is None:
+        return
+    now = sv.clock()
+    prior = ctx.state
+    policy = sv.config.policy
+    block_size = sv.cluster.block_size(the_plan.decode)
+    handle, held, handle_at = _handle_after(sv, ctx, the_plan, result, block_size)
+    if handle_at is None:
+        handle_at = now
+    # What D's prefix cache holds now (prompt + output − 1: the last sampled token has no KV), handle or
+    # not: the cost policy's decode_cached_tokens next turn. Learned from D's token ids.
+    cached: HeldSequence | None = None
+    total: int | None = None
+    if result.ok and result.prompt_ids is not None and policy == "auto":
+        total = len(result.prompt_ids) + len(result.output_ids)
+        cached = HeldSequence.from_tokens(
+            B.held_tokens(result.prompt_ids, result.output_ids, max(0, total - 1)), block_size)
+    if result.ok and sv.config.mode != "aggregated":
+        sv.learning.decode_done(_decode_sample(ctx, the_plan, result), now)
+    prefix_key = None
+    if ctx.kind == "chat" and ctx.session_source in ("new", "prefix") and result.answer is not None:
+        _, prefix_key = B.chat_keys(ctx.body, result.answer)
+    current = await sv.store.get(ctx.session_id)
+    base = current or prior
+    avg_out, avg_suffix = _running_means(base, result, total)
+    elsewhere: tuple[PC.DecodeCopy, ...] = ()
+    copies = _prefill_copies_after(sv, ctx, the_plan, result) if policy == "auto" else ()
+    if prior is not None and policy == "auto":
+        # What D's the pin leaves or left still hold of this prompt, for a later move back there.
+        elsewhere = PC.cut(prior.elsewhere, ctx.decode_cached, drop=the_plan.decode)
+        if prior.decode is not None and prior.decode != the_plan.decode and ctx.decode_cached > 0:
+            elsewhere = (*elsewhere, PC.DecodeCopy(prior.decode, ctx.decode_cached))[-PC.MAX_DECODE_COPIES:]
+    await sv.store.put(SessionState(
+        session_id=ctx.session_id,
+        decode=the_plan.decode,
+        handle=handle,
+        held=held,
+        handle_at=handle_at if handle is not None else None,
+        expires_at=now + sv.config.session_ttl_s,
+        turns=(base.turns if base else 0) + 1,
+        created_at=base.created_at if base else now,
+        prefix_key=prefix_key,
+        cached=cached,
+        last_tokens=total,
+        last_prefill=the_plan.prefill or (base.last_prefill if base else None),
+        avg_output_tokens=avg_out,
+        avg_suffix_tokens=avg_suffix,
+        elsewhere=elsewhere,
+        prefill_copies=copies,
+    ))
+    sv.metrics.pinned_sessions.set(await sv.store.count())
+
+
+def _handle_after(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResult, block_size: int,
+                  ) -> tuple[dict[str, Any] | None, HeldSequence | None, float | None]:
+    """The handle the session keeps after this turn, the tokens it holds, and when it was returned (None:
+    now): D's new handle after a P/D turn or a marked decode-local one, else the handle a local turn did not
+    use."""
+    local = the_plan.action is HandleAction.DECODE_LOCAL
+    if result.ok and the_plan.prefill is not None and sv.config.policy in ("pull", "reference", "auto"):
+        if result.handle is None:
+            sv.metrics.stream_handles_missing.inc()
+            return None, None, None
+        return (*_kept(sv, result, result.handle, the_plan.decode, block_size), None)
+    if local and result.ok and result.handle is not None and sv.config.local_turn_handles:
+        # D kept the marked local turn's blocks: a handle of the whole sequence, newer than the one this turn
+        # did not use (that one is never pulled now; D frees it at its TTL).
+        sv.cluster.note_local_handles(the_plan.decode, True)
+        sv.metrics.local_handles.labels("kept").inc()
+        if ctx.unused_handle is not None:
+            sv.metrics.local_handles.labels("superseded").inc()
+        return (*_kept(sv, result, result.handle, the_plan.decode, block_size), None)
+    if local:
+        if result.ok and sv.local_handle_due(ctx, the_plan.decode):
+            # Marked, due, and none came back: this D does not keep local turns (no bidirectional_kv_xfer).
+            sv.cluster.note_local_handles(the_plan.decode, False)
+            sv.metrics.local_handles.labels("missing").inc()
+        if ctx.unused_handle is not None:
+            # The handle this turn did not use still pins a prefix of the history on D, so a later turn may
+            # pull it (and so free it) before it expires.
+            return ctx.unused_handle.handle, ctx.unused_handle.held, ctx.unused_handle.handle_at
+    return None, None, None
+
+
+def _kept(sv: Services, result: LegResult, params: dict[str, Any], decode: str,
+          block_size: int) -> tuple[dict[str, Any], HeldSequence | None]:
+    """D's handle as the next prefill will send it (host rewritten), and the tokens it holds (guarded)."""
+    handle = B.with_host(params, host_of(decode))
+    n = handle_num_tokens(handle)
+    if not (sv.config.guarded and n and result.prompt_ids is not None):
+        return handle, None
+    return handle, HeldSequence.from_tokens(B.held_tokens(result.prompt_ids, result.output_ids, n), block_size)
+
+
+def _decode_sample(ctx: TurnContext, the_plan: Plan, result: LegResult) -> DecodeSample:
+    usage = result.usage if isinstance(result.usage, dict) else {}
+    prompt = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
+    if prompt is None and result.prompt_ids is not None:
+        prompt = len(result.prompt_ids)  # a stream without usage: D's first chunk carries the prompt ids
+    return DecodeSample(
+        node=the_plan.decode,
+        local=the_plan.action is HandleAction.DECODE_LOCAL,
+        load=ctx.load_at_plan(the_plan.decode),
+        prompt_tokens=prompt,
+        # D's own count when usage came back, else what the gateway verified it holds.
+        cached_tokens=B.cached_tokens(usage) if usage else ctx.decode_cached,
+        sent_at=ctx.final_leg_at,
+        first_chunk_at=ctx.t0 + result.first_chunk if result.first_chunk is not None else None,
+        arrivals_before_first=result.arrivals_before_first,
+        out_first_at=result.out_first_at,
+        out_last_at=result.out_last_at,
+        out_tokens_timed=result.out_tokens_timed,
+    )
+
+
+def _prefill_copies_after(sv: Services, ctx: TurnContext, the_plan: Plan,
+                          result: LegResult) -> tuple[PC.PrefillCopy, ...]:
+    """The session's prefix-cache copies on P once this turn ran: its P (with prefix caching on) holds the
+    prompt; the others are cut to the prompt's overlap with the history they were prefixes of."""
+    prior = ctx.state.prefill_copies if ctx.state is not None else ()
+    url = the_plan.prefill
+    node = sv.cluster.nodes.get(url) if url is not None else None
+    if node is None or node.prefix_caching is not True or not result.ok or result.prompt_ids is None:
+        return PC.cut(prior, ctx.decode_cached, drop=url)
+    assert url is not None
+    return PC.after_prefill(prior, ctx.decode_cached, url, len(result.prompt_ids), sv.cluster.block_size(url),
+                            sv.learning.prefill_written.get(url, 0))
+
+
+def _running_means(base: SessionState | None, result: LegResult,
+                   total: int | None) -> tuple[float | None, float | None]:
+    """The session's mean answer length and mean suffix (what a turn adds to the last prompt + answer),
+    exponentially weighted: what the policy's look-ahead expects of the next turn."""
+    w = _MEAN_WEIGHT
+    avg_out = base.avg_output_tokens if base is not None else None
+    avg_suffix = base.avg_suffix_tokens if base is not None else None
+    usage = result.usage if isinstance(result.usage, dict) else {}
+    out = len(result.output_ids) or usage.get("completion_tokens")
+    if isinstance(out, int) and out > 0:
+        avg_out = float(out) if avg_out is None else (1 - w) * avg_out + w * out
+    if total is not None and result.prompt_ids is not None and base is not None and base.last_tokens is not None:
+        suffix = max(0, len(result.prompt_ids) - base.last_tokens)
+        avg_suffix = float(suffix) if avg_suffix is None else (1 - w) * avg_suffix + w * suffix
+    return avg_out, avg_suffix
+
+
+def read_body(data: dict[str, Any], result: LegResult) -> None:
+    """What the session store needs from a non-streamed answer: handle, token ids, the answer, finish."""
+    params = data.get(B.KV_FIELD)
+    result.handle = params if isinstance(params, dict) else None
+    result.prompt_ids = B.prompt_ids_of(data)
+    choices = data.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        first = choices[0]
+        result.output_ids = B.output_ids_of(first) or []
+        result.answer = B.answer_message(first)
+        if first.get("finish_reason"):
+            result.finish_reasons = [str(c.get("finish_reason")) for c in choices if isinstance(c, dict)]
+    result.ok = bool(result.finish_reasons)

@@ -1,0 +1,209 @@
+"""A turn in flight: its context, what its legs returned, and the gateway parts every step of it uses.
+
+Plain records plus :class:`Services`, the one object the request path's rooms (identify, gather, legs,
+relay, remember) share: configuration, the cluster view, the session store, metrics, tracing, the upstream
+HTTP clients and the policy's :class:`~kvtether.gateway.policy.learning.Learning`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from kvtether.gateway import telemetry as T
+from kvtether.gateway.cluster import Cluster, host_of
+from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.errors import GatewayError
+from kvtether.gateway.policy.learning import Learning
+from kvtether.gateway.policy.placement import ClusterView
+from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from starlette.responses import JSONResponse, Response
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+_FORWARD_HEADERS = ("authorization",)
+
+
+@dataclass
+class TurnContext:
+    kind: str  # chat | completions
+    body: dict[str, Any]
+    headers: dict[str, str]
+    stream: bool
+    keep_token_ids: bool
+    session_id: str | None
+    session_source: str  # header | prefix | new | none
+    state: SessionState | None
+    t0: float
+    span: trace.Span
+    exclude: set[str] = field(default_factory=set)
+    # Cost-policy bookkeeping: the load view the plan saw (what each leg queued behind), the handle a
+    # decode-local turn left unused (put back: its blocks still cover a prefix of the history), when the
+    # final leg was sent, and the prefix D held verified for this prompt.
+    plan_view: ClusterView | None = None
+    unused_handle: TakenHandle | None = None
+    final_leg_at: float | None = None
+    decode_cached: int = 0
+    # What the plan assumed each P's prefix cache holds of this prompt (policy/copies.py): the P leg's own
+    # cache hit, when P's usage cannot tell it apart from tokens it pulled.
+    prefill_cached: dict[str, int] = field(default_factory=dict)
+    # Observability: seconds spent awaiting nodes before the final leg (tokenize, prefill), so that
+    # final_leg_at - t0 - upstream_s is the gateway's own share of the TTFT; and the x-kvtether-* headers.
+    upstream_s: float = 0.0
+    response_headers: dict[str, str] = field(default_factory=dict)
+    # The answer's expected length (the session's mean, capped by max_tokens): sizes its TPOT quota.
+    expected_output_tokens: int = 256
+    # (decode node, key) of the final leg's entry in the per-request TPOT quotas while D decodes it.
+    exposure: tuple[str, int] | None = None
+
+    @property
+    def model(self) -> str:
+        return str(self.body.get("model") or "")
+
+    @property
+    def parent_ctx(self) -> otel_context.Context:
+        return trace.set_span_in_context(self.span)
+
+    def load_at_plan(self, node: str) -> tuple[float, float]:
+        """(running, waiting) of `node` as the plan saw it: what this leg queued behind."""
+        view = self.plan_view
+        for n in (*view.prefill, *view.decode) if view is not None else ():
+            if n.url == node:
+                return n.running, n.waiting
+        return 0.0, 0.0
+
+
+@dataclass
+class Prefilled:
+    params: dict[str, Any] | None
+    cached_tokens: int
+    pulled: bool  # a handle was attached and accepted
+
+
+@dataclass
+class LegResult:
+    """What the final (decode or aggregated) leg told us, for the session store."""
+
+    ok: bool = False
+    handle: dict[str, Any] | None = None
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    answer: dict[str, Any] | None = None
+    usage: Any = None
+    finish_reasons: list[str] = field(default_factory=list)
+    ttft: float | None = None
+    # Since the turn's start, the stream's first chunk with choices: vLLM sends its role chunk with the first
+    # engine output, so this is when D produced the first token. TTFT (above) may come several decode steps
+    # later, once the tool-call parser releases the function name: not prefill time, so not learned from.
+    first_chunk: float | None = None
+    # Stream timing of output chunks (first, last, how many tokens between): the decode TPOT sample.
+    out_first_at: float | None = None
+    out_last_at: float | None = None
+    out_tokens_timed: int = 0
+    # Other streams' chunk arrivals on the same D between this leg's send and its first chunk (the last few):
+    # the step boundaries a decode-local prefill's mixed step is read from (policy/steps.py).
+    arrivals_before_first: tuple[float, ...] = ()
+    # Counted in its D's `holding_back` (first token out, first delta not yet): released once, by the first
+    # delta or the end of the leg.
+    holding_back: bool = False
+
+    def time_output(self, n: int) -> None:
+        """Timestamps of streamed output: gaps after the first chunk are decode steps (TPOT samples)."""
+        t = time.perf_counter()
+        if self.out_first_at is None:
+            self.out_first_at = t
+            return
+        self.out_last_at = t
+        self.out_tokens_timed += n
+
+
+class UpstreamFailure(Exception):
+    def __init__(self, node: str, phase: str, message: str, status: int | None = None,
+                 payload: Any = None, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.node, self.phase, self.status, self.payload = node, phase, status, payload
+        # Could not connect at all: the node is down, not just this request.
+        self.unreachable = unreachable
+
+    @property
+    def node_fault(self) -> bool:
+        """A connection failure or 5xx says the node is in trouble; a 4xx says the request is."""
+        return self.status is None or self.status >= 500
+
+    def client_response(self) -> Response:
+        if self.status is not None and self.status < 500 and isinstance(self.payload, dict) and "error" in self.payload:
+            return JSONResponse(self.payload, status_code=self.status)
+        if self.status is not None and self.status < 500:
+            return GatewayError(self.status, f"upstream rejected the request: {self.payload}").response()
+        return GatewayError(502, f"upstream {self.phase} failed: {self}", type_="upstream_error").response()
+
+    @classmethod
+    def from_http(cls, node: str, phase: str, exc: httpx.HTTPError) -> UpstreamFailure:
+        unreachable = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+        return cls(node, phase, f"{type(exc).__name__}: {exc}", unreachable=unreachable)
+
+
+@dataclass
+class Services:
+    config: GatewayConfig
+    cluster: Cluster
+    store: SessionStore
+    metrics: T.Metrics
+    client: httpx.AsyncClient
+    tokenize_client: httpx.AsyncClient  # /tokenize on connections of its own (see app.py)
+    tracer: trace.Tracer
+    learning: Learning
+    clock: Callable[[], float] = time.monotonic
+
+    def count_error(self, failure: UpstreamFailure) -> None:
+        self.metrics.upstream_errors.labels(failure.node, failure.phase).inc()
+
+    def mark_failed(self, failure: UpstreamFailure) -> None:
+        self.cluster.mark_failed(failure.node, str(failure), hard=failure.unreachable)
+
+    def leg_span(self, ctx: TurnContext, node: str, leg: str) -> trace.Span:
+        operation = "chat" if ctx.kind == "chat" else "text_completion"
+        span = self.tracer.start_span(T.chat_span_name(operation, ctx.model), context=ctx.parent_ctx,
+                                      kind=T.KIND_CLIENT)
+        T.set_attrs(span, {T.GEN_AI_OPERATION: operation, T.GEN_AI_PROVIDER: T.PROVIDER,
+                           T.GEN_AI_REQUEST_MODEL: ctx.model, T.SERVER_ADDRESS: host_of(node),
+                           T.SERVER_PORT: httpx.URL(node).port,
+                           T.ATTR_LEG: leg, T.ATTR_TURN: ctx.state.turns if ctx.state else 0,
+                           T.GEN_AI_CONVERSATION_ID: ctx.session_id if ctx.session_source == "header" else None,
+                           T.GEN_AI_REQUEST_STREAM: True if (ctx.stream and leg != "prefill") else None,
+                           T.GEN_AI_REQUEST_MAX_TOKENS: ctx.body.get("max_tokens")})
+        return span
+
+    def upstream_headers(self, ctx: TurnContext, span: trace.Span) -> dict[str, str]:
+        out = {k: ctx.headers[k] for k in _FORWARD_HEADERS if k in ctx.headers}
+        propagate.inject(out, context=trace.set_span_in_context(span))
+        return out
+
+    def local_handle_due(self, ctx: TurnContext, decode: str | None) -> bool:
+        """Whether a decode-local turn on `decode` would come back with a handle: marked (config), on a D not
+        seen to drop marks, and not a stream on vLLM < 0.33 (whose streams carry no handle)."""
+        node = self.cluster.nodes.get(decode) if decode is not None else None
+        if not self.config.local_turn_handles or node is None or node.local_handles is False:
+            return False
+        return not ctx.stream or node.stream_handles
+
+    def enter_decoding(self, ctx: TurnContext, node: str) -> None:
+        """D has begun decoding this turn's answer: it gets its TPOT quota of stall (policy/stallquota.py)."""
+        if self.learning.request_stall_share >= 1.0:
+            return  # no quotas kept
+        self.leave_decoding(ctx)  # a leg retried after a failure: one entry per turn, on the node it runs on
+        n = self.cluster.nodes.get(node)
+        running = n.load().running if n is not None else 1.0  # polled gauge or this gateway's own, the fresher
+        key = self.learning.decoding(node, ctx.expected_output_tokens, running, self.clock())
+        if key is not None:
+            ctx.exposure = (node, key)
+
+    def leave_decoding(self, ctx: TurnContext) -> None:
+        if ctx.exposure is not None:
+            node, key = ctx.exposure
+            ctx.exposure = None
+            self.learning.done_decoding(node, key)
