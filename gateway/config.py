@@ -118,6 +118,20 @@ class GatewayConfig:
     # estimate_half_life_s), for experiments; not a stable interface. TOML: a [gateway.tuning] table.
     tuning: dict[str, Any] = field(default_factory=dict)
 
+    # Session store: "memory" (one process) or a redis:// / rediss:// / unix:// URL of Redis or Valkey, shared by
+    # gateway workers and replicas. Every store call is bounded by store_timeout_s: a slow or down store makes
+    # the turn cold (never a failed request), and the gateway uses the store again as soon as it answers.
+    store: str = "memory"
+    store_timeout_s: float = 0.1
+    # Prefix of every key the gateway writes in a shared store (several deployments may share one Redis).
+    store_key_prefix: str = "kvtether"
+
+    # The guard's tokenizer: the served model's tokenizer directory or name (its tokenizer.json and chat
+    # template); None = P's /tokenize for every guarded turn. Checked against /tokenize at start-up and on
+    # this share of guarded turns; a mismatch switches back to /tokenize (counted in a metric).
+    tokenizer: str | None = None
+    tokenizer_check_share: float = 0.02
+
     # Cluster view.
     metrics_poll_interval_s: float = 2.0
     # Client side.
@@ -181,6 +195,12 @@ class GatewayConfig:
         for f in fields(self):
             if f.name.startswith("seed_") and not getattr(self, f.name) > 0:
                 raise ConfigError(f"{f.name} must be > 0")
+        if not (self.store == "memory" or self.store.startswith(("redis://", "rediss://", "unix://"))):
+            raise ConfigError(f"store must be 'memory' or a redis://, rediss:// or unix:// URL; got {self.store!r}")
+        if self.store_timeout_s <= 0 or not self.store_key_prefix:
+            raise ConfigError("store_timeout_s must be > 0 and store_key_prefix non-empty")
+        if not 0.0 <= self.tokenizer_check_share <= 1.0:
+            raise ConfigError("tokenizer_check_share must be in [0, 1]")
         if self.min_reuse_tokens < 1:
             raise ConfigError("min_reuse_tokens must be >= 1")
         if self.block_size is not None and self.block_size < 1:
@@ -277,7 +297,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
 
 
 # Settings whose default is None (unset): the type a set value must have.
-_OPTIONAL_TYPES: dict[str, type] = {"model": str, "block_size": int, "read_timeout_s": float, "otlp_endpoint": str}
+_OPTIONAL_TYPES: dict[str, type] = {"model": str, "block_size": int, "read_timeout_s": float, "otlp_endpoint": str,
+                                    "tokenizer": str}
 
 
 def _check_types(cfg: GatewayConfig) -> None:
