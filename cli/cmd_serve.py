@@ -1,7 +1,9 @@
 """``kvtether serve``: run the gateway in front of vLLM prefill/decode (or aggregated) nodes.
 
 Flags name the cluster; everything else comes from ``--config FILE`` (TOML, see docs/gateway.md).
-Flags win over the file. Exit codes: 0 normal stop, 2 bad configuration.
+Flags win over the file; ``KVTETHER_STORE`` stands for ``--store``. ``--workers N`` runs N processes on one
+port, which share sessions through the store (so they need a Redis/Valkey URL). Exit codes: 0 normal stop,
+2 bad configuration.
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ def register(app: typer.Typer) -> None:
         port: int | None = typer.Option(None, "--port", help="Listen port (default 8000)."),
         policy: str | None = typer.Option(None, "--policy", help="auto | pull | no-pull | reference."),
         otlp_endpoint: str | None = typer.Option(None, "--otlp-endpoint", help="OTLP/HTTP traces endpoint."),
+        store: str | None = typer.Option(
+            None, "--store", envvar="KVTETHER_STORE",
+            help="Session store: memory (default) or a redis://, rediss:// or unix:// URL of Redis/Valkey, shared "
+            "by workers and replicas."),
+        workers: int = typer.Option(1, "--workers", min=1, help="Worker processes on this port (needs --store URL)."),
+        tokenizer: str | None = typer.Option(
+            None, "--tokenizer",
+            help="The served model's tokenizer (directory or name): the guard tokenizes locally, checked against "
+            "/tokenize."),
         log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
     ) -> None:
         """Start the OpenAI-compatible gateway (POST /v1/chat/completions, /v1/completions; GET /v1/models,
@@ -35,11 +46,30 @@ def register(app: typer.Typer) -> None:
 
         try:
             cfg = load_config(config, prefill=prefill or None, decode=decode or None, aggregated=aggregated or None,
-                              host=host, port=port, policy=policy, otlp_endpoint=otlp_endpoint)
+                              host=host, port=port, policy=policy, otlp_endpoint=otlp_endpoint, store=store,
+                              tokenizer=tokenizer)
         except ConfigError as exc:
             typer.echo(f"kvtether serve: {exc}", err=True)
             raise typer.Exit(EXIT_USAGE) from None
+        if workers > 1 and cfg.store == "memory":
+            # Each worker would keep its own sessions: alternate turns of a session would lose their handle.
+            typer.echo("kvtether serve: --workers > 1 needs a shared session store (--store redis://HOST:PORT, or "
+                       "KVTETHER_STORE)", err=True)
+            raise typer.Exit(EXIT_USAGE)
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         mode = "aggregated" if cfg.aggregated else f"P/D ({len(cfg.prefill)}P {len(cfg.decode)}D)"
-        typer.echo(f"kvtether gateway on http://{cfg.host}:{cfg.port} — {mode}, policy {cfg.policy}", err=True)
-        run_gateway(cfg, log_level=log_level)
+        shared = f", {workers} workers" if workers > 1 else ""
+        typer.echo(f"kvtether gateway on http://{cfg.host}:{cfg.port} — {mode}, policy {cfg.policy}, store "
+                   f"{_redacted(cfg.store)}{shared}", err=True)
+        run_gateway(cfg, log_level=log_level, workers=workers)
+
+
+def _redacted(url: str) -> str:
+    """A store URL without its password, for the start-up line."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return parts._replace(netloc=netloc).geturl()

@@ -5,8 +5,9 @@ process group (vLLM's engine-core processes included), output goes to one log fi
 group is stopped (SIGTERM, then SIGKILL) on Ctrl-C, on SIGTERM, or as soon as any child dies.
 
 The gateway takes the same settings as `kvtether serve`: `--config FILE` (TOML), `--policy`, `--otlp-endpoint`,
-`--gateway-log-level`, and `--gateway-set KEY=VALUE` for any other GatewayConfig field. `up` itself supplies the
-cluster (prefill/decode URLs), host, port and session/engine TTLs, which win over the file. The gateway's
+`--store`, `--gateway-log-level`, and `--gateway-set KEY=VALUE` for any other GatewayConfig field. `--gateways N`
+starts N gateway replicas on consecutive ports, which must share a Redis/Valkey store (`--store`). `up` itself
+supplies the cluster (prefill/decode URLs), host, port and session/engine TTLs, which win over the file. The gateway's
 configuration is built here, with `load_config` from exactly the arguments its child will get, before any vLLM
 instance starts: a bad setting is a usage error (exit 2), never a half-started cluster.
 """
@@ -125,11 +126,18 @@ def gateway_child_config(args: Sequence[str]) -> tuple[GatewayConfig, str]:
 
 
 def check_gateway_config(plan: ClusterPlan) -> GatewayConfig | None:
-    """The configuration the plan's gateway child will run with (None without a gateway); ConfigError if it
-    cannot work. Called before any child starts."""
+    """The configuration the plan's (first) gateway child will run with (None without a gateway); ConfigError if
+    it cannot work. Called before any child starts."""
+    from kvtether.gateway.config import ConfigError
+
     if plan.gateway is None:
         return None
-    return gateway_child_config(plan.gateway.child_args)[0]
+    cfg = gateway_child_config(plan.gateway.child_args)[0]
+    if plan.more_gateways and cfg.store == "memory":
+        # Replicas with a store each would lose a session's handle whenever its turn reaches another one.
+        raise ConfigError(f"{len(plan.gateways)} gateways need a shared session store: --store redis://HOST:PORT "
+                          "(or store in --config / --gateway-set)")
+    return cfg
 
 
 class ChildDied(RuntimeError):
@@ -277,9 +285,10 @@ def running_cluster(
             took = sup.wait_healthy(child, timeout_s=health_timeout_s)
             log(f"{child.name} healthy at {child.command.url} ({took:.0f} s after its health wait began)")
         if start_gateway and plan.gateway is not None:
-            gw = sup.start(plan.gateway.command)
-            sup.wait_healthy(gw, timeout_s=60.0)
-            log(f"gateway healthy at {gw.command.url}")
+            gateways = [sup.start(spec.command) for spec in plan.gateways]
+            for gw in gateways:
+                sup.wait_healthy(gw, timeout_s=60.0)
+                log(f"{gw.name} healthy at {gw.command.url}")
         yield sup
     finally:
         sup.stop_all()
@@ -307,7 +316,7 @@ def run_up(plan: ClusterPlan, *, log_dir: Path, as_json: bool, console: Console)
                 sys.stdout.write(json.dumps(urls) + "\n")
                 sys.stdout.flush()
             else:
-                console.print(f"gateway: {urls['gateway']}")
+                console.print(f"gateway: {', '.join(str(g.command.url) for g in plan.gateways) or None}")
                 console.print(f"prefill: {', '.join(map(str, urls['prefill']))}")  # type: ignore[call-overload]
                 console.print(f"decode:  {', '.join(map(str, urls['decode']))}")  # type: ignore[call-overload]
             log("running; Ctrl-C stops every instance")
@@ -381,6 +390,15 @@ def register(app: typer.Typer) -> None:
                          "published reverse-pull runs); decode keeps it."),
         ] = False,
         no_gateway: Annotated[bool, typer.Option("--no-gateway", help="Start only the vLLM instances.")] = False,
+        gateways: Annotated[
+            int, typer.Option("--gateways", min=1, help="Gateway replicas on consecutive ports from --port (more "
+                              "than one needs --store).")
+        ] = 1,
+        store: Annotated[
+            str | None,
+            typer.Option("--store", help="Gateway session store: memory (default) or a "
+                         "redis://, rediss:// or unix:// URL of Redis/Valkey, shared by the gateway replicas."),
+        ] = None,
         policy: Annotated[
             str | None,
             typer.Option("--policy", help="Gateway policy: auto | pull | no-pull | reference (default auto)."),
@@ -429,7 +447,8 @@ def register(app: typer.Typer) -> None:
         extra = [a for a in ctx.args if a != "--"]
         dev: Device = "cpu" if device == "cpu" else "cuda"
         gateway_flags = {"--policy": policy, "--config": config, "--otlp-endpoint": otlp_endpoint,
-                         "--gateway-log-level": gateway_log_level, "--gateway-set": gateway_set}
+                         "--gateway-log-level": gateway_log_level, "--gateway-set": gateway_set, "--store": store,
+                         "--gateways": gateways if gateways != 1 else None}
         given = [flag for flag, value in gateway_flags.items() if value is not None]
         if no_gateway and given:
             _usage_error(f"{', '.join(given)}: gateway options, but --no-gateway starts no gateway")
@@ -441,6 +460,8 @@ def register(app: typer.Typer) -> None:
             _usage_error(str(e))
         if otlp_endpoint is not None:
             settings["otlp_endpoint"] = otlp_endpoint
+        if store is not None:
+            settings["store"] = store
         opts = ClusterOptions(
             model=model,
             prefill=prefill,
@@ -458,6 +479,7 @@ def register(app: typer.Typer) -> None:
             cpu_binds=cpu_binds.split(";") if cpu_binds else None,
             extra_vllm_args=extra,
             gateway=not no_gateway,
+            gateways=gateways,
             gateway_python=sys.executable,
             gateway_policy=policy,
             # Absolute: the gateway child is told the path, and it must mean the same file wherever it runs.

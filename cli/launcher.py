@@ -7,7 +7,8 @@ argv and the environment *additions* (on top of the caller's environment). Proce
 The gateway child gets its settings on its command line: `python -m kvtether.cli.cmd_up gateway '<settings JSON>'
 [--config FILE] --log-level LEVEL`, where it calls `load_config(FILE, **settings)`. The settings `up` derives
 itself (`GATEWAY_OWN_KEYS`: the cluster URLs, host, port and TTLs) are keyword overrides there, so they win over
-the file; reading and validating the file is left to `cmd_up.py`.
+the file; reading and validating the file is left to `cmd_up.py`. `gateways > 1` plans that many replicas of
+the gateway on consecutive ports, alike but for the port (they must share a session store).
 """
 
 from __future__ import annotations
@@ -93,23 +94,29 @@ class ClusterPlan:
     prefill: tuple[InstanceSpec, ...]
     decode: tuple[InstanceSpec, ...]
     gateway: GatewaySpec | None
+    # Gateway replicas after the first (`--gateways N`), on the ports after its port; they share the store.
+    more_gateways: tuple[GatewaySpec, ...] = ()
 
     @property
     def instances(self) -> tuple[InstanceSpec, ...]:
         return self.prefill + self.decode
 
+    @property
+    def gateways(self) -> tuple[GatewaySpec, ...]:
+        return (self.gateway, *self.more_gateways) if self.gateway is not None else ()
+
     def urls(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "gateway": self.gateway.command.url if self.gateway else None,
             "prefill": [i.command.url for i in self.prefill],
             "decode": [i.command.url for i in self.decode],
         }
+        if self.more_gateways:
+            out["gateways"] = [g.command.url for g in self.gateways]
+        return out
 
     def commands(self) -> list[ChildCommand]:
-        cmds = [i.command for i in self.instances]
-        if self.gateway is not None:
-            cmds.append(self.gateway.command)
-        return cmds
+        return [i.command for i in self.instances] + [g.command for g in self.gateways]
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,8 @@ class ClusterOptions:
     cpu_binds: Sequence[str] | None = None
     extra_vllm_args: Sequence[str] = ()
     gateway: bool = True
+    # Gateway replicas on consecutive ports from gateway_port; more than one needs a shared store (settings).
+    gateways: int = 1
     gateway_python: str = "python"
     gateway_policy: str | None = None
     gateway_session_ttl_s: float | None = None
@@ -267,22 +276,54 @@ def vllm_instance_command(
 
 
 def gateway_config(
-    opts: ClusterOptions, prefill_urls: Sequence[str], decode_urls: Sequence[str], session_ttl_s: float
+    opts: ClusterOptions, prefill_urls: Sequence[str], decode_urls: Sequence[str], session_ttl_s: float,
+    index: int = 0,
 ) -> dict[str, object]:
     """Keyword settings for `kvtether.gateway.config.load_config(config_file, **settings)`: the caller's extra
-    settings, then `up`'s own (cluster, host, port, TTLs, policy) on top."""
+    settings, then `up`'s own (cluster, host, port, TTLs, policy) on top. ``index``: which gateway replica."""
     cfg: dict[str, object] = {
         **opts.gateway_settings,
         "prefill": list(prefill_urls),
         "decode": list(decode_urls),
         "host": opts.host,
-        "port": opts.gateway_port,
+        "port": opts.gateway_port + index,
         "session_ttl_s": session_ttl_s,
         "engine_kv_ttl_s": opts.decode_ttl_s,
     }
     if opts.gateway_policy:
         cfg["policy"] = opts.gateway_policy
+    if "tokenizer" not in cfg and not _file_sets(opts.gateway_config_file, "tokenizer"):
+        # The guard tokenizes with the served model's own tokenizer (checked against /tokenize at start-up);
+        # `--gateway-set tokenizer=` (empty) turns that off.
+        cfg["tokenizer"] = served_tokenizer(opts)
     return cfg
+
+
+def served_tokenizer(opts: ClusterOptions) -> str:
+    """The tokenizer the vLLM instances load: their `--tokenizer` argument, else the model."""
+    args = list(opts.extra_vllm_args)
+    for i, arg in enumerate(args):
+        if arg == "--tokenizer" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--tokenizer="):
+            return arg.split("=", 1)[1]
+    return opts.model
+
+
+def _file_sets(path: str | None, key: str) -> bool:
+    """Whether the gateway's TOML file (top level or [gateway]) sets `key`; a file that cannot be read sets
+    nothing here (`up` reports it when it validates the configuration)."""
+    if path is None:
+        return False
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+    table = raw.get("gateway", raw)
+    return isinstance(table, dict) and any(k.replace("-", "_") == key for k in table)
 
 
 def gateway_child_args(opts: ClusterOptions, settings: Mapping[str, object]) -> tuple[str, ...]:
@@ -298,20 +339,21 @@ def gateway_child_args(opts: ClusterOptions, settings: Mapping[str, object]) -> 
 
 
 def gateway_command(
-    opts: ClusterOptions, prefill_urls: Sequence[str], decode_urls: Sequence[str], session_ttl_s: float
+    opts: ClusterOptions, prefill_urls: Sequence[str], decode_urls: Sequence[str], session_ttl_s: float,
+    index: int = 0,
 ) -> ChildCommand:
-    """The gateway in front of the instances, as a child with the project's python.
+    """The gateway in front of the instances (replica ``index``), as a child with the project's python.
 
     Runs `python -m kvtether.cli.cmd_up gateway '<settings JSON>' [--config FILE] --log-level L` (the gateway's own
     `run_gateway(load_config(FILE, **settings))`) so that it does not depend on the `serve` command's flags.
     """
-    settings = gateway_config(opts, prefill_urls, decode_urls, session_ttl_s)
+    settings = gateway_config(opts, prefill_urls, decode_urls, session_ttl_s, index)
     argv = (opts.gateway_python, "-m", "kvtether.cli.cmd_up", "gateway", *gateway_child_args(opts, settings))
     return ChildCommand(
-        name="gateway",
+        name="gateway" if index == 0 else f"gateway-{index}",
         argv=argv,
         env={},
-        url=f"http://{_url_host(opts.host)}:{opts.gateway_port}",
+        url=f"http://{_url_host(opts.host)}:{opts.gateway_port + index}",
         health_path="/health",
     )
 
@@ -332,10 +374,13 @@ def plan_cluster(opts: ClusterOptions) -> ClusterPlan:
     n = opts.prefill + opts.decode
     base = opts.vllm_base_port if opts.vllm_base_port is not None else opts.gateway_port + 100
     ports = [base + i for i in range(n)]
-    if opts.gateway and opts.gateway_port in ports:
-        raise ValueError(f"gateway port {opts.gateway_port} collides with a vLLM port")
+    if opts.gateways < 1:
+        raise ValueError("need at least one gateway (or no gateway at all)")
+    gateway_ports = {opts.gateway_port + i for i in range(opts.gateways)} if opts.gateway else set()
+    if gateway_ports & set(ports):
+        raise ValueError(f"gateway port(s) {sorted(gateway_ports & set(ports))} collide with a vLLM port")
     side = [opts.side_channel_base_port + i for i in range(n)]
-    overlap = set(side) & (set(ports) | ({opts.gateway_port} if opts.gateway else set()))
+    overlap = set(side) & (set(ports) | gateway_ports)
     if overlap:
         raise ValueError(f"NIXL side-channel ports collide with HTTP ports: {sorted(overlap)}")
     own = sorted(GATEWAY_OWN_KEYS & set(opts.gateway_settings))
@@ -371,25 +416,29 @@ def plan_cluster(opts: ClusterOptions) -> ClusterPlan:
     ]
     prefill = tuple(s for s in specs if s.role == "prefill")
     decode = tuple(s for s in specs if s.role == "decode")
-    gw: GatewaySpec | None = None
+    gws: list[GatewaySpec] = []
     if opts.gateway:
         ttl = opts.gateway_session_ttl_s
         if ttl is None:
             ttl = gateway_session_ttl(opts.decode_ttl_s)
         p_urls = tuple(str(s.command.url) for s in prefill)
         d_urls = tuple(str(s.command.url) for s in decode)
-        gw = GatewaySpec(
-            port=opts.gateway_port,
-            host=opts.host,
-            session_ttl_s=ttl,
-            prefill_urls=p_urls,
-            decode_urls=d_urls,
-            command=gateway_command(opts, p_urls, d_urls, ttl),
-            child_args=gateway_child_args(opts, gateway_config(opts, p_urls, d_urls, ttl)),
-            config_file=opts.gateway_config_file,
-        )
+        gws = [
+            GatewaySpec(
+                port=opts.gateway_port + k,
+                host=opts.host,
+                session_ttl_s=ttl,
+                prefill_urls=p_urls,
+                decode_urls=d_urls,
+                command=gateway_command(opts, p_urls, d_urls, ttl, k),
+                child_args=gateway_child_args(opts, gateway_config(opts, p_urls, d_urls, ttl, k)),
+                config_file=opts.gateway_config_file,
+            )
+            for k in range(opts.gateways)
+        ]
     return ClusterPlan(
-        model=opts.model, device=opts.device, decode_ttl_s=opts.decode_ttl_s, prefill=prefill, decode=decode, gateway=gw
+        model=opts.model, device=opts.device, decode_ttl_s=opts.decode_ttl_s, prefill=prefill, decode=decode,
+        gateway=gws[0] if gws else None, more_gateways=tuple(gws[1:]),
     )
 
 

@@ -1,27 +1,32 @@
-"""The HTTP app: OpenAI-compatible routes, request validation, error mapping, admin and metrics.
+"""The HTTP app: OpenAI-compatible routes, the caller's API key, request validation, error mapping, admin
+and metrics.
 
-Validation happens here, before anything reaches a node: a request the gateway rejects never touches
-a session. Everything after validation is the orchestrator's job.
+Authentication (``auth.py``) and validation (``validate.py``) happen here, before anything reaches a node:
+a request the gateway rejects never touches a session. Everything after validation is the orchestrator's
+job.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import anyio
 import httpx
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.body import KV_FIELD
+from kvtether.gateway import validate as V
+from kvtether.gateway.auth import Auth
 from kvtether.gateway.cluster import Cluster
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
+from kvtether.gateway.health import probe_forever
+from kvtether.gateway.legs import start_local_tokenizer
 from kvtether.gateway.orchestrator import Orchestrator
-from kvtether.gateway.sessions import MemorySessionStore, SessionStore
+from kvtether.gateway.sessions import SessionStore
+from kvtether.gateway.stores import open_store
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -45,7 +50,10 @@ class Gateway:
         # An explicit provider (tests, the demo's in-memory capture) is used as is; else the OTEL_* variables
         # pick the global one at startup.
         self.own_tracing = tracer_provider is not None
-        self.store: SessionStore = store or MemorySessionStore(max_sessions=config.max_sessions)
+        # The configured store (memory, or Redis/Valkey shared by replicas); closed at shutdown when built here.
+        self.own_store = store is None
+        self.store: SessionStore = store or open_store(config, metrics=self.metrics)
+        self.auth = Auth(config)
         self.client = _upstream_client(config)
         # The guard's /tokenize calls get connections of their own. Sharing a keep-alive connection with the
         # prefill leg that follows them delayed P's answer by ~44 ms (measured on the simulator: the P→D hop
@@ -77,41 +85,10 @@ def _gateway(request: Request) -> Gateway:
     return gw
 
 
-async def _read_json(request: Request, limit: int) -> dict[str, Any]:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise GatewayError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise GatewayError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
-    try:
-        data = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise GatewayError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise GatewayError(400, "request body must be a JSON object", code="invalid_json")
-    return data
-
-
-async def _validate(gw: Gateway, kind: str, body: dict[str, Any]) -> None:
-    if KV_FIELD in body:
-        raise GatewayError(400, "kv_transfer_params is set by the gateway, not by clients", param=KV_FIELD,
-                           code="forbidden_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise GatewayError(400, "you must provide a model parameter", param="model", code="missing_model")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise GatewayError(400, "stream must be a boolean", param="stream")
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise GatewayError(400, "messages must be a non-empty list of objects", param="messages")
-    elif body.get("prompt") is None:
-        raise GatewayError(400, "you must provide a prompt", param="prompt")
+async def _validate(gw: Gateway, kind: str, body: dict[str, Any], headers: Mapping[str, str]) -> None:
+    V.check_headers(headers)
+    V.check_body(kind, body, pd=gw.config.mode == "pd")
+    model = body["model"]
     known = gw.models()
     if not known:
         await gw.cluster.refresh_all()
@@ -124,6 +101,7 @@ async def _validate(gw: Gateway, kind: str, body: dict[str, Any]) -> None:
     if model == gw.config.model and upstream and model not in upstream:
         # The configured public name is an alias of what the backends serve.
         body["model"] = upstream[0]
+    V.check_length(kind, body, gw.cluster.max_model_len(body["model"]))
 
 
 def _completion_route(kind: str) -> Any:
@@ -136,11 +114,14 @@ def _completion_route(kind: str) -> Any:
         response: Response | None = None
         try:
             try:
-                body = await _read_json(request, gw.config.max_body_bytes)
-                await _validate(gw, kind, body)
+                headers = {k.lower(): v for k, v in request.headers.items()}
+                tenant = gw.auth.tenant(headers)
+                body = await V.read_json(request, gw.config.max_body_bytes)
+                await _validate(gw, kind, body, headers)
                 T.set_attrs(span, {T.GEN_AI_REQUEST_MODEL: body.get("model"),
                                    T.GEN_AI_REQUEST_STREAM: body.get("stream") is True or None})
-                response = await gw.orchestrator.handle(kind, body, request.headers, span)
+                response = await gw.orchestrator.handle(kind, body, headers, span, tenant=tenant,
+                                                        upstream_auth=gw.auth.upstream_authorization(headers))
             except GatewayError as err:
                 response = err.response()
             except Exception as exc:  # a bug must still answer in the API's shape, and be logged
@@ -206,6 +187,10 @@ async def metrics(request: Request) -> Response:
 
 async def admin_sessions(request: Request) -> Response:
     gw = _gateway(request)
+    try:
+        gw.auth.check_admin({k.lower(): v for k, v in request.headers.items()})
+    except GatewayError as err:
+        return err.response()
     now = gw.orchestrator.sv.clock()
     out = []
     for s in await gw.store.list():
@@ -237,13 +222,17 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
         await gw.cluster.refresh_all()
         async with anyio.create_task_group() as tg:
             tg.start_soon(gw.cluster.poll_forever)
+            tg.start_soon(probe_forever, gw.cluster)
             tg.start_soon(gw.sweep_forever)
+            tg.start_soon(start_local_tokenizer, gw.orchestrator.sv)  # in the background: it imports transformers
             try:
                 yield
             finally:
                 tg.cancel_scope.cancel()
         await gw.client.aclose()
         await gw.tokenize_client.aclose()
+        if gw.own_store:
+            await gw.store.aclose()
 
     app = Starlette(
         routes=[

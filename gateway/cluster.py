@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import logging
 import re
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -19,6 +20,7 @@ from urllib.parse import urlparse
 import anyio
 import httpx
 from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.health import next_backoff
 from kvtether.gateway.policy.placement import ClusterView, NodeLoad
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -56,8 +58,13 @@ class Node:
     kv_capacity_tokens: int | None = None
     version: str | None = None
     models: list[str] = field(default_factory=list)
+    max_model_len: dict[str, int] = field(default_factory=dict)  # per served model, from /v1/models
     last_error: str | None = None
     consecutive_errors: int = 0
+    # While out of service: when its /health is probed next (the gateway's monotonic clock), and the backoff
+    # after that probe if it fails too (health.py). Reset by a request that succeeds.
+    out_until: float = 0.0
+    backoff_s: float = 0.0
     inflight: int = 0  # requests this gateway has open on the node: fresher than the polled gauges
     # Of those, how many were open at the last poll (and so are inside `running`); when one ends, the polled
     # gauge is known to be one too high until the next poll.
@@ -94,7 +101,8 @@ class Node:
         arrivals = () if now is None else tuple(
             (at - now, read) for at, read in self.arrivals.values() if at + read >= now)
         return NodeLoad(self.url, self.healthy, running, self.waiting, self.kv_usage, self.bidirectional,
-                        float(self.arriving), self.prefix_caching is True, arrivals, float(self.holding_back))
+                        prefix_caching=self.prefix_caching is True, arriving=float(self.arriving),
+                        arrivals=arrivals, holding_back=float(self.holding_back))
 
 
 def sample_sum(text: str, sample: str, **labels: str) -> float:
@@ -155,6 +163,8 @@ class Cluster:
         self.config = config
         self.client = client
         self._arrival_ids = itertools.count()
+        # Set when a node is taken out, so the health prober (health.py) probes it without waiting.
+        self.wake: anyio.Event | None = None
         self.nodes: dict[str, Node] = {}
         for url in config.prefill:
             self.nodes[url] = Node(url, "prefill", bidirectional=config.is_bidirectional(url))
@@ -195,9 +205,27 @@ class Cluster:
         node.consecutive_errors += 1
         node.last_error = why
         if hard or node.consecutive_errors >= SOFT_ERRORS_TO_UNHEALTHY:
-            if node.healthy:
-                log.warning("node %s marked unhealthy: %s", url, why)
-            node.healthy = False
+            self.take_out(node, why)
+
+    def take_out(self, node: Node, why: str) -> None:
+        """Out of service until its /health answers (probed with backoff by health.HealthProber)."""
+        if node.healthy:
+            log.warning("node %s marked unhealthy: %s", node.url, why)
+            node.backoff_s = next_backoff(node.backoff_s, self.config)
+            node.out_until = time.monotonic() + node.backoff_s
+            if self.wake is not None:
+                self.wake.set()
+        node.healthy = False
+
+    def back_in(self, node: Node, why: str) -> None:
+        if not node.healthy:
+            log.info("node %s healthy again (%s)", node.url, why)
+        node.healthy = True
+
+    def retry_after(self, role: str) -> float:
+        """Seconds until the first node of `role` is probed again (what a 503's Retry-After says)."""
+        outs = [n.out_until for n in self.role(role) if not n.healthy]
+        return max(self.config.health_backoff_s, min(outs, default=0.0) - time.monotonic())
 
     def begin(self, url: str) -> None:
         node = self.nodes.get(url)
@@ -261,6 +289,11 @@ class Cluster:
         if node is not None:
             node.consecutive_errors = 0
 
+    def max_model_len(self, model: str) -> int | None:
+        """The smallest context any node serving `model` reported (a turn may land on any of them)."""
+        lens = [n.max_model_len[model] for n in self.nodes.values() if model in n.max_model_len]
+        return min(lens) if lens else None
+
     def served_models(self) -> list[str]:
         seen: list[str] = []
         for n in self.nodes.values():
@@ -295,16 +328,29 @@ class Cluster:
                 with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
                     m = await self.client.get(f"{node.url}/v1/models", timeout=timeout)
                     if m.status_code == 200:
-                        node.models = [str(x["id"]) for x in m.json().get("data", [])]
-            if not node.healthy:
-                log.info("node %s healthy again", node.url)
-                node.consecutive_errors = 0
-            node.healthy = True
+                        cards = m.json().get("data", [])
+                        node.models = [str(x["id"]) for x in cards]
+                        node.max_model_len = {str(x["id"]): int(x["max_model_len"]) for x in cards
+                                              if isinstance(x.get("max_model_len"), int)}
+            if not node.healthy and node.consecutive_errors < SOFT_ERRORS_TO_UNHEALTHY:
+                # Out after a failed poll or an unreachable request: answering polls again is proof enough.
+                # Out after a run of failed requests: only its /health probe (with backoff) brings it back.
+                self.back_in(node, "metrics answer again")
         except (httpx.HTTPError, ValueError) as exc:
-            if node.healthy:
-                log.warning("node %s marked unhealthy: poll failed: %s: %s", node.url, type(exc).__name__, exc)
-            node.healthy = False
             node.last_error = f"poll failed: {type(exc).__name__}: {exc}"
+            # A slow or failed /metrics is no proof the node is down (a busy engine answers it late): it is
+            # out only if its /health fails too.
+            if not await self.alive(node):
+                self.take_out(node, node.last_error)
+
+    async def alive(self, node: Node) -> bool:
+        """One /health probe: the node's own word on whether it serves (vLLM answers 200 once its engine runs)."""
+        try:
+            resp = await self.client.get(f"{node.url}/health",
+                                         timeout=httpx.Timeout(min(2.0, self.config.connect_timeout_s)))
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
 
     async def refresh_all(self) -> None:
         async with anyio.create_task_group() as tg:

@@ -7,7 +7,10 @@ retention TTL) lives here. Validation happens once, at load time, with messages 
 
 from __future__ import annotations
 
+import os
+import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -72,6 +75,9 @@ class GatewayConfig:
     # expired handle under kv_load_failure_policy "recompute", and a P without bidirectional_kv_xfer may
     # wait forever for a read that is never scheduled.
     pull_timeout_s: float = 30.0
+    # A cold prefill that has not answered within this long is abandoned and retried on another prefill node:
+    # far above any real prefill (a 128k-token prompt on a slow node), so only a stuck one hits it.
+    prefill_timeout_s: float = 600.0
     max_connections: int = 512
     max_keepalive_connections: int = 64
     # Idle upstream connections are dropped before the server's keep-alive timeout (uvicorn and vLLM:
@@ -132,8 +138,22 @@ class GatewayConfig:
     tokenizer: str | None = None
     tokenizer_check_share: float = 0.02
 
-    # Cluster view.
+    # Clients. API keys, each bound to a tenant (key = tenant; env KVTETHER_API_KEYS="key=tenant,…"): when any
+    # is set every request must carry one (Authorization: Bearer), and sessions are namespaced by tenant, so
+    # the same session id from two tenants never shares a pin, a handle or a held sequence. Empty: no auth.
+    api_keys: dict[str, str] = field(default_factory=dict)
+    # The key /admin/* needs (env KVTETHER_ADMIN_KEY). Unset: /admin/* is open without API keys (a local
+    # gateway) and closed with them.
+    admin_key: str | None = None
+    # What the gateway sends vLLM as its bearer token (vLLM --api-key; env KVTETHER_UPSTREAM_API_KEY). Unset:
+    # the client's own Authorization header is forwarded, unless the gateway checks API keys itself.
+    upstream_api_key: str | None = None
+
+    # Cluster view. A node marked out (unreachable, a run of 5xx, a failed poll) is probed on its /health with
+    # backoff from health_backoff_s doubling up to health_backoff_max_s, and back in service once it answers.
     metrics_poll_interval_s: float = 2.0
+    health_backoff_s: float = 0.25
+    health_backoff_max_s: float = 5.0
     # Client side.
     max_body_bytes: int = 16 * 1024 * 1024
     # Tracing: OTLP endpoint (http/protobuf); None = spans go to whatever tracer provider is set.
@@ -180,7 +200,8 @@ class GatewayConfig:
                 f"({self.engine_kv_ttl_s}), the engine's decoder_kv_blocks_ttl"
             )
         for name in ("connect_timeout_s", "write_timeout_s", "pool_timeout_s", "tokenize_timeout_s", "pull_timeout_s",
-                     "metrics_poll_interval_s", "sweep_interval_s", "keepalive_expiry_s", "client_keepalive_s"):
+                     "prefill_timeout_s", "metrics_poll_interval_s", "sweep_interval_s", "keepalive_expiry_s",
+                     "client_keepalive_s", "health_backoff_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.read_timeout_s is not None and self.read_timeout_s <= 0:
@@ -195,6 +216,14 @@ class GatewayConfig:
         for f in fields(self):
             if f.name.startswith("seed_") and not getattr(self, f.name) > 0:
                 raise ConfigError(f"{f.name} must be > 0")
+        if self.health_backoff_max_s < self.health_backoff_s:
+            raise ConfigError("health_backoff_max_s must be >= health_backoff_s")
+        for key, tenant in self.api_keys.items():
+            if not (isinstance(key, str) and len(key) >= 8 and isinstance(tenant, str) and _TENANT.fullmatch(tenant)):
+                raise ConfigError("api_keys: each key must be a string of >= 8 characters and each tenant 1-64 "
+                                  "characters of A-Z a-z 0-9 . _ -")
+        if self.admin_key is not None and len(self.admin_key) < 8:
+            raise ConfigError("admin_key must be at least 8 characters")
         if not (self.store == "memory" or self.store.startswith(("redis://", "rediss://", "unix://"))):
             raise ConfigError(f"store must be 'memory' or a redis://, rediss:// or unix:// URL; got {self.store!r}")
         if self.store_timeout_s <= 0 or not self.store_key_prefix:
@@ -234,6 +263,22 @@ class GatewayConfig:
             raise ConfigError(f"tuning: {exc}") from None
 
 
+_TENANT = re.compile(r"[A-Za-z0-9._\-]{1,64}")
+# Secrets an operator keeps out of files: read from the environment, below flags, above the file.
+_ENV = {"KVTETHER_ADMIN_KEY": "admin_key", "KVTETHER_UPSTREAM_API_KEY": "upstream_api_key"}
+
+
+def _env_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {name: env[var] for var, name in _ENV.items() if env.get(var)}
+    keys = env.get("KVTETHER_API_KEYS", "").strip()
+    if keys:
+        pairs = [item.partition("=") for item in keys.split(",") if item.strip()]
+        if any(not sep for _, sep, _ in pairs):
+            raise ConfigError("KVTETHER_API_KEYS must be key=tenant pairs separated by commas")
+        out["api_keys"] = {k.strip(): t.strip() for k, _, t in pairs}
+    return out
+
+
 # [gateway.tuning] names of the estimator's learning parameters.
 _LEARNING_TUNING = {"estimate_half_life_s": "half_life_s"}
 
@@ -246,6 +291,10 @@ _LIST_FIELDS = {"prefill", "decode", "aggregated", "unidirectional_prefill"}
 
 
 def _coerce(name: str, value: Any) -> Any:
+    if name == "api_keys":
+        if not isinstance(value, dict):
+            raise ConfigError("api_keys must be a table of key = tenant")
+        return {str(k): v for k, v in value.items()}
     if name == "tuning":
         if not isinstance(value, dict):
             raise ConfigError("tuning must be a table of constant = value")
@@ -260,7 +309,8 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConfig:
-    """Defaults < TOML file (top level or a ``[gateway]`` table) < overrides; None overrides are ignored.
+    """Defaults < TOML file (top level or a ``[gateway]`` table) < environment (the KVTETHER_* secrets) <
+    overrides; None overrides are ignored.
 
     List overrides that are empty (an unused repeatable CLI flag) are ignored too, so the CLI can
     pass every flag through.
@@ -282,6 +332,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
             if name not in known:
                 raise ConfigError(f"{path}: unknown setting {key!r}")
             values[name] = _coerce(name, value)
+    values.update(_env_settings(os.environ))
     for key, value in overrides.items():
         if key not in known:
             raise ConfigError(f"unknown setting {key!r}")
@@ -298,7 +349,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
 
 # Settings whose default is None (unset): the type a set value must have.
 _OPTIONAL_TYPES: dict[str, type] = {"model": str, "block_size": int, "read_timeout_s": float, "otlp_endpoint": str,
-                                    "tokenizer": str}
+                                    "tokenizer": str, "admin_key": str, "upstream_api_key": str}
 
 
 def _check_types(cfg: GatewayConfig) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.guard import handle_groups, handle_num_tokens, verified_reuse
+from kvtether.gateway.guard import as_tokens, handle_groups, handle_num_tokens, verified_reuse
 from kvtether.gateway.legs import tokenize
 from kvtether.gateway.policy.copies import cut
 from kvtether.gateway.policy.placement import HandleState, Turn
@@ -79,9 +79,10 @@ def _guard(sv: Services, ctx: TurnContext, taken: TakenHandle | None, prompt_ids
     if held is None and cached_held is None:
         return None
     reuse: int | None = None
+    tokens = as_tokens(prompt_ids)  # converted once for both comparisons below
     with sv.tracer.start_as_current_span(T.SPAN_GUARD, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
         if held is not None:
-            reuse = verified_reuse(held, prompt_ids)
+            reuse = verified_reuse(held, tokens)
             verdict = T.guard_verdict(reuse, held.num_tokens, sv.config.min_reuse_tokens)
             T.set_attrs(span, {T.ATTR_HELD_TOKENS: held.num_tokens, T.ATTR_REUSE_TOKENS: reuse,
                                T.ATTR_GUARD_VERDICT: verdict})
@@ -89,7 +90,7 @@ def _guard(sv: Services, ctx: TurnContext, taken: TakenHandle | None, prompt_ids
         if cached_held is not None:
             # Not a correctness check (a local turn hits D's prefix cache by content hash, never
             # positionally): the cost policy's estimate of how much of the prompt D holds.
-            ctx.decode_cached = verified_reuse(cached_held, prompt_ids)
+            ctx.decode_cached = verified_reuse(cached_held, tokens)
             span.set_attribute(T.ATTR_DECODE_CACHED_TOKENS, ctx.decode_cached)
         span.set_attribute(T.ATTR_PROMPT_TOKENS, len(prompt_ids))
     return reuse

@@ -9,27 +9,89 @@ handle, measures the verified reuse length against the new prompt's token ids.
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 _DIGEST = 8
+# Held sequences' own tokens, kept by this process for a while (a bounded LRU, in tokens): checking a prompt
+# against them is one comparison instead of a hash per block (~1000 for 16k tokens in 16-token blocks). The
+# store keeps only the hashes, so another process (or an evicted entry) falls back to hashing: same answer.
+_VERBATIM_TOKENS = 2_000_000
+_verbatim: OrderedDict[tuple[int, bytes, tuple[int, ...]], array[int]] = OrderedDict()
+_verbatim_size = 0
+_verbatim_lock = threading.Lock()
 
 
-def _block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    # Chained like vLLM's prefix-cache hashes: a block's hash names the whole prefix up to it, so two
-    # sequences agree on block i's hash only if they agree on every token before it.
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=_DIGEST).digest()
-
-
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
+def block_hashes(tokens: Sequence[int], block_size: int, parent: bytes = b"") -> list[bytes]:
+    """The chained hashes of the full blocks of `tokens` (after the block whose hash is `parent`): each is
+    blake2b(previous hash + the block's tokens as int64), chained like vLLM's prefix-cache hashes, so two
+    sequences agree on block i's hash only if they agree on every token before it."""
     out: list[bytes] = []
-    parent = b""
-    for start in range(0, len(tokens) - len(tokens) % block_size, block_size):
-        parent = _block_hash(parent, tokens[start : start + block_size])
+    data = array("q", tokens[: len(tokens) - len(tokens) % block_size]).tobytes()
+    step = block_size * 8
+    blake = hashlib.blake2b
+    for start in range(0, len(data), step):
+        parent = blake(parent + data[start : start + step], digest_size=_DIGEST).digest()
         out.append(parent)
     return out
+
+
+def _remember(held: HeldSequence, tokens: Sequence[int]) -> None:
+    global _verbatim_size
+    if not held.num_tokens or held.num_tokens > _VERBATIM_TOKENS:
+        return
+    key = held.key
+    with _verbatim_lock:
+        if key in _verbatim:
+            _verbatim.move_to_end(key)
+            return
+        _verbatim[key] = array("q", tokens)
+        _verbatim_size += held.num_tokens
+        while _verbatim_size > _VERBATIM_TOKENS:
+            _, dropped = _verbatim.popitem(last=False)
+            _verbatim_size -= len(dropped)
+
+
+def _tokens_of(held: HeldSequence) -> array[int] | None:
+    with _verbatim_lock:
+        return _verbatim.get(held.key)
+
+
+def _first_difference(a: array[int], b: array[int]) -> int:
+    """The first index where two token arrays differ (the shorter one's length when one is a prefix): one
+    comparison when they agree, a bisection of slice comparisons when they do not."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n
+    while hi - lo > 64:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return next(i for i in range(lo, hi) if a[i] != b[i])
+
+
+def as_tokens(prompt: Sequence[int]) -> array[int]:
+    """A prompt's ids as the int64 array the guard compares and hashes (convert once, check many times)."""
+    return prompt if isinstance(prompt, array) and prompt.typecode == "q" else array("q", prompt)
+
+
+def _known_prefix(prefix: HeldSequence | None, tokens: Sequence[int], block_size: int) -> tuple[bytes, ...]:
+    """The hashes of `prefix`'s full blocks that `tokens` begins with, where this process knows its tokens."""
+    if prefix is None or prefix.block_size != block_size or not prefix.hashes:
+        return ()
+    theirs = _tokens_of(prefix)
+    if theirs is None:
+        return ()
+    n = len(prefix.hashes) * block_size
+    same = _first_difference(array("q", tokens[:n]), theirs[:n])
+    return prefix.hashes[: same // block_size]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +107,23 @@ class HeldSequence:
         return len(self.hashes) * self.block_size + len(self.tail)
 
     @classmethod
-    def from_tokens(cls, tokens: Sequence[int], block_size: int) -> HeldSequence:
+    def from_tokens(cls, tokens: Sequence[int], block_size: int, prefix: HeldSequence | None = None) -> HeldSequence:
+        """The held sequence of `tokens`. `prefix`: a held sequence these tokens may extend (the session's
+        previous one); where this process still knows its tokens and they agree, its block hashes are reused."""
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         full = len(tokens) - len(tokens) % block_size
-        return cls(block_size, tuple(block_hashes(tokens[:full], block_size)), tuple(tokens[full:]))
+        known = _known_prefix(prefix, tokens, block_size)
+        hashes = known + tuple(block_hashes(tokens[len(known) * block_size:full], block_size,
+                                            known[-1] if known else b""))
+        held = cls(block_size, hashes, tuple(tokens[full:]))
+        _remember(held, tokens)
+        return held
+
+    @property
+    def key(self) -> tuple[int, bytes, tuple[int, ...]]:
+        """Names the whole sequence: the last block hash chains every block before it."""
+        return self.block_size, self.hashes[-1] if self.hashes else b"", self.tail
 
 
 def verified_reuse(held: HeldSequence, prompt: Sequence[int]) -> int:
@@ -60,13 +134,19 @@ def verified_reuse(held: HeldSequence, prompt: Sequence[int]) -> int:
     when the prompt is an extension of (or equal to) the held sequence.
     """
     bs = held.block_size
+    theirs = _tokens_of(held)
+    if theirs is not None:
+        # Block-aligned within the hashed blocks, exact in the tail: what hashing would answer.
+        same = _first_difference(as_tokens(prompt)[: held.num_tokens], theirs)
+        hashed = len(held.hashes) * bs
+        return same - same % bs if same < hashed else same
+    usable = min(len(held.hashes), len(prompt) // bs)
+    data = as_tokens(prompt)[: usable * bs].tobytes()
+    step = bs * 8
     parent = b""
     matched_blocks = 0
-    for i, expected in enumerate(held.hashes):
-        chunk = prompt[i * bs : (i + 1) * bs]
-        if len(chunk) < bs:
-            break
-        parent = _block_hash(parent, chunk)
+    for i, expected in enumerate(held.hashes[:usable]):
+        parent = hashlib.blake2b(parent + data[i * step : (i + 1) * step], digest_size=_DIGEST).digest()
         if parent != expected:
             break
         matched_blocks += 1

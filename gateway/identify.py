@@ -2,7 +2,8 @@
 
 The id comes from the SDK's or another router's session header; a chat request without one is matched to
 its session by the message-chain hash of its history (what the previous turn stored as *prompt + its
-answer*), and otherwise starts an anonymous session that its next turn will find the same way.
+answer*), and otherwise starts an anonymous session that its next turn will find the same way. With API
+keys, both live in the caller's tenant namespace (``auth.scoped``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.auth import scoped
 from kvtether.gateway.sessions import SessionStore
 from kvtether.gateway.turn import TurnContext
 from kvtether.sdk.contract import session_id_from_headers
@@ -21,19 +23,23 @@ from opentelemetry import trace
 
 
 async def identify(store: SessionStore, kind: str, body: dict[str, Any], headers: Mapping[str, str],
-                   span: trace.Span) -> TurnContext:
-    sid = session_id_from_headers(headers)
+                   span: trace.Span, tenant: str | None = None) -> TurnContext:
+    """The turn's context: its session (in the tenant's namespace: `scoped`) and that session's state."""
+    named = session_id_from_headers(headers)
+    sid = scoped(tenant, named) if named else None
     source = "header" if sid else "none"
     if sid is None and kind == "chat":
         parent_key, _ = B.chat_keys(body)
         if parent_key is not None:
-            sid = await store.find_by_prefix(parent_key)
+            sid = await store.find_by_prefix(scoped(tenant, parent_key))
             source = "prefix" if sid else source
         if sid is None:
             # A plain OpenAI client: a fresh session the next turn finds by its message-chain hash.
-            sid, source = f"anon-{uuid.uuid4().hex}", "new"
+            sid, source = scoped(tenant, f"anon-{uuid.uuid4().hex}"), "new"
     state = await store.get(sid) if sid else None
-    T.set_attrs(span, {T.GEN_AI_CONVERSATION_ID: sid if source == "header" else None,
+    T.set_attrs(span, {T.GEN_AI_CONVERSATION_ID: named if source == "header" else None,
                        T.ATTR_SESSION_SOURCE: source})
-    return TurnContext(kind, body, {k.lower(): v for k, v in headers.items()}, body.get("stream") is True,
-                       body.get("return_token_ids") is True, sid, source, state, time.perf_counter(), span)
+    ctx = TurnContext(kind, body, {k.lower(): v for k, v in headers.items()}, body.get("stream") is True,
+                      body.get("return_token_ids") is True, sid, source, state, time.perf_counter(), span)
+    ctx.tenant, ctx.named_session = tenant, named
+    return ctx

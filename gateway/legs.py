@@ -9,6 +9,7 @@ is at fault, so the orchestrator can retry, re-place or answer the client cleanl
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,39 +21,71 @@ from kvtether.gateway import telemetry as T
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.guard import handle_num_tokens
 from kvtether.gateway.policy.placement import Plan, Turn
-from kvtether.gateway.relay import chain, read_preamble, relay
+from kvtether.gateway.relay import chain, line_batches, read_preamble, relay
 from kvtether.gateway.remember import finish, read_body
+from kvtether.gateway.tokencheck import Trust
+from kvtether.gateway.tokenizer import LocalTokenizer
 from kvtether.gateway.turn import PATHS, LegResult, Prefilled, Services, TurnContext, UpstreamFailure
 from opentelemetry import trace
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+log = logging.getLogger(__name__)
+_JSON = {"content-type": "application/json"}
+
 
 async def tokenize(sv: Services, ctx: TurnContext) -> list[int] | None:
-    """The prompt's token ids from the least-loaded P's ``/tokenize`` (same messages, tools and template
-    arguments as the completion); None when it fails, and the turn goes on unverified."""
+    """The prompt's token ids (same messages, tools and template arguments as the completion): the local
+    tokenizer's where the guard trusts it for this model (compared with /tokenize first while unchecked, and
+    on a share of turns), else the least-loaded P's ``/tokenize``; None when that fails, and the turn goes on
+    unverified."""
+    payload = B.tokenize_body(ctx.kind, ctx.body)
+    if payload is None:
+        return None
+    guard_tok = sv.tokenizer
+    ours = None
+    if guard_tok is not None and guard_tok.usable(ctx.model):
+        with sv.tracer.start_as_current_span(T.SPAN_TOKENIZE, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
+            span.set_attribute(T.ATTR_TOKENIZE_SOURCE, "local")
+            ours = await guard_tok.encode(payload)
+            T.set_attrs(span, {T.ATTR_PROMPT_TOKENS: len(ours) if ours is not None else None})
+    if guard_tok is None or ours is None:
+        return await tokenize_remote(sv, payload, ctx)
+    if not guard_tok.wants_check(ctx.model):
+        sv.metrics.guard_tokenize.labels("local").inc()
+        return ours
+    theirs = await tokenize_remote(sv, payload, ctx)
+    if theirs is None:  # P could not answer: no evidence either way
+        return ours if guard_tok.trust(ctx.model) is Trust.VERIFIED else None
+    guard_tok.compare(ctx.model, ours, theirs, "turn")
+    return theirs
+
+
+async def tokenize_remote(sv: Services, payload: dict[str, Any], ctx: TurnContext | None = None) -> list[int] | None:
+    """The least-loaded P's ``/tokenize`` of a body; None when it fails (counted as an upstream error)."""
     view = sv.cluster.view()
     nodes = [n for n in view.prefill if n.healthy] or list(view.prefill)
     if not nodes:
         return None
     node = min(nodes, key=lambda n: (n.score, n.url)).url
-    payload = B.tokenize_body(ctx.kind, ctx.body)
-    if payload is None:
-        return None
-    with sv.tracer.start_as_current_span(T.SPAN_TOKENIZE, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
-        span.set_attribute(T.ATTR_PREFILL, node)
+    parent = ctx.parent_ctx if ctx is not None else None
+    with sv.tracer.start_as_current_span(T.SPAN_TOKENIZE, context=parent, kind=T.KIND_INTERNAL) as span:
+        T.set_attrs(span, {T.ATTR_PREFILL: node, T.ATTR_TOKENIZE_SOURCE: "remote"})
         started = time.perf_counter()
         try:
             try:
                 timeout = httpx.Timeout(sv.config.tokenize_timeout_s, connect=sv.config.connect_timeout_s)
-                resp = await sv.tokenize_client.post(f"{node}/tokenize", json=payload, timeout=timeout)
+                resp = await sv.tokenize_client.post(f"{node}/tokenize", content=B.dumps(payload),
+                                                     headers=_JSON, timeout=timeout)
             finally:
-                ctx.upstream_s += time.perf_counter() - started
+                if ctx is not None:
+                    ctx.upstream_s += time.perf_counter() - started
             if resp.status_code != 200:
                 raise UpstreamFailure(node, "tokenize", f"HTTP {resp.status_code}", resp.status_code)
             tokens = resp.json().get("tokens")
             if not isinstance(tokens, list):
                 raise UpstreamFailure(node, "tokenize", "no tokens in /tokenize answer", resp.status_code)
             span.set_attribute(T.ATTR_PROMPT_TOKENS, len(tokens))
+            sv.metrics.guard_tokenize.labels("remote").inc()
             return [int(t) for t in tokens]
         except (httpx.HTTPError, ValueError) as exc:
             sv.count_error(UpstreamFailure(node, "tokenize", str(exc)))
@@ -60,6 +93,22 @@ async def tokenize(sv: Services, ctx: TurnContext) -> list[int] | None:
             sv.count_error(failure)
         span.set_attribute(T.ERROR_TYPE, "tokenize_failed")
         return None
+
+
+async def start_local_tokenizer(sv: Services) -> None:
+    """Loads the guard's local tokenizer off the event loop, then checks it against each served model's
+    /tokenize; until then (or if it cannot load) the guard asks /tokenize."""
+    guard_tok = sv.tokenizer
+    if guard_tok is None:
+        return
+    try:
+        local = await anyio.to_thread.run_sync(LocalTokenizer.load, guard_tok.source)
+    except Exception as exc:
+        log.warning("cannot load the guard's tokenizer %s (%s): the guard uses /tokenize", guard_tok.source, exc)
+        return
+    guard_tok.loaded(local)
+    with anyio.move_on_after(sv.config.tokenize_timeout_s):
+        await guard_tok.startup_check(sv.cluster.served_models(), lambda model: lambda p: tokenize_remote(sv, dict(p)))
 
 
 async def prefill_with_recovery(sv: Services, ctx: TurnContext, the_plan: Plan, kv: dict[str, Any] | None,
@@ -96,19 +145,19 @@ async def prefill(sv: Services, ctx: TurnContext, node: str, kv: dict[str, Any] 
     sv.cluster.begin(node)
     try:
         payload = B.prefill_body(ctx.body, kv)
-        # A leg with a handle gets a bound (pull_timeout_s): a stuck pull is retried without the handle.
-        # A cold leg keeps the client's read timeout: it may legitimately compute for a long time.
-        timeout = sv.client.timeout
-        if kv is not None:
-            c = sv.config
-            timeout = httpx.Timeout(connect=c.connect_timeout_s, read=c.pull_timeout_s,
-                                    write=c.write_timeout_s, pool=c.pool_timeout_s)
+        # A leg with a handle gets a tight bound (pull_timeout_s): a stuck pull is retried without the handle.
+        # A cold leg may legitimately compute for a long time: prefill_timeout_s only catches a stuck one,
+        # which is then retried on another prefill node.
+        c = sv.config
+        bound = c.pull_timeout_s if kv is not None else c.prefill_timeout_s
+        timeout = httpx.Timeout(connect=c.connect_timeout_s, read=bound, write=c.write_timeout_s,
+                                pool=c.pool_timeout_s)
         try:
-            resp = await sv.client.post(f"{node}{PATHS[ctx.kind]}", json=payload,
-                                        headers=sv.upstream_headers(ctx, span), timeout=timeout)
+            resp = await sv.client.post(f"{node}{PATHS[ctx.kind]}", content=B.dumps(payload),
+                                        headers=_headers(sv, ctx, span), timeout=timeout)
         except httpx.ReadTimeout:
-            raise UpstreamFailure(node, "prefill", f"prefill with a handle did not answer within "
-                                  f"{sv.config.pull_timeout_s:g} s") from None
+            what = "prefill with a handle" if kv is not None else "prefill"
+            raise UpstreamFailure(node, "prefill", f"{what} did not answer within {bound:g} s") from None
         except httpx.HTTPError as exc:
             raise UpstreamFailure.from_http(node, "prefill", exc) from None
         finally:
@@ -162,8 +211,8 @@ async def final_leg(sv: Services, ctx: TurnContext, the_plan: Plan, payload: dic
             data = await _send_whole(sv, ctx, node, leg, payload, span)
         else:
             sresp = await _send_stream(sv, ctx, node, leg, payload, span)
-            lines = sresp.aiter_lines()
-            preamble = await read_preamble(sresp, lines, node, leg)
+            batches = line_batches(sresp)
+            preamble = await read_preamble(sresp, batches, node, leg)
     except BaseException as exc:  # a failure, or the client leaving (cancelled): nothing is left open
         if isinstance(exc, UpstreamFailure):
             span.set_attribute(T.ERROR_TYPE, str(exc.status or "connection"))
@@ -183,7 +232,7 @@ async def final_leg(sv: Services, ctx: TurnContext, the_plan: Plan, payload: dic
         await finish(sv, ctx, the_plan, result, span, source)
         return JSONResponse(data, headers=ctx.response_headers)
     # The reuse decision is final before the decode leg starts, so it can go into the stream's headers.
-    return StreamingResponse(relay(sv, ctx, the_plan, sresp, chain(preamble, lines), span, source),
+    return StreamingResponse(relay(sv, ctx, the_plan, sresp, chain(preamble, batches), span, source),
                              media_type="text/event-stream",
                              headers={"cache-control": "no-cache", **ctx.response_headers})
 
@@ -194,7 +243,8 @@ async def _send_whole(sv: Services, ctx: TurnContext, node: str, leg: str, paylo
     sv.cluster.hold_back(node, 1)
     sv.enter_decoding(ctx, node)
     try:
-        resp = await sv.client.post(f"{node}{PATHS[ctx.kind]}", json=payload, headers=sv.upstream_headers(ctx, span))
+        resp = await sv.client.post(f"{node}{PATHS[ctx.kind]}", content=B.dumps(payload),
+                                    headers=_headers(sv, ctx, span))
     except httpx.HTTPError as exc:
         raise UpstreamFailure.from_http(node, leg, exc) from None
     finally:
@@ -207,8 +257,8 @@ async def _send_whole(sv: Services, ctx: TurnContext, node: str, leg: str, paylo
 
 async def _send_stream(sv: Services, ctx: TurnContext, node: str, leg: str, payload: dict[str, Any],
                        span: trace.Span) -> httpx.Response:
-    req = sv.client.build_request("POST", f"{node}{PATHS[ctx.kind]}", json=payload,
-                                  headers=sv.upstream_headers(ctx, span))
+    req = sv.client.build_request("POST", f"{node}{PATHS[ctx.kind]}", content=B.dumps(payload),
+                                  headers=_headers(sv, ctx, span))
     try:
         sresp = await sv.client.send(req, stream=True)
     except httpx.HTTPError as exc:
@@ -219,6 +269,11 @@ async def _send_stream(sv: Services, ctx: TurnContext, node: str, leg: str, payl
         await sresp.aclose()
         raise UpstreamFailure(node, leg, f"HTTP {sresp.status_code}", sresp.status_code, _json_or_none(sresp))
     return sresp
+
+
+def _headers(sv: Services, ctx: TurnContext, span: trace.Span) -> dict[str, str]:
+    # Bodies are serialized by orjson (B.dumps), several times faster than httpx's json= for long histories.
+    return {**sv.upstream_headers(ctx, span), **_JSON}
 
 
 def _json_or_none(resp: httpx.Response) -> Any:

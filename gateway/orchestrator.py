@@ -29,6 +29,7 @@ from kvtether.gateway.policy.knobs import PolicyKnobs
 from kvtether.gateway.policy.learning import Learning
 from kvtether.gateway.policy.placement import HandleAction, HandleState, NoCapacity, Plan, Turn, plan, plan_aggregated
 from kvtether.gateway.sessions import SessionStore
+from kvtether.gateway.tokencheck import GuardTokenizer
 from kvtether.gateway.turn import Services, TurnContext, UpstreamFailure
 from opentelemetry import trace
 from starlette.responses import Response
@@ -44,8 +45,11 @@ class Orchestrator:
         learning = Learning(estimator_seeds(config), learning_params(config), self.knobs,
                             request_stall_share=config.request_stall_share if config.policy == "auto" else 1.0,
                             enabled=config.learn_estimates)
+        # The guard's local tokenizer is loaded and checked at start-up (legs.start_local_tokenizer, from the app).
+        guard_tok = (GuardTokenizer(config.tokenizer, metrics, config.tokenizer_check_share)
+                     if config.tokenizer else None)
         self.sv = Services(config, cluster, store, metrics, client, tokenize_client or client,
-                           tracer or T.tracer(), learning, clock)
+                           tracer or T.tracer(), learning, clock, guard_tok)
         self._rr = 0
         for node in config.decode:
             metrics.decode_stall.labels(node)  # every series shows zero before the first local turn
@@ -54,8 +58,10 @@ class Orchestrator:
     def learning(self) -> Learning:
         return self.sv.learning
 
-    async def handle(self, kind: str, body: dict[str, Any], headers: Mapping[str, str], span: trace.Span) -> Response:
-        ctx = await identify(self.sv.store, kind, body, headers, span)
+    async def handle(self, kind: str, body: dict[str, Any], headers: Mapping[str, str], span: trace.Span, *,
+                     tenant: str | None = None, upstream_auth: str | None = None) -> Response:
+        ctx = await identify(self.sv.store, kind, body, headers, span, tenant)
+        ctx.upstream_auth = upstream_auth
         if self.sv.config.mode == "aggregated":
             return await self._aggregated(ctx)
         return await self._pd(ctx)
@@ -178,7 +184,8 @@ class Orchestrator:
                 p = plan(turn, view, sv.learning.snapshot(now), self.knobs)
             except NoCapacity as exc:
                 span.set_attribute(T.ERROR_TYPE, "no_capacity")
-                raise GatewayError(503, str(exc), code="no_capacity") from None
+                raise GatewayError(503, str(exc), code="no_capacity",
+                                   retry_after_s=sv.cluster.retry_after(exc.role)) from None
             stall = sv.learning.planned(p)
             if p.decision is not None and p.action is HandleAction.DECODE_LOCAL:
                 sv.metrics.decode_stall.labels(p.decode).inc(stall)
@@ -201,7 +208,8 @@ class Orchestrator:
             try:
                 the_plan = plan_aggregated(pinned, sv.cluster.aggregated_view(), frozenset(ctx.exclude))
             except NoCapacity as exc:
-                return GatewayError(503, str(exc), code="no_capacity").response()
+                return GatewayError(503, str(exc), code="no_capacity",
+                                    retry_after_s=sv.cluster.retry_after(exc.role)).response()
             T.set_attrs(ctx.span, {T.ATTR_PLAN_REASON: the_plan.reason, T.ATTR_DECODE: the_plan.decode})
             try:
                 return await final_leg(sv, ctx, the_plan, B.decode_body(ctx.body, None, want_token_ids=False),

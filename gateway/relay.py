@@ -1,21 +1,24 @@
-"""The final leg's stream, relayed to the client as it comes (SSE, line by line).
+"""The final leg's stream, relayed to the client as it comes (SSE).
 
-A line is parsed only for what the gateway needs from it: when D produced the first token and the client saw
-the first delta (timing, hold-back, TPOT quota), D's handle and token ids (the session's held sequence),
-usage, and the answer (the next turn's message-chain key). A chunk is re-serialized only when an internal
-field had to be stripped from it. The turn is remembered before the client sees ``[DONE]``: an agent sends
-its next turn right after it, and that turn must find the handle.
+The stream is read in the pieces the network delivers, cut into lines, and forwarded a piece at a time (one
+write per piece rather than one per line). A ``data:`` line is parsed only when it can carry something the
+gateway needs, decided first by a substring test on the raw bytes: when D produced the first token and the
+client saw the first delta (timing, hold-back, TPOT quota), D's handle and token ids (the session's held
+sequence), usage, the finish reason, and the answer when the next turn's message-chain key needs it (a session
+found or started by hash). A chunk is re-serialized only when an internal field had to be stripped from it.
+The turn is remembered before the client sees ``[DONE]``: an agent sends its next turn right after it, and
+that turn must find the handle.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import httpx
+import orjson
 from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.errors import sse_error
@@ -24,8 +27,34 @@ from kvtether.gateway.remember import finish, release_hold_back
 from kvtether.gateway.turn import LegResult, Services, TurnContext, UpstreamFailure
 from opentelemetry import trace
 
+Batch = list[bytes]  # complete lines (without their line end) from one network read
 
-async def read_preamble(resp: httpx.Response, lines: AsyncIterator[str], node: str, leg: str) -> list[str]:
+_DONE = b"[DONE]"
+# Keys whose presence means a chunk must be parsed whatever its value ("token_ids" also matches
+# "prompt_token_ids"): the handle and token ids are read and stripped, an error ends the turn as failed.
+_ALWAYS = (b'"kv_transfer_params"', b'token_ids"', b'"error"')
+# Keys that matter only with a value: vLLM sends `"finish_reason":null` on every chunk.
+_IF_SET = (b'"finish_reason"', b'"usage"')
+
+
+async def line_batches(resp: httpx.Response) -> AsyncIterator[Batch]:
+    """The response body as batches of complete lines, one batch per network read (SSE lines end in LF or
+    CRLF; a partial line waits for the rest)."""
+    encoded = resp.headers.get("content-encoding", "identity").lower() not in ("", "identity")
+    pieces = resp.aiter_bytes() if encoded else resp.aiter_raw()
+    pending = b""
+    async for piece in pieces:
+        if pending:
+            piece = pending + piece
+        lines = piece.split(b"\n")
+        pending = lines.pop()
+        if lines:
+            yield [line[:-1] if line.endswith(b"\r") else line for line in lines]
+    if pending:
+        yield [pending[:-1] if pending.endswith(b"\r") else pending]
+
+
+async def read_preamble(resp: httpx.Response, batches: AsyncIterator[Batch], node: str, leg: str) -> list[Batch]:
     """Hold back the stream's lines up to its first chunk with choices (or end): an error event there means
     the client has seen nothing yet, so the turn can still be retried as a whole (e.g. D failed to read
     P's KV). vLLM sends that chunk (the role chunk) with the first engine output, i.e. once D has the KV and
@@ -34,27 +63,11 @@ async def read_preamble(resp: httpx.Response, lines: AsyncIterator[str], node: s
     Not up to the first content or tool-call delta: a tool-call parser holds that back for several decode
     steps, and holding the stream meanwhile delayed the client's first chunk and stamped the turn's first
     token (and every chunk held with it) that much late, which the estimator then learned as prefill."""
-    held: list[str] = []
+    held: list[Batch] = []
     try:
-        async for line in lines:
-            held.append(line)
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                break
-            try:
-                chunk = json.loads(payload)
-            except ValueError:
-                break
-            if not isinstance(chunk, dict):
-                break
-            if "error" in chunk:
-                err = chunk["error"]
-                code = err.get("code") if isinstance(err, dict) else None
-                status = code if isinstance(code, int) and 400 <= code < 600 else 500
-                raise UpstreamFailure(node, leg, f"error event before the first token: {err}", status, chunk)
-            if chunk.get("choices") or B.has_first_token(chunk):
+        async for batch in batches:
+            held.append(batch)
+            if _ends_preamble(batch, node, leg):
                 break
     except httpx.HTTPError as exc:
         await resp.aclose()
@@ -65,55 +78,166 @@ async def read_preamble(resp: httpx.Response, lines: AsyncIterator[str], node: s
     return held
 
 
-async def chain(first: list[str], rest: AsyncIterator[str]) -> AsyncIterator[str]:
-    for line in first:
-        yield line
-    async for line in rest:
-        yield line
+def _ends_preamble(batch: Batch, node: str, leg: str) -> bool:
+    """Whether `batch` holds the stream's first chunk with choices (or its end); raises on an error event
+    before it."""
+    for line in batch:
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == _DONE:
+            return True
+        chunk = _loads(payload)
+        if chunk is None:
+            return True
+        if "error" in chunk:
+            err = chunk["error"]
+            code = err.get("code") if isinstance(err, dict) else None
+            status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            raise UpstreamFailure(node, leg, f"error event before the first token: {err}", status, chunk)
+        if chunk.get("choices") or B.has_first_token(chunk):
+            return True
+    return False
 
 
-async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, resp: httpx.Response, lines: AsyncIterator[str],
+async def chain(first: list[Batch], rest: AsyncIterator[Batch]) -> AsyncIterator[Batch]:
+    for batch in first:
+        yield batch
+    async for batch in rest:
+        yield batch
+
+
+async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, resp: httpx.Response, batches: AsyncIterator[Batch],
                 span: trace.Span, source: str) -> AsyncIterator[bytes]:
-    """SSE passthrough, line by line; lines are parsed only for timing, the handle and token ids."""
-    result = LegResult()
-    answer = B.StreamAnswer()
-    first_chunk = True
+    """SSE passthrough; lines are parsed only for timing, the handle, token ids, usage and the answer."""
+    r = _Reader(sv, ctx, the_plan, span)
     finished = False
     try:
-        async for line in lines:
-            if line.startswith("data:"):
+        async for batch in batches:
+            start = 0
+            for i, line in enumerate(batch):
+                if not line.startswith(b"data:"):
+                    continue
                 payload = line[5:].strip()
-                if first_chunk:
-                    first_chunk = False
-                    span.add_event(T.EVENT_FIRST_CHUNK)
-                    span.set_attribute(T.GEN_AI_RESPONSE_TTFC, time.perf_counter() - ctx.t0)
-                if payload == "[DONE]" and not finished:
-                    # Record D's handle before the client sees the end of the stream: an agent sends its next
-                    # turn right after [DONE], and that turn must find the handle.
-                    finished = True
-                    result.answer = answer.message()
-                    await finish(sv, ctx, the_plan, result, span, source)
-                elif payload and payload != "[DONE]":
-                    seen_first = result.first_chunk is not None
-                    line = _relay_chunk(sv, ctx, the_plan.decode, payload, result, answer, span) or line
-                    if result.first_chunk is not None:
-                        _time_chunk(sv, ctx, the_plan, result, seen_first)
-            yield (line + "\n").encode()
+                r.saw_data()
+                if payload == _DONE:
+                    if not finished:
+                        # Record D's handle before the client sees the end of the stream: an agent sends its next
+                        # turn right after [DONE], and that turn must find the handle.
+                        if i > start:
+                            yield _join(batch, start, i)
+                            start = i
+                        finished = True
+                        r.result.answer = r.answer.message()
+                        await finish(sv, ctx, the_plan, r.result, span, source)
+                elif payload:
+                    replaced = r.chunk(payload)
+                    if replaced is not None:
+                        batch[i] = replaced
+            yield _join(batch, start, len(batch))
     except httpx.HTTPError as exc:
         failure = UpstreamFailure(the_plan.decode, "aggregated" if sv.config.mode == "aggregated" else "decode",
                                   f"{type(exc).__name__}: {exc}")
         sv.count_error(failure)
         sv.cluster.mark_failed(the_plan.decode, str(failure), hard=False)
         span.set_attribute(T.ERROR_TYPE, "stream_broken")
-        result.ok = False
+        r.result.ok = False
         yield sse_error(f"upstream stream failed: {failure}")
     finally:
         with anyio.CancelScope(shield=True):
             await resp.aclose()
             if not finished:
                 # The client left or the stream broke: keep the pin; keep the handle only if D finished.
-                result.answer = answer.message()
-                await finish(sv, ctx, the_plan, result, span, source)
+                r.result.answer = r.answer.message()
+                await finish(sv, ctx, the_plan, r.result, span, source)
+
+
+def _join(batch: Batch, start: int, end: int) -> bytes:
+    return b"\n".join(batch[start:end]) + b"\n"
+
+
+class _Reader:
+    """What one stream told the gateway so far, read chunk by chunk."""
+
+    def __init__(self, sv: Services, ctx: TurnContext, the_plan: Plan, span: trace.Span) -> None:
+        self.sv, self.ctx, self.the_plan, self.span = sv, ctx, the_plan, span
+        self.result = LegResult()
+        self.answer = B.StreamAnswer()
+        # The next turn's message-chain key needs the answer only for a session identified by hash.
+        self.want_answer = ctx.kind == "chat" and ctx.session_source in ("new", "prefix")
+        self.first_data = True
+
+    def saw_data(self) -> None:
+        if self.first_data:
+            self.first_data = False
+            self.span.add_event(T.EVENT_FIRST_CHUNK)
+            self.span.set_attribute(T.GEN_AI_RESPONSE_TTFC, time.perf_counter() - self.ctx.t0)
+
+    def chunk(self, payload: bytes) -> bytes | None:
+        """Reads one SSE data payload; returns a replacement line when internal fields had to go."""
+        result = self.result
+        seen_first = result.first_chunk is not None
+        replaced: bytes | None = None
+        if self.want_answer or result.ttft is None or not seen_first or _must_parse(payload):
+            chunk = _loads(payload)
+            if chunk is not None:
+                self._timing(chunk)
+                _read_chunk(chunk, result, self.answer if self.want_answer else None)
+                if B.strip_internal(chunk, keep_token_ids=self.ctx.keep_token_ids):
+                    replaced = b"data: " + _dumps(chunk)
+        if result.first_chunk is not None:
+            _time_chunk(self.sv, self.ctx, self.the_plan, result, seen_first)
+        return replaced
+
+    def _timing(self, chunk: dict[str, Any]) -> None:
+        result, ctx, node = self.result, self.ctx, self.the_plan.decode
+        if result.first_chunk is None and chunk.get("choices"):
+            result.first_chunk = time.perf_counter() - ctx.t0
+            self.sv.enter_decoding(ctx, node)
+            if not B.has_first_token(chunk):
+                # D produced the first token but the client sees nothing yet (a tool-call parser holds the name
+                # back): a local prefill's stall now delays this turn's TTFT itself.
+                result.holding_back = True
+                self.sv.cluster.hold_back(node, 1)
+        if result.ttft is None and B.has_first_token(chunk):
+            result.ttft = time.perf_counter() - ctx.t0
+            self.span.add_event(T.EVENT_FIRST_TOKEN)
+            ctx.span.add_event(T.EVENT_FIRST_TOKEN)
+            release_hold_back(self.sv, node, result)
+
+
+def _must_parse(payload: bytes) -> bool:
+    """Whether a chunk (past the first token) can carry the handle, token ids, an error, a finish reason or
+    usage. A substring test: in JSON these quoted keys cannot occur inside a string value, where quotes are
+    escaped."""
+    for key in _ALWAYS:
+        if key in payload:
+            return True
+    for key in _IF_SET:
+        at = payload.find(key)
+        while at >= 0:
+            at += len(key)
+            if not payload[at:at + 16].lstrip(b" \t:").startswith(b"null"):
+                return True
+            at = payload.find(key, at)
+    return False
+
+
+def _loads(payload: bytes) -> dict[str, Any] | None:
+    try:
+        chunk = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    return chunk if isinstance(chunk, dict) else None
+
+
+def _dumps(chunk: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(chunk)
+    except TypeError:  # an integer beyond 64 bits, which orjson refuses and the stdlib writes
+        import json
+
+        return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _time_chunk(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResult, seen_first: bool) -> None:
@@ -126,47 +250,19 @@ def _time_chunk(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResul
     sv.learning.chunk_arrived(node, at)
 
 
-def _relay_chunk(sv: Services, ctx: TurnContext, node: str, payload: str, result: LegResult,
-                 answer: B.StreamAnswer, span: trace.Span) -> str | None:
-    """Reads one SSE data payload; returns a replacement line when internal fields had to go."""
-    try:
-        chunk = json.loads(payload)
-    except ValueError:
-        return None
-    if not isinstance(chunk, dict):
-        return None
-    if result.first_chunk is None and chunk.get("choices"):
-        result.first_chunk = time.perf_counter() - ctx.t0
-        sv.enter_decoding(ctx, node)
-        if not B.has_first_token(chunk):
-            # D produced the first token but the client sees nothing yet (a tool-call parser holds the name
-            # back): a local prefill's stall now delays this turn's TTFT itself.
-            result.holding_back = True
-            sv.cluster.hold_back(node, 1)
-    if result.ttft is None and B.has_first_token(chunk):
-        result.ttft = time.perf_counter() - ctx.t0
-        span.add_event(T.EVENT_FIRST_TOKEN)
-        ctx.span.add_event(T.EVENT_FIRST_TOKEN)
-        release_hold_back(sv, node, result)
-    _read_chunk(chunk, result, answer)
-    if B.strip_internal(chunk, keep_token_ids=ctx.keep_token_ids):
-        return "data: " + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False)
-    return None
-
-
-def _read_chunk(chunk: dict[str, Any], result: LegResult, answer: B.StreamAnswer) -> None:
+def _read_chunk(chunk: dict[str, Any], result: LegResult, answer: B.StreamAnswer | None) -> None:
     """What the session store needs from a chunk: token ids, the answer, finish reasons, handle, usage."""
-    ids = B.prompt_ids_of(chunk)
-    if ids is not None and result.prompt_ids is None:
-        result.prompt_ids = ids
-    for choice in chunk.get("choices") or []:
+    if result.prompt_ids is None:
+        result.prompt_ids = B.prompt_ids_of(chunk)
+    for choice in chunk.get("choices") or ():
         if not isinstance(choice, dict) or choice.get("index", 0) != 0:
             continue
         out = B.output_ids_of(choice)
         if out:
             result.output_ids.extend(out)
             result.time_output(len(out))
-        answer.add(choice)
+        if answer is not None:
+            answer.add(choice)
         if choice.get("finish_reason"):
             result.finish_reasons.append(str(choice["finish_reason"]))
             result.ok = True

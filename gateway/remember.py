@@ -13,6 +13,7 @@ from typing import Any
 
 from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.auth import scoped
 from kvtether.gateway.cluster import host_of
 from kvtether.gateway.guard import HeldSequence, handle_num_tokens
 from kvtether.gateway.policy import copies as PC
@@ -80,12 +81,14 @@ async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRe
     if result.ok and result.prompt_ids is not None and policy == "auto":
         total = len(result.prompt_ids) + len(result.output_ids)
         cached = HeldSequence.from_tokens(
-            B.held_tokens(result.prompt_ids, result.output_ids, max(0, total - 1)), block_size)
+            B.held_tokens(result.prompt_ids, result.output_ids, max(0, total - 1)), block_size,
+            prefix=held or _previous(ctx))
     if result.ok and sv.config.mode != "aggregated":
         sv.learning.decode_done(_decode_sample(ctx, the_plan, result), now)
     prefix_key = None
     if ctx.kind == "chat" and ctx.session_source in ("new", "prefix") and result.answer is not None:
-        _, prefix_key = B.chat_keys(ctx.body, result.answer)
+        _, own_key = B.chat_keys(ctx.body, result.answer)
+        prefix_key = scoped(ctx.tenant, own_key) if own_key is not None else None
     current = await sv.store.get(ctx.session_id)
     base = current or prior
     avg_out, avg_suffix = _running_means(base, result, total)
@@ -127,7 +130,7 @@ def _handle_after(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRes
         if result.handle is None:
             sv.metrics.stream_handles_missing.inc()
             return None, None, None
-        return (*_kept(sv, result, result.handle, the_plan.decode, block_size), None)
+        return (*_kept(sv, result, result.handle, the_plan.decode, block_size, _previous(ctx)), None)
     if local and result.ok and result.handle is not None and sv.config.local_turn_handles:
         # D kept the marked local turn's blocks: a handle of the whole sequence, newer than the one this turn
         # did not use (that one is never pulled now; D frees it at its TTL).
@@ -135,7 +138,7 @@ def _handle_after(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRes
         sv.metrics.local_handles.labels("kept").inc()
         if ctx.unused_handle is not None:
             sv.metrics.local_handles.labels("superseded").inc()
-        return (*_kept(sv, result, result.handle, the_plan.decode, block_size), None)
+        return (*_kept(sv, result, result.handle, the_plan.decode, block_size, _previous(ctx)), None)
     if local:
         if result.ok and sv.local_handle_due(ctx, the_plan.decode):
             # Marked, due, and none came back: this D does not keep local turns (no bidirectional_kv_xfer).
@@ -148,14 +151,22 @@ def _handle_after(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRes
     return None, None, None
 
 
-def _kept(sv: Services, result: LegResult, params: dict[str, Any], decode: str,
-          block_size: int) -> tuple[dict[str, Any], HeldSequence | None]:
+def _kept(sv: Services, result: LegResult, params: dict[str, Any], decode: str, block_size: int,
+          prefix: HeldSequence | None = None) -> tuple[dict[str, Any], HeldSequence | None]:
     """D's handle as the next prefill will send it (host rewritten), and the tokens it holds (guarded)."""
     handle = B.with_host(params, host_of(decode))
     n = handle_num_tokens(handle)
     if not (sv.config.guarded and n and result.prompt_ids is not None):
         return handle, None
-    return handle, HeldSequence.from_tokens(B.held_tokens(result.prompt_ids, result.output_ids, n), block_size)
+    tokens = B.held_tokens(result.prompt_ids, result.output_ids, n)
+    return handle, HeldSequence.from_tokens(tokens, block_size, prefix=prefix)
+
+
+def _previous(ctx: TurnContext) -> HeldSequence | None:
+    """The session's held sequence before this turn: the new one usually extends it (its block hashes are
+    reused instead of hashed again)."""
+    state = ctx.state
+    return (state.cached or state.held) if state is not None else None
 
 
 def _decode_sample(ctx: TurnContext, the_plan: Plan, result: LegResult) -> DecodeSample:

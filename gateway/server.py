@@ -1,17 +1,35 @@
-"""Run the gateway under uvicorn: in-process for tests, the demo and replay, or as `kvtether serve`."""
+"""Run the gateway under uvicorn: in-process for tests, the demo and replay, or as `kvtether serve` (one
+process, or several workers sharing a session store)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
+import logging
+import os
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import uvicorn
 from kvtether.gateway.app import create_app
-from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.config import GatewayConfig, load_config
 from kvtether.gateway.sessions import SessionStore
 from starlette.applications import Starlette
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+# uvicorn's fast event loop and HTTP parser (declared dependencies: every relayed chunk is a write through
+# both), with the pure-Python ones where they are missing (uvloop has no Windows build).
+LOOP = "uvloop" if _installed("uvloop") else "asyncio"
+HTTP = "httptools" if _installed("httptools") else "h11"
 
 
 @contextlib.asynccontextmanager
@@ -26,7 +44,8 @@ async def serve_gateway(config: GatewayConfig, *, store: SessionStore | None = N
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((config.host, 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False,
+    # The caller's event loop runs it (so no `loop`); the HTTP parser is uvicorn's own choice.
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, http=HTTP,
                                            timeout_graceful_shutdown=2,
                                            timeout_keep_alive=int(config.client_keepalive_s)))
     async with anyio.create_task_group() as tg:
@@ -42,7 +61,31 @@ async def serve_gateway(config: GatewayConfig, *, store: SessionStore | None = N
     sock.close()
 
 
-def run_gateway(config: GatewayConfig, log_level: str = "info") -> None:
-    """Blocking: serve on ``config.host:config.port`` until interrupted."""
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level=log_level, access_log=False,
-                timeout_keep_alive=int(config.client_keepalive_s))
+# How `run_gateway` hands the configuration to its worker processes (each builds its own app from it).
+SETTINGS_ENV = "KVTETHER_GATEWAY_SETTINGS"
+LOG_LEVEL_ENV = "KVTETHER_GATEWAY_LOG_LEVEL"
+
+
+def run_gateway(config: GatewayConfig, log_level: str = "info", *, workers: int = 1) -> None:
+    """Blocking: serve on ``config.host:config.port`` until interrupted.
+
+    ``workers > 1``: that many processes accept on the one port (uvicorn's supervisor), each with its own app,
+    cluster view and upstream connections; they share sessions only through a shared store, so the caller
+    refuses the memory store with several workers.
+    """
+    common: dict[str, Any] = {"host": config.host, "port": config.port, "log_level": log_level, "access_log": False,
+                              "timeout_keep_alive": int(config.client_keepalive_s), "loop": LOOP, "http": HTTP}
+    if workers <= 1:
+        uvicorn.run(create_app(config), **common)
+        return
+    os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(config))
+    os.environ[LOG_LEVEL_ENV] = log_level
+    uvicorn.run(f"{__name__}:app_from_env", factory=True, workers=workers, **common)
+
+
+def app_from_env() -> Starlette:
+    """A worker's app (uvicorn factory): the configuration `run_gateway` left in the environment."""
+    level = os.environ.get(LOG_LEVEL_ENV)
+    if level:
+        logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return create_app(load_config(None, **json.loads(os.environ[SETTINGS_ENV])))

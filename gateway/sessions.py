@@ -1,16 +1,14 @@
-"""Session state and its store.
+"""Session state and the store protocol.
 
 A session is what the gateway remembers between turns: the pinned decode node, D's last handle and
 the held sequence it covers, when that expires, and how many turns ran. The store is a small async
-protocol so a shared (Redis) store can replace the in-memory one; ``take_handle`` is atomic because
-a handle is single-use (the first prefill that uses it makes D free the blocks).
+protocol with two implementations (``kvtether.gateway.stores``): in memory for one process, and Redis or
+Valkey shared by gateway workers and replicas. ``take_handle`` is atomic because a handle is single-use
+(the first prefill that uses it makes D free the blocks).
 """
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -79,75 +77,6 @@ class SessionStore(Protocol):
 
     async def count(self) -> int: ...
 
-
-class MemorySessionStore:
-    """Single-process store. Methods never await, so each is atomic on the event loop."""
-
-    def __init__(self, *, max_sessions: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
-        self._sessions: OrderedDict[str, SessionState] = OrderedDict()
-        self._by_prefix: dict[str, str] = {}
-        self._max = max_sessions
-        self.clock = clock
-
-    def _live(self, session_id: str) -> SessionState | None:
-        state = self._sessions.get(session_id)
-        if state is None:
-            return None
-        if state.expires_at <= self.clock():
-            self._drop(session_id)
-            return None
-        return state
-
-    def _drop(self, session_id: str) -> None:
-        state = self._sessions.pop(session_id, None)
-        if state is not None and state.prefix_key is not None and self._by_prefix.get(state.prefix_key) == session_id:
-            del self._by_prefix[state.prefix_key]
-
-    async def get(self, session_id: str) -> SessionState | None:
-        return self._live(session_id)
-
-    async def put(self, state: SessionState) -> None:
-        old = self._sessions.get(state.session_id)
-        if (old is not None and old.prefix_key is not None and old.prefix_key != state.prefix_key
-                and self._by_prefix.get(old.prefix_key) == state.session_id):
-            del self._by_prefix[old.prefix_key]
-        self._sessions[state.session_id] = state
-        self._sessions.move_to_end(state.session_id)
-        if state.prefix_key is not None:
-            self._by_prefix[state.prefix_key] = state.session_id
-        # Bounded: the least recently written sessions go first (their handles will expire on D anyway).
-        while len(self._sessions) > self._max:
-            oldest = next(iter(self._sessions))
-            self._drop(oldest)
-
-    async def take_handle(self, session_id: str) -> TakenHandle | None:
-        state = self._live(session_id)
-        if state is None or state.handle is None:
-            return None
-        self._sessions[session_id] = state.with_(handle=None, held=None, handle_at=None)
-        return TakenHandle(state.handle, state.held, state.handle_at if state.handle_at is not None else 0.0)
-
-    async def find_by_prefix(self, prefix_key: str) -> str | None:
-        session_id = self._by_prefix.get(prefix_key)
-        if session_id is None:
-            return None
-        if self._live(session_id) is None:
-            return None
-        return session_id
-
-    async def delete(self, session_id: str) -> None:
-        self._drop(session_id)
-
-    async def sweep(self) -> int:
-        now = self.clock()
-        dead = [sid for sid, s in self._sessions.items() if s.expires_at <= now]
-        for sid in dead:
-            self._drop(sid)
-        return len(dead)
-
-    async def list(self) -> list[SessionState]:
-        now = self.clock()
-        return [s for s in self._sessions.values() if s.expires_at > now]
-
-    async def count(self) -> int:
-        return len(self._sessions)
+    async def aclose(self) -> None:
+        """Release connections (a shared store); the gateway calls it once, at shutdown."""
+        ...

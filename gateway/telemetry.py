@@ -79,6 +79,7 @@ ATTR_SUFFIX_TOKENS = "kvtether.suffix.tokens"  # prompt tokens prefill computes 
 ATTR_GUARD_VERDICT = "kvtether.guard.verdict"  # match | partial | refused
 ATTR_GATEWAY_OVERHEAD = "kvtether.gateway.overhead_s"
 ATTR_MODE = "kvtether.mode"  # pd | aggregated
+ATTR_TOKENIZE_SOURCE = "kvtether.tokenize.source"  # local | remote (the engine's /tokenize)
 # ---- cost-based placement (issue 8; the placement owner's block) ----
 ATTR_DECODE_CACHED_TOKENS = "kvtether.decode.cached_tokens"  # prompt prefix the pinned D's prefix cache holds
 ATTR_COST_PREFIX = "kvtether.plan.cost."  # + CostDecision.trace_attributes() keys (option, estimates, reason …)
@@ -120,6 +121,19 @@ M_LOCAL_HANDLES = "kvtether_local_turn_handles_total"
 # not use, which D now frees only at its TTL), missing (due but none came back: D keeps no local turns).
 LOCAL_HANDLE_OUTCOMES = ("kept", "superseded", "missing")
 M_DECODE_STALL = "kvtether_decode_stall_seconds_total"
+# The guard's local tokenizer: ids that differed from the engine's /tokenize (check = startup | turn; each
+# switches that model back to /tokenize), and guarded turns by which tokenizer gave their ids.
+M_TOKENIZER_MISMATCHES = "kvtether_tokenizer_mismatches_total"
+M_GUARD_TOKENIZE = "kvtether_guard_tokenize_total"
+TOKENIZER_CHECKS = ("startup", "turn")
+TOKENIZE_SOURCES = ("local", "remote")
+# Shared session store (Redis/Valkey; the memory store is not measured): each call's latency, and the calls that
+# timed out, failed, or were skipped while the store was paused after a failure (each answered cold, never failed).
+M_STORE_SECONDS = "kvtether_store_seconds"
+M_STORE_FAILURES = "kvtether_store_failures_total"
+STORE_OPERATIONS = ("get", "put", "take_handle", "find_by_prefix", "delete", "sweep", "list", "count")
+STORE_FAILURES = ("timeout", "error", "skipped")
+STORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 # Server TTFT buckets of the GenAI conventions, stretched to long-context prefills.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -164,6 +178,23 @@ class Metrics:
             ["node"], registry=r)
         for outcome in HANDLE_OUTCOMES:
             self.handle_outcomes.labels(outcome)
+        self.store_seconds = Histogram(M_STORE_SECONDS, "Latency of the shared session store's calls",
+                                       ["operation"], buckets=STORE_BUCKETS, registry=r)
+        self.store_failures = Counter(M_STORE_FAILURES, "Session store calls answered without the store",
+                                      ["operation", "reason"], registry=r)
+        for op in STORE_OPERATIONS:
+            self.store_seconds.labels(op)
+            for reason in STORE_FAILURES:
+                self.store_failures.labels(op, reason)
+        self.tokenizer_mismatches = Counter(
+            M_TOKENIZER_MISMATCHES, "Local tokenizer ids that differed from the engine's /tokenize", ["check"],
+            registry=r)
+        self.guard_tokenize = Counter(M_GUARD_TOKENIZE, "Guarded turns' prompt ids by tokenizer", ["source"],
+                                      registry=r)
+        for check in TOKENIZER_CHECKS:
+            self.tokenizer_mismatches.labels(check)
+        for where in TOKENIZE_SOURCES:
+            self.guard_tokenize.labels(where)
         self._policy = "auto"
 
     def set_policy(self, policy: str) -> None:

@@ -20,12 +20,12 @@ from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.policy.learning import Learning
 from kvtether.gateway.policy.placement import ClusterView
 from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
+from kvtether.gateway.tokencheck import GuardTokenizer
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from starlette.responses import JSONResponse, Response
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-_FORWARD_HEADERS = ("authorization",)
 
 
 @dataclass
@@ -59,6 +59,11 @@ class TurnContext:
     expected_output_tokens: int = 256
     # (decode node, key) of the final leg's entry in the per-request TPOT quotas while D decodes it.
     exposure: tuple[str, int] | None = None
+    # The caller's tenant (API keys) and the session id as the client sent it (session_id is namespaced);
+    # the Authorization header the legs send vLLM (auth.Auth.upstream_authorization).
+    tenant: str | None = None
+    named_session: str | None = None
+    upstream_auth: str | None = None
 
     @property
     def model(self) -> str:
@@ -143,7 +148,10 @@ class UpstreamFailure(Exception):
 
     @classmethod
     def from_http(cls, node: str, phase: str, exc: httpx.HTTPError) -> UpstreamFailure:
-        unreachable = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+        # Refused: nothing listens there, the node is down. A connect timeout is not proof of that: a busy
+        # node's accept queue can be full for a moment, so it counts like a 5xx (three in a row take it out),
+        # and the turn is retried — on the same node when it is the only one.
+        unreachable = isinstance(exc, httpx.ConnectError)
         return cls(node, phase, f"{type(exc).__name__}: {exc}", unreachable=unreachable)
 
 
@@ -158,6 +166,7 @@ class Services:
     tracer: trace.Tracer
     learning: Learning
     clock: Callable[[], float] = time.monotonic
+    tokenizer: GuardTokenizer | None = None  # the guard's local tokenizer (None: /tokenize for every turn)
 
     def count_error(self, failure: UpstreamFailure) -> None:
         self.metrics.upstream_errors.labels(failure.node, failure.phase).inc()
@@ -173,13 +182,13 @@ class Services:
                            T.GEN_AI_REQUEST_MODEL: ctx.model, T.SERVER_ADDRESS: host_of(node),
                            T.SERVER_PORT: httpx.URL(node).port,
                            T.ATTR_LEG: leg, T.ATTR_TURN: ctx.state.turns if ctx.state else 0,
-                           T.GEN_AI_CONVERSATION_ID: ctx.session_id if ctx.session_source == "header" else None,
+                           T.GEN_AI_CONVERSATION_ID: ctx.named_session if ctx.session_source == "header" else None,
                            T.GEN_AI_REQUEST_STREAM: True if (ctx.stream and leg != "prefill") else None,
                            T.GEN_AI_REQUEST_MAX_TOKENS: ctx.body.get("max_tokens")})
         return span
 
     def upstream_headers(self, ctx: TurnContext, span: trace.Span) -> dict[str, str]:
-        out = {k: ctx.headers[k] for k in _FORWARD_HEADERS if k in ctx.headers}
+        out = {"authorization": ctx.upstream_auth} if ctx.upstream_auth else {}
         propagate.inject(out, context=trace.set_span_in_context(span))
         return out
 

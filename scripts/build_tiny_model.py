@@ -21,11 +21,42 @@ from pathlib import Path
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 
+# ChatML, plus what agent turns carry (Qwen-style): tools in the system turn, reasoning in <think>, tool calls
+# in <tool_call>, tool results as their own turn. Content may be a string or a list of text parts (the loop over
+# it makes vLLM pass parts as objects, its "openai" content format). A plain string conversation renders as
+# before: '<|im_start|>' + role + '\n' + content + '<|im_end|>\n' per message.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- macro render_content(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- elif content is iterable -%}"
+    "{%- for part in content -%}{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\n' -}}"
+    "{%- if messages and messages[0].role == 'system' -%}{{- render_content(messages[0].content) + '\n\n' -}}"
+    "{%- endif -%}"
+    "{{- '# Tools\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\n</tools><|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if not (tools and loop.first and message.role == 'system') -%}"
+    "{{- '<|im_start|>' + message.role + '\n' -}}"
+    "{%- if message.role == 'assistant' and message.reasoning_content -%}"
+    "{{- '<think>\n' + message.reasoning_content + '\n</think>\n\n' -}}"
+    "{%- endif -%}"
+    "{{- render_content(message.content) -}}"
+    "{%- if message.role == 'assistant' and message.tool_calls -%}"
+    "{%- for call in message.tool_calls -%}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + call.function.name + '\", \"arguments\": '"
+    " + (call.function.arguments | tojson) + '}\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
 
 SIZES: dict[str, dict[str, int]] = {

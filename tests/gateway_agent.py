@@ -73,11 +73,15 @@ def comparable(answer: Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
-               headers: Mapping[str, str] | None = None, *, clean: bool = True) -> dict[str, Any]:
-    """One chat call (streamed or not); returns the assistant message as a client would keep it."""
+               headers: Mapping[str, str] | None = None, *, clean: bool = True,
+               response_headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """One chat call (streamed or not); returns the assistant message as a client would keep it, and the
+    response's headers into ``response_headers`` when given."""
     if not body.get("stream"):
         resp = await client.post(f"{url}/v1/chat/completions", json=body, headers=dict(headers or {}))
         assert resp.status_code == 200, resp.text
+        if response_headers is not None:
+            response_headers.update(resp.headers)
         data = resp.json()
         if clean:
             _assert_clean(data, body)
@@ -93,6 +97,8 @@ async def chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     calls: dict[int, dict[str, Any]] = {}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=dict(headers or {})) as resp:
         assert resp.status_code == 200, (await resp.aread()).decode()
+        if response_headers is not None:
+            response_headers.update(resp.headers)
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
                 continue

@@ -145,6 +145,10 @@ def test_policy_flag_wins_over_the_file(tmp_path: Path) -> None:
         (["--policy", "fastest"], "policy must be one of"),
         (["--gateway-log-level", "loud"], "--gateway-log-level must be one of"),
         (["--no-gateway", "--otlp-endpoint", "http://otel:4318"], "--otlp-endpoint: gateway options"),
+        (["--gateways", "2"], "2 gateways need a shared session store"),
+        (["--gateways", "3", "--gateway-set", "store=memory"], "3 gateways need a shared session store"),
+        (["--store", "mysql://db"], "store must be 'memory' or a redis://"),
+        (["--no-gateway", "--store", "redis://r:6379"], "--store: gateway options"),
     ],
 )
 @pytest.mark.parametrize("dry_run", [True, False])
@@ -210,4 +214,18 @@ def test_running_cluster_checks_the_gateway_before_starting_anything(no_launch: 
     plan = plan_cluster(ClusterOptions(model="m", cpu_count=2, gateway_settings={"max_sessions": 0}))
     with pytest.raises(ConfigError, match="max_sessions"), running_cluster(plan, log_dir=None):
         pass
+    assert no_launch == []
+
+
+def test_gateway_replicas_share_the_store_they_are_given(no_launch: list[object]) -> None:
+    code, out, err = _invoke("--dry-run", "--gateways", "3", "--store", "redis://r:6379/0", "--json")
+    assert code == 0, err
+    blocks = [ln for ln in out.splitlines() if ln.startswith("# gateway")]
+    assert blocks == ["# gateway  (http://127.0.0.1:9000)", "# gateway-1  (http://127.0.0.1:9001)",
+                      "# gateway-2  (http://127.0.0.1:9002)"]
+    assert json.loads(out.splitlines()[-1])["gateways"] == [f"http://127.0.0.1:{p}" for p in (9000, 9001, 9002)]
+    plan = plan_cluster(ClusterOptions(model="m", cpu_count=2, gateway_port=9000, gateways=3,
+                                       gateway_settings={"store": "redis://r:6379/0"}))
+    configs = [gateway_child_config(g.child_args)[0] for g in plan.gateways]
+    assert [(c.port, c.store) for c in configs] == [(p, "redis://r:6379/0") for p in (9000, 9001, 9002)]
     assert no_launch == []

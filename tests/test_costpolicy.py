@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from kvtether.gateway.policy import (
     CostDecision,
-    NodeState,
+    NodeLoad,
     NoFeasibleOption,
     PolicyKnobs,
     TurnFacts,
@@ -54,12 +54,12 @@ def history_turn(prompt: int, suffix: int, **kw: Any) -> TurnFacts:
     return TurnFacts(prompt, suffix, **args)
 
 
-def p(url: str = P0, **kw: Any) -> NodeState:
-    return NodeState(url, **kw)
+def p(url: str = P0, **kw: Any) -> NodeLoad:
+    return NodeLoad(url, **kw)
 
 
-def d(url: str = D0, **kw: Any) -> NodeState:
-    return NodeState(url, **kw)
+def d(url: str = D0, **kw: Any) -> NodeLoad:
+    return NodeLoad(url, **kw)
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,8 @@ class Case:
     turn: TurnFacts
     option: str
     words: tuple[str, ...] = ()  # must all appear in the reason
-    prefills: tuple[NodeState, ...] = (p(P0), p(P1))
-    decodes: tuple[NodeState, ...] = (d(D0), d(D1))
+    prefills: tuple[NodeLoad, ...] = (p(P0), p(P1))
+    decodes: tuple[NodeLoad, ...] = (d(D0), d(D1))
     knobs: PolicyKnobs = field(default_factory=knobs)
     pinned: str | None = D0
     decode_url: str = D0

@@ -20,7 +20,8 @@ from kvtether.gateway.policy.placement import (
     plan,
     plan_aggregated,
 )
-from kvtether.gateway.sessions import MemorySessionStore, SessionState
+from kvtether.gateway.sessions import SessionState
+from kvtether.gateway.stores import MemorySessionStore
 
 # ---- guard ----------------------------------------------------------------------------------
 

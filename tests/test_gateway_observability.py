@@ -92,8 +92,9 @@ async def run() -> Run:
         edited = [{**messages[0], "content": "You are a different agent. " + messages[0]["content"]}, *messages[1:]]
         await chat(client, url, _body(edited), headers)
         await snap()
-        # A request the engine rejects (prompt + max_tokens beyond the context): an upstream error.
-        bad = request_body(first_messages(61), stream=False, max_tokens=10**9)
+        # A request the engine rejects (prompt + max_tokens beyond the context): an upstream error. max_tokens
+        # alone within the context, or the gateway itself refuses it.
+        bad = request_body(first_messages(61), stream=False, max_tokens=cluster.nodes[0].cfg.max_model_len)
         resp = await client.post(f"{url}/v1/chat/completions", json=bad, headers={"x-session-id": "obs-bad"})
         assert resp.status_code >= 400
         await snap()

@@ -160,6 +160,7 @@ def test_gateway_command_in_front() -> None:
         "port": 8000,
         "session_ttl_s": 50,
         "engine_kv_ttl_s": 60,
+        "tokenizer": "/m/tiny",  # the guard tokenizes with the served model's own tokenizer
     }
     # The gateway accepts exactly these settings (its TTL below the engine's).
     from kvtether.gateway.config import load_config
@@ -172,6 +173,41 @@ def test_gateway_command_in_front() -> None:
         "decode": list(gw.decode_urls),
     }
     assert plan_cluster(_opts(gateway=False)).gateway is None
+
+
+def test_gateway_tokenizer_follows_the_served_model_unless_set(tmp_path: Path) -> None:
+    def tokenizer(**kw: object) -> object:
+        gw = plan_cluster(_opts(**kw)).gateway
+        assert gw is not None
+        return json.loads(gw.child_args[0]).get("tokenizer")
+
+    assert tokenizer() == "/m/tiny"
+    assert tokenizer(extra_vllm_args=["--tokenizer", "/t/tok"]) == "/t/tok"
+    assert tokenizer(extra_vllm_args=["--tokenizer=/t/tok2"]) == "/t/tok2"
+    assert tokenizer(gateway_settings={"tokenizer": ""}) == ""  # --gateway-set tokenizer= turns it off
+    with_file = tmp_path / "gw.toml"
+    with_file.write_text('[gateway]\ntokenizer = "/f/tok"\n')
+    assert tokenizer(gateway_config_file=str(with_file)) is None  # the file's own setting stands
+    without = tmp_path / "other.toml"
+    without.write_text('[gateway]\npolicy = "pull"\n')
+    assert tokenizer(gateway_config_file=str(without)) == "/m/tiny"
+
+
+def test_gateway_replicas_on_consecutive_ports() -> None:
+    plan = plan_cluster(_opts(gateway_port=8000, gateways=3, gateway_settings={"store": "redis://r:6379/0"}))
+    assert [g.port for g in plan.gateways] == [8000, 8001, 8002] and plan.gateway is plan.gateways[0]
+    assert [g.command.name for g in plan.gateways] == ["gateway", "gateway-1", "gateway-2"]
+    for g in plan.gateways:
+        settings = json.loads(g.child_args[0])
+        assert settings["port"] == g.port and settings["store"] == "redis://r:6379/0"
+        assert g.command.argv[4:] == g.child_args
+    assert plan.commands()[-3:] == [g.command for g in plan.gateways]
+    assert plan.urls()["gateways"] == ["http://127.0.0.1:8000", "http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    assert "gateways" not in plan_cluster(_opts()).urls()
+    with pytest.raises(ValueError, match="collide with a vLLM port"):
+        plan_cluster(_opts(gateway_port=8000, gateways=101))
+    with pytest.raises(ValueError, match="at least one gateway"):
+        plan_cluster(_opts(gateways=0))
 
 
 def test_plan_rejects_bad_input() -> None:

@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from kvtether.gateway.policy import NodeState, PolicyKnobs, TurnFacts, choose
+from kvtether.gateway.policy import NodeLoad, PolicyKnobs, TurnFacts, choose
 from kvtether.gateway.policy.stallquota import Credit, Exposure, absorb, credit, quota_s
 from test_costpolicy import D0, D1, MOE, P0, history_turn
 
@@ -35,25 +35,25 @@ def test_a_local_prefill_charges_every_decoding_request() -> None:
     assert absorb(after, -1.0) == after  # a negative stall refunds nothing
 
 
-BUSY = (NodeState(D0, running=2), NodeState(D1))
+BUSY = (NodeLoad(D0, running=2), NodeLoad(D1))
 # The quota's own arithmetic: no node bucket, no interference price, the turn stays on its pinned D.
 QUOTA_ONLY = PolicyKnobs(interference_weight=0.0, rebalance_decode=False)
 
 
 def _local_stall(turn: TurnFacts) -> float:
-    d = choose(turn, D0, (NodeState(P0),), BUSY, MOE, QUOTA_ONLY)
+    d = choose(turn, D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
     return next(o for o in d.options if o.option == "decode_local").stall_s
 
 
 def test_a_request_near_its_quota_sends_a_turn_that_would_stall_it_through_p() -> None:
     roomy = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=0.5, request_stall_quota_s=0.5)
-    first = choose(roomy, D0, (NodeState(P0),), BUSY, MOE, QUOTA_ONLY)
+    first = choose(roomy, D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
     assert first.option == "decode_local", first.reason
     stall = _local_stall(roomy)
     assert 0.03 < stall < 0.1  # a MoE prefill step: several decode steps of a small batch
     tight = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=stall * 0.9,
                          request_stall_quota_s=0.5)
-    spent = choose(tight, D0, (NodeState(P0),), BUSY, MOE, QUOTA_ONLY)
+    spent = choose(tight, D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
     assert spent.option == "pull", spent.reason
     assert "TPOT quota" in spent.trace_attributes()["rejected.decode_local"]
     assert "tightest TPOT quota" in spent.reason
@@ -63,7 +63,7 @@ def test_a_draining_quota_prices_the_stall_and_a_full_one_does_not() -> None:
     def interference(credit_s: float) -> float:
         turn = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=credit_s,
                             request_stall_quota_s=0.4)
-        d = choose(turn, D0, (NodeState(P0),), BUSY, MOE, QUOTA_ONLY)
+        d = choose(turn, D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
         return next(o for o in d.options if o.option == "decode_local").interference_s
 
     stall = _local_stall(history_turn(16000, 300, expected_output_tokens=32))
@@ -74,9 +74,9 @@ def test_a_draining_quota_prices_the_stall_and_a_full_one_does_not() -> None:
 
 def test_nobody_decoding_means_no_quota_binds() -> None:
     # An idle D is stalled by nothing: even an exhausted quota figure (stale) does not stop the local turn.
-    idle = (NodeState(D0), NodeState(D1))
+    idle = (NodeLoad(D0), NodeLoad(D1))
     turn = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=0.0, request_stall_quota_s=0.2)
-    assert choose(turn, D0, (NodeState(P0),), idle, MOE, QUOTA_ONLY).option == "decode_local"
+    assert choose(turn, D0, (NodeLoad(P0),), idle, MOE, QUOTA_ONLY).option == "decode_local"
 
 
 def test_a_request_with_no_room_at_all_refuses_the_local_turn_without_error() -> None:
@@ -85,7 +85,7 @@ def test_a_request_with_no_room_at_all_refuses_the_local_turn_without_error() ->
     for credit_s in (0.0, -0.05):
         turn = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=credit_s,
                             request_stall_quota_s=0.0)
-        d = choose(turn, D0, (NodeState(P0),), BUSY, MOE, QUOTA_ONLY)
+        d = choose(turn, D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
         assert d.option == "pull", d.reason
         assert "TPOT quota" in d.trace_attributes()["rejected.decode_local"]
 
@@ -101,14 +101,14 @@ def test_a_long_tool_result_runs_on_d_while_its_requests_have_room_and_through_p
     an idle D it runs locally (nobody to stall, no pull); on a busy D only while every decoding request can
     absorb its stall, which is several times a short suffix's."""
     long_turn = history_turn(25000, 5000)
-    decodes = (NodeState(D0), NodeState(D1))
-    assert choose(long_turn, D0, (NodeState(P0),), decodes, MOE).option == "decode_local"
+    decodes = (NodeLoad(D0), NodeLoad(D1))
+    assert choose(long_turn, D0, (NodeLoad(P0),), decodes, MOE).option == "decode_local"
     roomy = choose(replace(long_turn, request_stall_credit_s=1.0, request_stall_quota_s=1.0),
-                   D0, (NodeState(P0),), BUSY, MOE, QUOTA_ONLY)
+                   D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
     assert roomy.option == "decode_local", roomy.reason
     stall = next(o for o in roomy.options if o.option == "decode_local").stall_s
     assert stall > 2 * _local_stall(history_turn(16000, 300, expected_output_tokens=32))
     tight = choose(replace(long_turn, request_stall_credit_s=stall / 2, request_stall_quota_s=1.0),
-                   D0, (NodeState(P0),), BUSY, MOE, QUOTA_ONLY)
+                   D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
     assert tight.option == "pull", tight.reason
 

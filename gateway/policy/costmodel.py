@@ -66,7 +66,7 @@ from kvtether.gateway.policy.estimates import EstimatorSnapshot
 from kvtether.gateway.policy.facts import (
     OPTIONS,
     CostDecision,
-    NodeLike,
+    NodeLoad,
     NoFeasibleOption,
     Option,
     OptionEstimate,
@@ -81,8 +81,8 @@ from kvtether.gateway.policy.options import Nodes, cached_on, d_cached_tokens, p
 def choose(
     turn: TurnFacts,
     pinned_decode: str | None,
-    prefills: Sequence[NodeLike],
-    decodes: Sequence[NodeLike],
+    prefills: Sequence[NodeLoad],
+    decodes: Sequence[NodeLoad],
     estimates: EstimatorSnapshot,
     knobs: PolicyKnobs | None = None,
     *,
@@ -107,24 +107,7 @@ def choose(
         return _reference(turn, pinned_decode, c, round_robin)
 
     opts = scored(turn, pinned_decode, c, knobs.horizon_turns if knobs.mode == "auto" else 0)
-    by = {o.option: o for o in opts}
-    feasible = [o for o in opts if o.feasible]
-    greedy: Option | None = None
-    forced = False
-    if knobs.mode == "auto":
-        pick = min(feasible, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
-        if pick is not None and knobs.horizon_turns > 0:
-            greedy = min(feasible, key=lambda o: (o.ttft_s + o.interference_s, OPTIONS.index(o.option))).option
-    elif knobs.mode == "pull":
-        pick = next((by[o] for o in ("pull", "cold") if by[o].feasible), None)
-    else:  # no-pull: classic disaggregation
-        pick = by["cold"] if by["cold"].feasible else None
-    if pick is None:
-        # Every P is down (or the only way left is over a limit): run it locally rather than fail the turn.
-        local = by["decode_local"]
-        if not (local.feasible or local.soft):
-            raise NoFeasibleOption("; ".join(f"{o.option}: {o.why_not}" for o in opts))
-        pick, forced = local, True
+    pick, greedy, forced = _pick(opts, knobs)
     assert pick.decode_url is not None
     return CostDecision(
         option=pick.option,
@@ -141,6 +124,29 @@ def choose(
         arrive_s=pick.arrive_s,
         d_read_s=pick.d_read_s,
     )
+
+
+def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs) -> tuple[OptionEstimate, Option | None, bool]:
+    """The option the mode picks, what it would pick without the look-ahead (auto only), and whether it was
+    forced (over a limit, because nothing else could run the turn)."""
+    by = {o.option: o for o in opts}
+    feasible = [o for o in opts if o.feasible]
+    greedy: Option | None = None
+    if knobs.mode == "auto":
+        pick = min(feasible, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
+        if pick is not None and knobs.horizon_turns > 0:
+            greedy = min(feasible, key=lambda o: (o.ttft_s + o.interference_s, OPTIONS.index(o.option))).option
+    elif knobs.mode == "pull":
+        pick = next((by[o] for o in ("pull", "cold") if by[o].feasible), None)
+    else:  # no-pull: classic disaggregation
+        pick = by["cold"] if by["cold"].feasible else None
+    if pick is not None:
+        return pick, greedy, False
+    # Every P is down (or the only way left is over a limit): run it locally rather than fail the turn.
+    local = by["decode_local"]
+    if not (local.feasible or local.soft):
+        raise NoFeasibleOption("; ".join(f"{o.option}: {o.why_not}" for o in opts))
+    return local, greedy, True
 
 
 def _reference(turn: TurnFacts, pinned: str | None, c: Nodes, rr: int) -> CostDecision:

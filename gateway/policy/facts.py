@@ -2,7 +2,7 @@
 estimate and the decision.
 
 The shell (``gather.py``, ``orchestrator.py``) fills :class:`TurnFacts` from the session and the guard, and
-:class:`NodeState`-like loads from the cluster view; ``costmodel.choose`` returns a :class:`CostDecision`
+:class:`NodeLoad` from the cluster view; ``costmodel.choose`` returns a :class:`CostDecision`
 whose ``reason`` goes on the turn's span.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, get_args
+from typing import Literal, get_args
 
 Option = Literal["decode_local", "pull", "cold"]
 OPTIONS: tuple[Option, ...] = ("decode_local", "pull", "cold")  # also the tie-break order
@@ -25,34 +25,10 @@ def parse_mode(text: str) -> PolicyMode:
     raise ValueError(f"unknown placement policy {text!r}; known: {', '.join(POLICY_MODES)}")
 
 
-class NodeLike(Protocol):
-    """What the policy reads of a node; the shell's ``placement.NodeLoad`` fits as is."""
-
-    @property
-    def url(self) -> str: ...
-    @property
-    def healthy(self) -> bool: ...
-    @property
-    def running(self) -> float: ...
-    @property
-    def waiting(self) -> float: ...
-    @property
-    def kv_usage(self) -> float: ...
-    @property
-    def arriving(self) -> float: ...
-    @property
-    def bidirectional(self) -> bool: ...
-    @property
-    def prefix_caching(self) -> bool: ...
-    @property
-    def arrivals(self) -> tuple[tuple[float, float], ...]: ...
-    @property
-    def holding_back(self) -> float: ...
-
-
 @dataclass(frozen=True, slots=True)
-class NodeState:
-    """A node's load from its ``/metrics`` (``vllm:num_requests_running``/``_waiting``, ``kv_cache_usage_perc``)."""
+class NodeLoad:
+    """A node as a decision sees it: health, load from its ``/metrics`` (``vllm:num_requests_running``/
+    ``_waiting``, ``kv_cache_usage_perc``) and the gateway's own counts (``cluster.Node.load``)."""
 
     url: str
     healthy: bool = True
@@ -72,6 +48,12 @@ class NodeState:
     # decode only: of `running`, requests whose client has seen nothing yet (first token out, first delta held
     # back by a tool-call parser; or not streamed): a stall delays their TTFT itself, not just their TPOT.
     holding_back: float = 0.0
+
+    @property
+    def score(self) -> tuple[float, float]:
+        # The fixed policies' "least loaded": queued work first (it is what delays a new request), KV pressure
+        # breaks ties.
+        return (self.running + 2.0 * self.waiting, self.kv_usage)
 
 
 @dataclass(frozen=True, slots=True)

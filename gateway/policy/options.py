@@ -14,20 +14,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from kvtether.gateway.policy.estimates import EstimatorSnapshot
-from kvtether.gateway.policy.facts import NodeLike, Option, OptionEstimate, TurnFacts
+from kvtether.gateway.policy.facts import NodeLoad, Option, OptionEstimate, TurnFacts
 from kvtether.gateway.policy.knobs import PolicyKnobs
 
 
 @dataclass(frozen=True, slots=True)
 class Nodes:
-    prefills: tuple[NodeLike, ...]  # healthy, not excluded
-    decodes: tuple[NodeLike, ...]  # healthy, not excluded
+    prefills: tuple[NodeLoad, ...]  # healthy, not excluded
+    decodes: tuple[NodeLoad, ...]  # healthy, not excluded
     est: EstimatorSnapshot
     knobs: PolicyKnobs
     # Look-ahead memo, per call of choose: after pull and after cold the next turn is the same situation.
     memo: dict[tuple[TurnFacts, str | None, int], float] = field(default_factory=dict)
 
-    def decode(self, url: str | None) -> NodeLike | None:
+    def decode(self, url: str | None) -> NodeLoad | None:
         return next((d for d in self.decodes if d.url == url), None) if url is not None else None
 
 
@@ -41,13 +41,13 @@ def floor_block(tokens: int, block: int) -> int:
     return max(0, tokens // block * block)
 
 
-def p_queue_s(c: Nodes, p: NodeLike) -> float:
+def p_queue_s(c: Nodes, p: NodeLoad) -> float:
     # A P node's running requests are prefills still computing: a new one waits behind them as behind the
     # waiting ones (chunked prefill shares steps, which costs the same total time).
     return c.est.queue_s(p.url, p.waiting + p.running)
 
 
-def d_leg_s(c: Nodes, d: NodeLike) -> float:
+def d_leg_s(c: Nodes, d: NodeLoad) -> float:
     """D's part of a P/D turn after the KV arrived: its queue, then one decode step produces the first token."""
     return c.est.queue_s(d.url, d.waiting) + c.est.tpot_s(d.url, d.running + 1)
 
@@ -59,14 +59,14 @@ def d_cached_tokens(turn: TurnFacts, c: Nodes) -> int:
     return floor_block(min(held, turn.prompt_tokens - 1), c.knobs.block_size)
 
 
-def keep_probability(d: NodeLike, c: Nodes) -> float:
+def keep_probability(d: NodeLoad, c: Nodes) -> float:
     """Probability that D's free (cached, unpinned) blocks survive until the next use: ~1 below the KV-usage
     knee, falling linearly to 0 at full usage (vLLM evicts free blocks LRU only when no free block is left)."""
     knee = c.knobs.evict_kv_usage_knee
     return 1.0 - min(1.0, max(0.0, (d.kv_usage - knee) / (1.0 - knee)))
 
 
-def cached_on(turn: TurnFacts, d: NodeLike, pinned: NodeLike | None, c: Nodes) -> int:
+def cached_on(turn: TurnFacts, d: NodeLoad, pinned: NodeLoad | None, c: Nodes) -> int:
     """Tokens of the prompt `d`'s prefix cache holds: the pinned D's (handle or estimate), or what another D
     kept of the session since the pin left it (expected, eviction discounted: a transfer's cost is linear
     in the tokens D lacks)."""
@@ -145,8 +145,8 @@ def stall_price(credit_s: float, burst: float) -> float:
     return burst / max(credit_s, 0.01 * burst) - 1.0
 
 
-def pd_option(option: Option, turn: TurnFacts, p: NodeLike, d: NodeLike, holder: str | None, reuse: int,
-        d_cached: int, c: Nodes, pinned: NodeLike | None = None) -> OptionEstimate:
+def pd_option(option: Option, turn: TurnFacts, p: NodeLoad, d: NodeLoad, holder: str | None, reuse: int,
+        d_cached: int, c: Nodes, pinned: NodeLoad | None = None) -> OptionEstimate:
     """A P/D turn on the given nodes: P pulls `reuse` tokens from `holder` (0: cold), D lacks the rest.
     `pinned`: the session's D, when `d` may be another one (rebalancing)."""
     p_cached = p_cached_tokens(turn, p.url, c)
@@ -180,20 +180,20 @@ def cheapest(cands: Iterable[OptionEstimate]) -> OptionEstimate | None:
                default=None)
 
 
-def decode_choices(pinned: NodeLike, c: Nodes) -> tuple[NodeLike, ...]:
+def decode_choices(pinned: NodeLoad, c: Nodes) -> tuple[NodeLoad, ...]:
     """Where a P/D turn of a session pinned to `pinned` may decode: there, or (auto, rebalancing on) any D."""
     if c.knobs.mode != "auto" or not c.knobs.rebalance_decode:
         return (pinned,)
     return (pinned, *(d for d in c.decodes if d.url != pinned.url))
 
 
-def decode_load(d: NodeLike) -> float:
+def decode_load(d: NodeLoad) -> float:
     # Turns already headed to D count: without them, turns planned while another's prefill leg runs all
     # see the same light D and herd onto it.
     return d.running + d.waiting + d.arriving
 
 
-def balance_term(turn: TurnFacts, d: NodeLike, pinned: NodeLike, c: Nodes) -> float:
+def balance_term(turn: TurnFacts, d: NodeLoad, pinned: NodeLoad, c: Nodes) -> float:
     """Decoding this turn's answer on `d` instead of the pinned D, in TTFT-seconds.
 
     Each request a new one joins is delayed by one sequence's share of a decode step (tpot's per-sequence
@@ -206,7 +206,7 @@ def balance_term(turn: TurnFacts, d: NodeLike, pinned: NodeLike, c: Nodes) -> fl
         return 0.0
     out = turn.expected_output_tokens
 
-    def cost(n: NodeLike) -> float:
+    def cost(n: NodeLoad) -> float:
         per_seq = max(0.0, c.est.tpot_s(n.url, 2.0) - c.est.tpot_s(n.url, 1.0))
         others = c.knobs.interference_weight * decode_load(n) * per_seq * out
         return others + out * c.est.tpot_s(n.url, decode_load(n) + 1.0)

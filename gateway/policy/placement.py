@@ -18,7 +18,7 @@ from enum import StrEnum
 
 from kvtether.gateway.policy.costmodel import choose
 from kvtether.gateway.policy.estimates import EstimatorSnapshot
-from kvtether.gateway.policy.facts import CostDecision, NoFeasibleOption, TurnFacts
+from kvtether.gateway.policy.facts import CostDecision, NodeLoad, NoFeasibleOption, TurnFacts
 from kvtether.gateway.policy.knobs import PolicyKnobs
 
 
@@ -33,26 +33,6 @@ class HandleState(StrEnum):
     PRESENT = "present"
     MISSING = "missing"  # no handle: first turn, an older engine without stream handles, a failed turn
     EXPIRED = "expired"  # older than the gateway TTL: D may have freed it
-
-
-@dataclass(frozen=True, slots=True)
-class NodeLoad:
-    url: str
-    healthy: bool = True
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0  # 0..1
-    bidirectional: bool = True  # prefill only: may receive a handle
-    arriving: float = 0.0  # decode only: P/D turns in their prefill leg, headed here
-    prefix_caching: bool = False  # prefill only: its cache_config_info said enable_prefix_caching=True
-    # decode only: (seconds until it reaches D, D's read of it) of those arriving turns the plan estimated
-    arrivals: tuple[tuple[float, float], ...] = ()
-    holding_back: float = 0.0  # decode only: of `running`, requests whose client has seen nothing yet
-
-    @property
-    def score(self) -> tuple[float, float]:
-        # Queued work first (it is what delays a new request), KV pressure breaks ties.
-        return (self.running + 2.0 * self.waiting, self.kv_usage)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,73 @@
+"""Who is calling: API keys bound to tenants, the admin key, and what the gateway tells vLLM.
+
+With API keys configured every request must carry one (``Authorization: Bearer <key>``); its tenant
+namespaces the caller's sessions (``scoped``), so one tenant can never name — and so never reuse the pin,
+handle or held KV of — another tenant's session, whatever session id it sends. Keys are compared by their
+SHA-256 digest, so the lookup's timing says nothing about a key's characters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping
+
+from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.errors import GatewayError
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def bearer(headers: Mapping[str, str]) -> str | None:
+    value = headers.get("authorization") or ""
+    scheme, _, token = value.partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+class Auth:
+    def __init__(self, config: GatewayConfig) -> None:
+        self._tenants = {_digest(k): t for k, t in config.api_keys.items()}
+        self._admin = _digest(config.admin_key) if config.admin_key else None
+        self._upstream = config.upstream_api_key
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._tenants)
+
+    def tenant(self, headers: Mapping[str, str]) -> str | None:
+        """The caller's tenant (None: no API keys configured); 401 without a valid key."""
+        if not self._tenants:
+            return None
+        key = bearer(headers)
+        tenant = self._tenants.get(_digest(key)) if key else None
+        if tenant is None:
+            raise GatewayError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                               code="invalid_api_key")
+        return tenant
+
+    def check_admin(self, headers: Mapping[str, str]) -> None:
+        """/admin/* needs the admin key when one is set; without one it is open only when no API keys are."""
+        if self._admin is None:
+            if self._tenants:
+                raise GatewayError(403, "the admin API is off: set admin_key to use it", code="admin_disabled")
+            return
+        key = bearer(headers)
+        if key is None or not hmac.compare_digest(_digest(key), self._admin):
+            raise GatewayError(401, "the admin key is required (Authorization: Bearer <admin key>)",
+                               code="invalid_admin_key")
+
+    def upstream_authorization(self, headers: Mapping[str, str]) -> str | None:
+        """The Authorization header the legs send vLLM: the configured upstream key, else the client's own
+        unless it was the client's gateway API key (never forwarded)."""
+        if self._upstream:
+            return f"Bearer {self._upstream}"
+        if self._tenants:
+            return None
+        return headers.get("authorization")
+
+
+def scoped(tenant: str | None, key: str) -> str:
+    """A session id or message-chain key in the caller's namespace (tenant names hold no "/")."""
+    return key if tenant is None else f"{tenant}/{key}"

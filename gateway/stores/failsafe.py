@@ -1,0 +1,137 @@
+"""A shared store that can fail without failing a turn.
+
+Every call is bounded by ``timeout_s``; an error or a timeout is counted and answered with the safe value:
+no handle (the turn goes cold: a handle whose take may not have happened, or happened unseen, is never used,
+so none is used twice), no session found by prefix, a dropped put. ``get`` answers a session *pinned by
+hash*: its decode node chosen by rendezvous hashing of the session id over the configured nodes, so every
+replica sends the session's turns to the same node while the store is away, and that node's prefix cache
+keeps serving its history. Nothing raises into the request path.
+
+After a failure the store is not asked again for a short, growing pause (``cooldown_s`` doubling up to
+``max_cooldown_s``): a store that hangs costs one timeout per pause, not one per call. The first call after the
+pause probes it; the client reconnects by itself when the server is back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import anyio
+from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
+
+if TYPE_CHECKING:
+    from kvtether.gateway.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+def _none() -> None:
+    return None
+
+
+def pin_by_hash(session_id: str, nodes: Sequence[str]) -> str | None:
+    """The node rendezvous hashing gives the session: the same on every replica, and a lost node moves only
+    its own sessions."""
+    if not nodes:
+        return None
+    return max(nodes, key=lambda n: hashlib.blake2b(f"{n}\0{session_id}".encode(), digest_size=8).digest())
+
+
+class FailSafeStore:
+    """Wraps a shared store: every call bounded, counted, and answered safely when the store fails."""
+
+    def __init__(self, inner: SessionStore, *, timeout_s: float, metrics: Metrics | None = None,
+                 pins: Sequence[str] = (), clock: Callable[[], float] = time.monotonic,
+                 cooldown_s: float = 0.1, max_cooldown_s: float = 2.0) -> None:
+        self.inner = inner
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self.pins = tuple(pins)
+        self.clock = clock
+        self.cooldown_s = cooldown_s
+        self.max_cooldown_s = max_cooldown_s
+        self.failures = 0  # consecutive failed calls (0: the store answers)
+        self._missed = 0  # calls answered with the fallback since the store last answered
+        self._paused_until = 0.0
+        self._last_count = 0
+
+    @property
+    def available(self) -> bool:
+        return self.failures == 0
+
+    async def _call(self, operation: str, call: Callable[[], Awaitable[R]], fallback: Callable[[], R]) -> R:
+        if self.failures and time.monotonic() < self._paused_until:
+            self._count_failure(operation, "skipped")
+            return fallback()
+        t0 = time.perf_counter()
+        try:
+            with anyio.fail_after(self.timeout_s):
+                result = await call()
+        except TimeoutError:
+            self._failed(operation, "timeout", f"no answer within {self.timeout_s} s")
+            return fallback()
+        except Exception as exc:  # any store fault: connection, protocol, server error
+            self._failed(operation, "error", f"{type(exc).__name__}: {exc}")
+            return fallback()
+        if self.metrics is not None:
+            self.metrics.store_seconds.labels(operation).observe(time.perf_counter() - t0)
+        if self.failures:
+            log.warning("session store answers again (%d calls ran without it)", self._missed)
+            self.failures = self._missed = 0
+        return result
+
+    def _failed(self, operation: str, reason: str, why: str) -> None:
+        self.failures += 1
+        pause = min(self.max_cooldown_s, self.cooldown_s * 2 ** min(self.failures - 1, 16))
+        self._paused_until = time.monotonic() + pause
+        self._count_failure(operation, reason)
+        if self.failures == 1:
+            log.warning("session store %s failed (%s): turns run cold until it answers", operation, why)
+
+    def _count_failure(self, operation: str, reason: str) -> None:
+        self._missed += 1
+        if self.metrics is not None:
+            self.metrics.store_failures.labels(operation, reason).inc()
+
+    def _pinned(self, session_id: str) -> SessionState:
+        now = self.clock()
+        return SessionState(session_id, decode=pin_by_hash(session_id, self.pins), expires_at=now, created_at=now)
+
+    async def get(self, session_id: str) -> SessionState | None:
+        return await self._call("get", lambda: self.inner.get(session_id), lambda: self._pinned(session_id))
+
+    async def put(self, state: SessionState) -> None:
+        await self._call("put", lambda: self.inner.put(state), _none)
+
+    async def take_handle(self, session_id: str) -> TakenHandle | None:
+        return await self._call("take_handle", lambda: self.inner.take_handle(session_id), _none)
+
+    async def find_by_prefix(self, prefix_key: str) -> str | None:
+        return await self._call("find_by_prefix", lambda: self.inner.find_by_prefix(prefix_key), _none)
+
+    async def delete(self, session_id: str) -> None:
+        await self._call("delete", lambda: self.inner.delete(session_id), _none)
+
+    async def sweep(self) -> int:
+        return await self._call("sweep", self.inner.sweep, lambda: 0)
+
+    async def list(self) -> list[SessionState]:
+        return await self._call("list", self.inner.list, lambda: [])
+
+    async def count(self) -> int:
+        # On a failure the last count stands (the pinned-sessions gauge should not drop to 0 in an outage).
+        self._last_count = await self._call("count", self.inner.count, lambda: self._last_count)
+        return self._last_count
+
+    async def aclose(self) -> None:
+        try:
+            with anyio.fail_after(max(1.0, self.timeout_s)):
+                await self.inner.aclose()
+        except Exception as exc:
+            log.debug("closing the session store: %s", exc)

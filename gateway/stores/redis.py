@@ -1,0 +1,203 @@
+"""The session store on Redis or Valkey, shared by gateway workers and replicas.
+
+Keys, all under ``{prefix}:`` so that several deployments can share one server (session ids arrive already
+namespaced by tenant, and are opaque here):
+
+- ``{prefix}:s:{session}``: a hash, ``rec`` = the session record (codec.py), ``pk`` = its prefix key;
+  expires natively at the session's ``expires_at``.
+- ``{prefix}:h:{session}``: the handle record; expires natively when the handle does (``handle_at +
+  handle_ttl_s``, the gateway's ``session_ttl_s``, itself below the engine's TTL), so a stale handle is never
+  returned. Taken with GETDEL: one atomic server-side operation, so of two replicas racing for one handle
+  exactly one gets it.
+- ``{prefix}:p:{prefix key}``: the session id a message-chain hash belongs to (anonymous clients).
+- ``{prefix}:sessions``: a sorted set of session ids by expiry, so that count, list and sweep never scan keys.
+
+Errors propagate: :class:`~kvtether.gateway.stores.failsafe.FailSafeStore` bounds and absorbs them. Needs one
+primary (Redis ≥ 6.2 or Valkey, optionally behind Sentinel): the put and delete scripts touch the prefix key
+they read from the session's hash, which Redis Cluster does not allow.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from kvtether.gateway.sessions import SessionState, TakenHandle
+from kvtether.gateway.stores import codec
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+log = logging.getLogger(__name__)
+
+_COUNT_FRESH_S = 1.0  # a count read within this long is reported again without asking the server
+
+# KEYS: session hash, handle key, index. ARGV: record, session ms, prefix key ('' = none), handle record
+# ('' = none), handle ms, session id, prefix-key namespace, expiry (wall ms, the index score).
+# One script, so that a session's record, handle, prefix key and index entry change together, and the old
+# prefix key is dropped only while it still names this session.
+_PUT = """
+local old = redis.call('HGET', KEYS[1], 'pk')
+if old and old ~= ARGV[3] and redis.call('GET', ARGV[7] .. old) == ARGV[6] then
+  redis.call('DEL', ARGV[7] .. old)
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'rec', ARGV[1])
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[1], 'pk', ARGV[3])
+  redis.call('SET', ARGV[7] .. ARGV[3], ARGV[6], 'PX', ARGV[2])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if ARGV[4] ~= '' then
+  redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[5])
+else
+  redis.call('DEL', KEYS[2])
+end
+redis.call('ZADD', KEYS[3], ARGV[8], ARGV[6])
+return redis.call('ZCARD', KEYS[3])
+"""
+
+# KEYS: session hash, handle key, index. ARGV: session id, prefix-key namespace.
+_DELETE = """
+local old = redis.call('HGET', KEYS[1], 'pk')
+if old and redis.call('GET', ARGV[2] .. old) == ARGV[1] then
+  redis.call('DEL', ARGV[2] .. old)
+end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return 1
+"""
+
+
+def connect(url: str, *, timeout_s: float, max_connections: int = 256) -> aioredis.Redis:
+    """A client for the store. Never retries: a command whose reply was lost may have run, and running a put
+    twice could put back a handle another replica has taken since (a handle used twice). Socket timeouts
+    match the store's bound, so a dead connection is dropped from the pool rather than waited on."""
+    return aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                   retry=Retry(NoBackoff(), 0), max_connections=max_connections)
+
+
+class RedisSessionStore:
+    """The shared store (module docstring). Calls raise on any fault; wrap it in FailSafeStore."""
+
+    def __init__(self, client: aioredis.Redis, *, key_prefix: str, handle_ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 list_limit: int = 1000) -> None:
+        self.client = client
+        self.prefix = key_prefix
+        self.handle_ttl_s = handle_ttl_s
+        self.clock = clock
+        self.wall = wall
+        self.list_limit = list_limit
+        self._put = client.register_script(_PUT)
+        self._delete = client.register_script(_DELETE)
+        self._index = f"{key_prefix}:sessions"
+        self._prefixes = f"{key_prefix}:p:"
+        # The index size the last put saw, and when: the gateway reads the count after every put (its pinned
+        # sessions gauge), which then costs no round trip of its own.
+        self._count: tuple[int, float] | None = None
+
+    def _session_key(self, session_id: str) -> str:
+        return f"{self.prefix}:s:{session_id}"
+
+    def _handle_key(self, session_id: str) -> str:
+        return f"{self.prefix}:h:{session_id}"
+
+    def _offset(self) -> float:
+        return self.wall() - self.clock()
+
+    async def get(self, session_id: str) -> SessionState | None:
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hmget(self._session_key(session_id), "rec", "pk")
+            pipe.get(self._handle_key(session_id))
+            (rec, pk), handle = await pipe.execute()
+        return self._decode(session_id, rec, pk, handle)
+
+    def _decode(self, session_id: str, rec: bytes | None, pk: bytes | None,
+                handle: bytes | None) -> SessionState | None:
+        if rec is None:
+            return None
+        try:
+            return codec.decode_session(session_id, rec, pk.decode() if pk is not None else None, handle,
+                                        self._offset())
+        except (ValueError, KeyError, TypeError):
+            # Written by an incompatible version: the session starts over (cold, never wrong).
+            log.warning("session store: an unreadable session record was treated as absent")
+            return None
+
+    async def put(self, state: SessionState) -> None:
+        now = self.clock()
+        offset = self._offset()
+        session_ms = max(1, math.ceil((state.expires_at - now) * 1000))
+        handle = codec.encode_handle(state, offset, now)
+        handle_ms = 0
+        if handle is not None:
+            at = state.handle_at if state.handle_at is not None else now
+            handle_ms = min(session_ms, math.floor((at + self.handle_ttl_s - now) * 1000))
+            if handle_ms < 1:
+                handle = None  # already past its TTL: never stored, so never returned
+        sid = state.session_id
+        count = await self._put(keys=[self._session_key(sid), self._handle_key(sid), self._index],
+                                args=[codec.encode_session(state, offset), session_ms, state.prefix_key or "",
+                                      handle or "", max(1, handle_ms), sid, self._prefixes,
+                                      math.ceil((state.expires_at + offset) * 1000)])
+        self._count = (int(count), now)
+
+    async def take_handle(self, session_id: str) -> TakenHandle | None:
+        data: bytes | None = await self.client.getdel(self._handle_key(session_id))  # type: ignore[assignment]
+        if data is None:
+            return None
+        try:
+            return codec.decode_handle(data, self._offset())
+        except (ValueError, KeyError, TypeError):
+            log.warning("session store: an unreadable handle record was dropped")
+            return None
+
+    async def find_by_prefix(self, prefix_key: str) -> str | None:
+        sid: bytes | None = await self.client.get(self._prefixes + prefix_key)  # type: ignore[assignment]
+        return sid.decode() if sid is not None else None
+
+    async def delete(self, session_id: str) -> None:
+        self._count = None
+        await self._delete(keys=[self._session_key(session_id), self._handle_key(session_id), self._index],
+                           args=[session_id, self._prefixes])
+
+    async def sweep(self) -> int:
+        """Sessions expire by themselves (native TTLs); this only trims the index of their ids."""
+        self._count = None
+        removed: int = await self.client.zremrangebyscore(self._index, "-inf", math.floor(self.wall() * 1000))
+        return removed
+
+    async def count(self) -> int:
+        """Sessions in the index (expired ones until the next sweep, as the memory store counts them)."""
+        if self._count is not None and self.clock() - self._count[1] < _COUNT_FRESH_S:
+            return self._count[0]
+        n: int = await self.client.zcard(self._index)
+        self._count = (n, self.clock())
+        return n
+
+    async def list(self) -> list[SessionState]:
+        """Live sessions, soonest to expire first, at most ``list_limit`` of them (an admin view)."""
+        raw: list[bytes] = await self.client.zrangebyscore(  # type: ignore[assignment]
+            self._index, math.floor(self.wall() * 1000), "+inf", start=0, num=self.list_limit)
+        ids = [r.decode() for r in raw]
+        if not ids:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for sid in ids:
+                pipe.hmget(self._session_key(sid), "rec", "pk")
+                pipe.get(self._handle_key(sid))
+            replies: list[Any] = await pipe.execute()
+        out: list[SessionState] = []
+        for i, sid in enumerate(ids):
+            (rec, pk), handle = replies[2 * i], replies[2 * i + 1]
+            state = self._decode(sid, rec, pk, handle)
+            if state is not None:
+                out.append(state)
+        return out
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

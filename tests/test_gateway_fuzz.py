@@ -1,0 +1,95 @@
+"""Property: no request body or header makes the gateway answer 5xx, break a stream or take a node out.
+
+Hypothesis builds requests around a valid chat or completion body — fields replaced by arbitrary JSON,
+messages and tools of arbitrary shape, odd session headers — and sends each to a gateway in front of the
+simulator. Every answer must be a 2xx or an OpenAI-shaped 4xx, and the cluster must be as healthy after as
+before (benchmarks/fuzz_gateway.py runs the same idea at scale, with malformed bytes too).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from anyio.from_thread import start_blocking_portal
+from gateway_agent import MODEL
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_gateway_sim import Rig, rig
+
+FIELDS = ["model", "messages", "stream", "max_tokens", "max_completion_tokens", "min_tokens", "temperature",
+          "top_p", "top_k", "n", "tools", "tool_choice", "stop", "seed", "logprobs", "top_logprobs",
+          "return_token_ids", "stream_options", "response_format", "chat_template_kwargs", "presence_penalty",
+          "kv_transfer_params", "prompt", "ignore_eos", "add_generation_prompt"]
+ROLES = ["system", "user", "assistant", "tool", "developer", "function", "wizard", ""]
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8)
+messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(ROLES)},
+    optional={"content": st.text(max_size=30) | json_values, "tool_calls": json_values,
+              "name": json_values, "tool_call_id": json_values}), min_size=0, max_size=4)
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[str, dict[str, Any], dict[str, str]]:
+    chat = draw(st.booleans())
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 8}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hello there"}]
+    else:
+        body["prompt"] = "Once upon a time"
+    for name in draw(st.lists(st.sampled_from(FIELDS), max_size=4, unique=True)):
+        if draw(st.booleans()) and name in body:
+            del body[name]
+        elif name == "messages":
+            body[name] = draw(messages)
+        else:
+            body[name] = draw(json_values)
+    headers = draw(st.dictionaries(st.sampled_from(["x-session-id", "x-kvtether-turn", "x-kvtether-prefix",
+                                                    "x-correlation-id"]),
+                                   st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126),
+                                           max_size=300), max_size=2))
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body, headers
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Rig]:
+    with start_blocking_portal() as portal, portal.wrap_async_context_manager(
+            rig(prefill=1, decode=1, policy="auto", min_reuse_tokens=4)) as r:
+        yield r
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(req=requests())
+def test_no_request_makes_the_gateway_fail(live: Rig, req: tuple[str, dict[str, Any], dict[str, str]]) -> None:
+    path, body, headers = req
+    with httpx.Client(timeout=30) as client:
+        resp = client.post(f"{live.url}{path}", content=json.dumps(body), headers=headers)
+        text = resp.text
+    assert resp.status_code < 500, (resp.status_code, text, body)
+    if resp.status_code >= 400:
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    else:
+        assert "upstream_error" not in text and "kv_transfer_params" not in text, text[:500]
+    nodes = live.gw.cluster.nodes.values()
+    assert all(n.healthy for n in nodes), [(n.url, n.last_error) for n in nodes]
+
+
+def test_the_fuzz_script_finds_no_5xx_reset_or_hang() -> None:
+    """benchmarks/fuzz_gateway.py at a smaller scale (its default is 600 requests): malformed bytes, deep JSON,
+    huge prompts and odd headers included."""
+    import argparse
+
+    import anyio
+    from benchmark_scripts import load
+
+    fuzz = load("fuzz_gateway")
+    args = argparse.Namespace(requests=150, seed=7, concurrency=8, timeout_s=30.0)
+    assert anyio.run(fuzz.run, args) == 0

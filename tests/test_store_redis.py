@@ -1,0 +1,301 @@
+"""The shared session store: its record format, its contract on a real Redis/Valkey server (single-use handles
+across clients, native TTLs, key namespaces), and what the gateway gets when the store is down or slow."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from kvtether.gateway import telemetry as T
+from kvtether.gateway.guard import HeldSequence
+from kvtether.gateway.policy.copies import DecodeCopy, PrefillCopy
+from kvtether.gateway.sessions import SessionState
+from kvtether.gateway.stores import FailSafeStore, codec, pin_by_hash
+from kvtether.gateway.stores.redis import RedisSessionStore, connect
+from redis_server import RedisServer, free_port, running_redis
+
+HANDLE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [[1, 2, 3]],
+          "remote_engine_id": "d-engine", "remote_request_id": "req-1", "remote_host": "10.0.0.2",
+          "remote_port": 5600, "remote_num_tokens": 41, "transfer_mode": "pull"}
+TIMES = ("handle_at", "expires_at", "created_at")
+
+
+def full_state(now: float, **changes: Any) -> SessionState:
+    """A state with every field set to something other than its default."""
+    state = SessionState(
+        session_id="tenant-a/sess-1", decode="http://d1:8000", handle=dict(HANDLE),
+        held=HeldSequence.from_tokens(list(range(41)), 16), handle_at=now - 1.5, expires_at=now + 60.0, turns=7,
+        created_at=now - 100.0, prefix_key="tenant-a/abc123", cached=HeldSequence.from_tokens(list(range(50)), 16),
+        last_tokens=51, last_prefill="http://p1:8000", avg_output_tokens=37.25, avg_suffix_tokens=12.5,
+        elsewhere=(DecodeCopy("http://d2:8000", 32),), prefill_copies=(PrefillCopy("http://p1:8000", 48, 900),))
+    return state.with_(**changes)
+
+
+def assert_same(got: SessionState | None, want: SessionState) -> None:
+    """Equal, times to the millisecond (they travel as wall-clock time)."""
+    assert got is not None
+    for name in TIMES:
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None) and (a is None or abs(a - b) < 1e-3), name
+    assert got.with_(**{n: None for n in TIMES}) == want.with_(**{n: None for n in TIMES})
+
+
+# ---- the record format (no server) ---------------------------------------------------------------
+
+
+def test_codec_round_trips_every_field_exactly() -> None:
+    defaults = SessionState("x")
+    state = full_state(1000.0)
+    # A field added to SessionState must be given a value here, and a place in codec.py.
+    for f in dataclasses.fields(SessionState):
+        assert getattr(state, f.name) != getattr(defaults, f.name) or f.name == "session_id", f.name
+    rec = codec.encode_session(state, offset=0.0)
+    handle = codec.encode_handle(state, offset=0.0, now=1000.0)
+    got = codec.decode_session(state.session_id, rec, state.prefix_key, handle, offset=0.0)
+    assert got == state
+    assert got.held == state.held and got.cached == state.cached  # hash chain and tail, exactly
+    bare = SessionState("y", expires_at=5.0)
+    assert codec.decode_session("y", codec.encode_session(bare, 0.0), None, None, 0.0) == bare
+    assert codec.encode_handle(bare, 0.0, now=1.0) is None
+
+
+def test_times_travel_as_wall_clock() -> None:
+    # Two gateways whose own clocks differ by 500 s read the same wall-clock instants.
+    state = full_state(1000.0)
+    rec = codec.encode_session(state, offset=5000.0)
+    got = codec.decode_session(state.session_id, rec, None, codec.encode_handle(state, 5000.0, 1000.0), 4500.0)
+    assert got.expires_at == state.expires_at + 500.0 and got.handle_at == pytest.approx(state.handle_at + 500.0)
+
+
+def test_held_sequence_is_stored_as_its_hash_chain() -> None:
+    held = HeldSequence.from_tokens([(i * 7919) % 150_000 for i in range(8200)], 16)
+    state = SessionState("s", handle=dict(HANDLE), held=held, handle_at=0.0)
+    record = codec.encode_handle(state, 0.0, 0.0)
+    assert record is not None
+    tokens_as_json = len(",".join(str((i * 7919) % 150_000) for i in range(8200)))
+    # 512 blocks x 8 bytes of hash (base64) + 8 tail tokens + the handle: a fraction of the token list.
+    assert len(record) < 6000 < tokens_as_json // 4
+    assert codec.decode_handle(record, 0.0).held == held
+
+
+def test_pin_by_hash_is_stable_spread_and_moves_only_a_lost_nodes_sessions() -> None:
+    nodes = [f"http://d{i}:8000" for i in range(4)]
+    pins = {f"s{i}": pin_by_hash(f"s{i}", nodes) for i in range(400)}
+    assert pins == {s: pin_by_hash(s, list(reversed(nodes))) for s in pins}
+    assert all(60 < sum(p == n for p in pins.values()) < 140 for n in nodes)
+    after = {s: pin_by_hash(s, nodes[1:]) for s in pins}
+    assert all(after[s] == pins[s] for s in pins if pins[s] != nodes[0])
+    assert pin_by_hash("s", []) is None
+
+
+# ---- on a real server ----------------------------------------------------------------------------
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    with running_redis(tmp_path / "redis") as srv:
+        yield srv
+
+
+@pytest.fixture
+async def store(server: RedisServer) -> AsyncIterator[RedisSessionStore]:
+    s = RedisSessionStore(connect(server.url, timeout_s=2.0), key_prefix="kvt", handle_ttl_s=30.0)
+    try:
+        yield s
+    finally:
+        await s.aclose()
+
+
+@pytest.mark.anyio
+async def test_put_get_take_round_trip(store: RedisSessionStore) -> None:
+    now = time.monotonic()
+    state = full_state(now)
+    await store.put(state)
+    assert_same(await store.get(state.session_id), state)
+    taken = await store.take_handle(state.session_id)
+    assert taken is not None and taken.handle == HANDLE and taken.held == state.held
+    assert taken.handle_at == pytest.approx(state.handle_at, abs=1e-3)
+    assert await store.take_handle(state.session_id) is None  # single use
+    after = await store.get(state.session_id)
+    assert after is not None and after.handle is None and after.held is None and after.cached == state.cached
+    assert await store.get("nobody") is None
+
+
+@pytest.mark.anyio
+async def test_two_replicas_racing_for_a_handle_never_both_get_it(server: RedisServer) -> None:
+    a = RedisSessionStore(connect(server.url, timeout_s=2.0), key_prefix="kvt", handle_ttl_s=30.0)
+    b = RedisSessionStore(connect(server.url, timeout_s=2.0), key_prefix="kvt", handle_ttl_s=30.0)
+    now = time.monotonic()
+    sessions = [f"race-{i}" for i in range(40)]
+    for sid in sessions:
+        await a.put(full_state(now, session_id=sid, handle={**HANDLE, "remote_request_id": sid}, prefix_key=None))
+    got: dict[str, list[str]] = {sid: [] for sid in sessions}
+
+    async def take(s: RedisSessionStore, sid: str) -> None:
+        taken = await s.take_handle(sid)
+        if taken is not None:
+            got[sid].append(taken.handle["remote_request_id"])
+
+    async with anyio.create_task_group() as tg:
+        for sid in sessions:
+            for k in range(6):
+                tg.start_soon(take, a if k % 2 else b, sid)
+    assert got == {sid: [sid] for sid in sessions}
+    await a.aclose()
+    await b.aclose()
+
+
+@pytest.mark.anyio
+async def test_native_ttls_expire_handles_and_sessions(server: RedisServer) -> None:
+    store = RedisSessionStore(connect(server.url, timeout_s=2.0), key_prefix="kvt", handle_ttl_s=1.0)
+    now = time.monotonic()
+    # The handle was returned 0.8 s ago: 0.2 s of its 1 s TTL left. The session lives 0.6 s.
+    await store.put(full_state(now, handle_at=now - 0.8, expires_at=now + 0.6))
+    # A handle already past its TTL is never stored.
+    await store.put(full_state(now, session_id="stale", prefix_key=None, handle_at=now - 1.5))
+    stale = await store.get("stale")
+    assert stale is not None and stale.handle is None and await store.take_handle("stale") is None
+    assert await store.count() == 2
+    await anyio.sleep(0.35)
+    left = await store.get("tenant-a/sess-1")
+    assert left is not None and left.handle is None and left.decode == "http://d1:8000"
+    assert await store.take_handle("tenant-a/sess-1") is None
+    await anyio.sleep(0.4)
+    assert await store.get("tenant-a/sess-1") is None
+    assert await store.find_by_prefix("tenant-a/abc123") is None
+    assert [s.session_id for s in await store.list()] == ["stale"]
+    assert await store.sweep() == 1 and await store.count() == 1
+    await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_prefix_keys_move_and_delete_cleans_up(store: RedisSessionStore) -> None:
+    now = time.monotonic()
+    await store.put(SessionState("s1", expires_at=now + 60, prefix_key="k1"))
+    assert await store.find_by_prefix("k1") == "s1"
+    await store.put(SessionState("s1", expires_at=now + 60, prefix_key="k2"))
+    assert await store.find_by_prefix("k1") is None and await store.find_by_prefix("k2") == "s1"
+    # Another session took k2 over: s1's next put must not remove it.
+    await store.put(SessionState("s2", expires_at=now + 60, prefix_key="k2"))
+    await store.put(SessionState("s1", expires_at=now + 60, prefix_key=None))
+    assert await store.find_by_prefix("k2") == "s2"
+    await store.put(full_state(now, session_id="s3", prefix_key="k3"))
+    await store.delete("s3")
+    assert await store.get("s3") is None and await store.take_handle("s3") is None
+    assert await store.find_by_prefix("k3") is None
+    assert sorted(s.session_id for s in await store.list()) == ["s1", "s2"] and await store.count() == 2
+
+
+@pytest.mark.anyio
+async def test_key_prefixes_keep_deployments_apart(server: RedisServer) -> None:
+    a = RedisSessionStore(connect(server.url, timeout_s=2.0), key_prefix="prod", handle_ttl_s=30.0)
+    b = RedisSessionStore(connect(server.url, timeout_s=2.0), key_prefix="staging", handle_ttl_s=30.0)
+    now = time.monotonic()
+    await a.put(full_state(now))
+    assert await b.get("tenant-a/sess-1") is None and await b.take_handle("tenant-a/sess-1") is None
+    assert await b.find_by_prefix("tenant-a/abc123") is None and await b.count() == 0
+    keys = sorted([k.decode() async for k in a.client.scan_iter("*")])
+    assert keys and all(k.startswith("prod:") for k in keys)
+    assert "prod:s:tenant-a/sess-1" in keys and "prod:h:tenant-a/sess-1" in keys
+    await a.aclose()
+    await b.aclose()
+
+
+# ---- failures: the store down, slow, restarted ---------------------------------------------------
+
+DECODES = ("http://d0:8000", "http://d1:8000", "http://d2:8000")
+
+
+def failures(metrics: T.Metrics, operation: str, reason: str) -> float:
+    value = metrics.registry.get_sample_value(T.M_STORE_FAILURES, {"operation": operation, "reason": reason})
+    return value or 0.0
+
+
+def failsafe(url: str, metrics: T.Metrics, timeout_s: float = 0.1) -> FailSafeStore:
+    inner = RedisSessionStore(connect(url, timeout_s=timeout_s), key_prefix="kvt", handle_ttl_s=30.0)
+    return FailSafeStore(inner, timeout_s=timeout_s, metrics=metrics, pins=DECODES, cooldown_s=0.05,
+                         max_cooldown_s=0.2)
+
+
+@pytest.mark.anyio
+async def test_a_store_that_is_down_answers_cold_at_once_and_never_raises() -> None:
+    metrics = T.Metrics()
+    store = failsafe(f"redis://127.0.0.1:{free_port()}/0", metrics)
+    t0 = time.monotonic()
+    state = await store.get("tenant-a/sess-9")
+    # Pinned by hash, the same on every replica; no handle, nothing to verify.
+    assert state is not None and state.decode == pin_by_hash("tenant-a/sess-9", DECODES)
+    assert state.handle is None and state.held is None and state.cached is None
+    assert await store.take_handle("tenant-a/sess-9") is None
+    assert await store.find_by_prefix("k") is None
+    await store.put(full_state(time.monotonic()))
+    await store.delete("x")
+    assert await store.list() == [] and await store.sweep() == 0 and await store.count() == 0
+    assert time.monotonic() - t0 < 1.0
+    assert failures(metrics, "get", "error") == 1 and failures(metrics, "take_handle", "skipped") == 1
+    assert not store.available
+    await anyio.sleep(0.1)  # the pause is over: the store is asked again, and fails again
+    assert await store.take_handle("s") is None and failures(metrics, "take_handle", "error") == 1
+    await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_slow_store_is_cut_off_at_its_timeout_and_used_again_when_it_answers(server: RedisServer) -> None:
+    metrics = T.Metrics()
+    store = failsafe(server.url, metrics)
+    now = time.monotonic()
+    await store.put(full_state(now))
+    server.pause()
+    try:
+        t0 = time.monotonic()
+        assert await store.take_handle("tenant-a/sess-1") is None
+        assert time.monotonic() - t0 < 0.5
+        assert failures(metrics, "take_handle", "timeout") == 1
+    finally:
+        server.resume()
+    await anyio.sleep(0.1)
+    await store.put(full_state(now, session_id="after"))
+    got = await store.get("after")
+    assert store.available and got is not None and got.handle == HANDLE
+    assert (await store.take_handle("after")) is not None and await store.take_handle("after") is None
+    seconds = metrics.registry.get_sample_value(T.M_STORE_SECONDS + "_count", {"operation": "put"})
+    assert seconds is not None and seconds >= 2
+    await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_restarted_store_is_used_again_without_a_wedged_pool(server: RedisServer) -> None:
+    metrics = T.Metrics()
+    store = failsafe(server.url, metrics)
+    now = time.monotonic()
+    for i in range(8):
+        await store.put(full_state(now, session_id=f"s{i}", prefix_key=None))
+    server.stop()
+    results: list[Any] = []
+
+    async def turn(i: int) -> None:
+        results.append(await store.get(f"s{i}"))
+        results.append(await store.take_handle(f"s{i}"))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(64):
+            tg.start_soon(turn, i % 8)
+    assert all(r is None or (isinstance(r, SessionState) and r.handle is None) for r in results)
+    server.start()  # same port, empty (no persistence)
+    deadline = time.monotonic() + 3
+    while True:
+        state = await store.get("s0")
+        if store.available:
+            break
+        assert time.monotonic() < deadline, "the store was not used again"
+        await anyio.sleep(0.05)
+    assert state is None  # the restart lost it: the session starts over, cold
+    await store.put(full_state(now, session_id="fresh"))
+    taken = await store.take_handle("fresh")
+    assert taken is not None and taken.handle == HANDLE and await store.take_handle("fresh") is None
+    assert failures(metrics, "get", "error") + failures(metrics, "get", "skipped") >= 1
+    await store.aclose()
