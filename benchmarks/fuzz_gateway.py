@@ -3,7 +3,8 @@ is still healthy and still answers a valid turn correctly.
 
 The gateway runs in front of a simulated 1P 1D cluster (in this process). Requests are generated from a seed:
 valid bodies with fields replaced by arbitrary JSON, messages, content parts and tools of arbitrary shape,
-malformed bytes (truncated or invalid JSON, invalid UTF-8, random bytes), JSON nested thousands deep, prompts
+malformed bytes (truncated or invalid JSON, invalid UTF-8, random bytes), JSON nested thousands deep, hundreds
+of thousands of messages, prompts
 far beyond the model's context, bodies over the size limit, odd session headers, wrong content types, methods
 and paths. They go out `--concurrency` at a time; a request unanswered after `--timeout-s` is a hang.
 
@@ -99,8 +100,12 @@ def hostile(rng: random.Random, max_body: int) -> tuple[str, str, bytes, dict[st
         valid = json.dumps(base).encode()
         body = rng.choice([valid[: rng.randrange(len(valid))], b"\xff\xfe" + valid, bytes(rng.randrange(256)
                            for _ in range(rng.randrange(1, 200))), b"", b"null", b"[1,2]", b'"x"', b"{'a': 1}"])
-    elif kind == 6:  # nested far deeper than any real request
-        body = _nested(rng.choice([40, 1000, 5000, 100_000]))
+    elif kind == 6:  # nested far deeper than any real request, or far more messages than a real history
+        if rng.random() < 0.7:
+            body = _nested(rng.choice([40, 1000, 5000, 100_000]))
+        else:
+            base["messages"] = [{"role": "user", "content": "x"}] * rng.choice([10_001, 300_000])
+            body = json.dumps(base).encode()
     elif kind == 7:  # a prompt far beyond the context, under the body limit
         filler = "word " * rng.choice([300_000, 1_000_000, (max_body - 1000) // 5])
         base.update({"messages": [{"role": "user", "content": filler}]} if chat else {"prompt": filler})

@@ -1,8 +1,8 @@
 """`kvtether up`: start a vLLM prefill/decode cluster (bidirectional NIXL) and the kvtether gateway in front.
 
-Command construction is pure (`launcher.py`); this module owns the processes: every child runs in its own
-process group (vLLM's engine-core processes included), output goes to one log file per child, and every
-group is stopped (SIGTERM, then SIGKILL) on Ctrl-C, on SIGTERM, or as soon as any child dies.
+Command construction is pure (`launcher.py`); the processes are `supervisor.py`'s (every child in its own process
+group); this module is the command: it starts the cluster, reports it, and stops every child on Ctrl-C, on
+SIGTERM, or as soon as any child dies.
 
 The gateway takes the same settings as `kvtether serve`: `--config FILE` (TOML), `--policy`, `--otlp-endpoint`,
 `--store`, `--gateway-log-level`, and `--gateway-set KEY=VALUE` for any other GatewayConfig field. `--gateways N`
@@ -14,254 +14,42 @@ instance starts: a bad setting is a usage error (exit 2), never a half-started c
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import json
-import logging
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, TYPE_CHECKING, Annotated, NoReturn, get_type_hints
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
-import httpx
 import typer
+from kvtether.cli.gateway_child import (
+    EXIT_USAGE,
+    GATEWAY_LOG_LEVELS,
+    GatewaySettingError,
+    check_gateway_config,
+    parse_gateway_set,
+    run_gateway_child,
+)
 from kvtether.cli.launcher import (
     DEFAULT_DECODE_TTL_S,
     DEFAULT_GATEWAY_LOG_LEVEL,
     DEFAULT_GATEWAY_PORT,
     DEFAULT_SIDE_CHANNEL_BASE_PORT,
-    ChildCommand,
     ClusterOptions,
     ClusterPlan,
     Device,
     dry_run_text,
     plan_cluster,
 )
+from kvtether.cli.supervisor import ChildDied, Supervisor, tail
 from rich.console import Console
 
 if TYPE_CHECKING:
-    from kvtether.gateway.config import GatewayConfig
-
-EXIT_USAGE = 2
-GATEWAY_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
-# Gateway settings `--gateway-set` refuses, with where they come from instead: one way in for each.
-_SET_BY_UP: dict[str, str] = {
-    "prefill": "kvtether up points the gateway at the instances it starts (--prefill/--decode)",
-    "decode": "kvtether up points the gateway at the instances it starts (--prefill/--decode)",
-    "aggregated": "kvtether up starts a prefill/decode cluster, not aggregated replicas",
-    "host": "use --host",
-    "port": "use --port",
-    "session_ttl_s": "derived from --decode-ttl (kept well below the engine's TTL)",
-    "engine_kv_ttl_s": "use --decode-ttl",
-    "policy": "use --policy",
-    "otlp_endpoint": "use --otlp-endpoint",
-}
-
-
-class GatewaySettingError(ValueError):
-    """A `--gateway-set` item that names no gateway setting, or one `up` sets itself."""
-
-
-def parse_gateway_set(items: Sequence[str]) -> dict[str, object]:
-    """`--gateway-set KEY=VALUE` items -> load_config keyword settings (a repeated key: the last one wins).
-
-    VALUE is read as a TOML value when it is one (`5000`, `false`, `["http://x:1"]`, `"quoted"`), else taken as
-    the string written. String settings keep what was written (`model=7` is the model "7"), and TOML dates stay
-    strings too: no gateway setting is a date, and the settings travel to the child as JSON.
-    """
-    from kvtether.gateway.config import GatewayConfig
-
-    hints = get_type_hints(GatewayConfig)
-    out: dict[str, object] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        name = key.strip().replace("-", "_")
-        if not sep or not name:
-            raise GatewaySettingError(f"--gateway-set {item!r}: expected KEY=VALUE")
-        if name not in hints:
-            raise GatewaySettingError(f"--gateway-set: unknown gateway setting {key.strip()!r}")
-        if name in _SET_BY_UP:
-            raise GatewaySettingError(f"--gateway-set: {name} cannot be set here: {_SET_BY_UP[name]}")
-        out[name] = _setting_value(raw, hints[name])
-    return out
-
-
-def _setting_value(raw: str, hint: object) -> object:
-    try:
-        value: object = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-    if isinstance(value, datetime.date | datetime.time):
-        return raw
-    if hint in (str, str | None) and not isinstance(value, str):
-        return raw
-    return value
-
-
-def gateway_child_config(args: Sequence[str]) -> tuple[GatewayConfig, str]:
-    """The gateway child's configuration and log level from its arguments after `gateway` (launcher.py's
-    `gateway_child_args`): `load_config(FILE, **settings)`. Raises ConfigError for a configuration that cannot
-    work; argparse exits 2 on malformed arguments."""
-    from kvtether.gateway.config import load_config
-
-    parser = argparse.ArgumentParser(prog="python -m kvtether.cli.cmd_up gateway")
-    parser.add_argument("settings", help="JSON object of load_config keyword settings")
-    parser.add_argument("--config", default=None, help="TOML gateway config")
-    parser.add_argument("--log-level", default=DEFAULT_GATEWAY_LOG_LEVEL, choices=GATEWAY_LOG_LEVELS)
-    ns = parser.parse_args(list(args))
-    settings = json.loads(ns.settings)
-    if not isinstance(settings, dict):
-        parser.error("settings must be a JSON object")
-    return load_config(ns.config, **settings), str(ns.log_level)
-
-
-def check_gateway_config(plan: ClusterPlan) -> GatewayConfig | None:
-    """The configuration the plan's (first) gateway child will run with (None without a gateway); ConfigError if
-    it cannot work. Called before any child starts."""
-    from kvtether.gateway.config import ConfigError
-
-    if plan.gateway is None:
-        return None
-    cfg = gateway_child_config(plan.gateway.child_args)[0]
-    if plan.more_gateways and cfg.store == "memory":
-        # Replicas with a store each would lose a session's handle whenever its turn reaches another one.
-        raise ConfigError(f"{len(plan.gateways)} gateways need a shared session store: --store redis://HOST:PORT "
-                          "(or store in --config / --gateway-set)")
-    return cfg
-
-
-class ChildDied(RuntimeError):
-    def __init__(self, name: str, returncode: int | None, log_path: Path | None) -> None:
-        super().__init__(f"{name} exited with code {returncode}" + (f" (log: {log_path})" if log_path else ""))
-        self.name = name
-        self.returncode = returncode
-        self.log_path = log_path
-
-
-@dataclass
-class Child:
-    command: ChildCommand
-    proc: subprocess.Popen[bytes]
-    log_path: Path | None
-    log_file: IO[bytes] | None = None
-
-    @property
-    def name(self) -> str:
-        return self.command.name
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-
-def tail(path: Path | None, n: int = 30) -> str:
-    if path is None or not path.exists():
-        return ""
-    with contextlib.suppress(OSError):
-        lines = path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
-    return ""
-
-
-@dataclass
-class Supervisor:
-    """Starts children in their own process groups and stops them all, children of children included."""
-
-    log_dir: Path | None = None
-    log: Callable[[str], None] = lambda _msg: None
-    children: list[Child] = field(default_factory=list)
-    stop_timeout_s: float = 20.0
-
-    def start(self, cmd: ChildCommand) -> Child:
-        env = {**os.environ, **cmd.env}
-        log_path: Path | None = None
-        out: IO[bytes] | int = subprocess.DEVNULL
-        log_file: IO[bytes] | None = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = self.log_dir / f"{cmd.name}.log"
-            log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop_all
-            out = log_file
-        proc = subprocess.Popen(
-            list(cmd.argv),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: killpg reaches vLLM's engine-core children too
-            preexec_fn=_die_with_parent,
-        )
-        child = Child(command=cmd, proc=proc, log_path=log_path, log_file=log_file)
-        self.children.append(child)
-        self.log(f"started {cmd.name} (pid {proc.pid})" + (f", log {log_path}" if log_path else ""))
-        return child
-
-    def check(self) -> None:
-        """Raise ChildDied when any child has exited."""
-        for c in self.children:
-            rc = c.proc.poll()
-            if rc is not None:
-                raise ChildDied(c.name, rc, c.log_path)
-
-    def wait_healthy(self, child: Child, timeout_s: float = 300.0, interval_s: float = 0.5) -> float:
-        """Poll the child's health URL until 200; raise ChildDied if any child exits, TimeoutError on timeout."""
-        assert child.command.url is not None
-        url = child.command.url + child.command.health_path
-        t0 = time.monotonic()
-        with httpx.Client(timeout=5.0, trust_env=False) as client:
-            while True:
-                self.check()
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(url).status_code == 200:
-                        return time.monotonic() - t0
-                if time.monotonic() - t0 > timeout_s:
-                    raise TimeoutError(f"{child.name} not healthy at {url} after {timeout_s:.0f} s")
-                time.sleep(interval_s)
-
-    def stop_all(self) -> None:
-        """SIGTERM every process group (newest first), wait, then SIGKILL what is left. Idempotent."""
-        for c in reversed(self.children):
-            _signal_group(c.proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout_s
-        for c in reversed(self.children):
-            left = max(0.1, deadline - time.monotonic())
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                c.proc.wait(timeout=left)
-        for c in self.children:
-            # The leader may be gone while its group (engine core, NIXL workers) lingers: kill the group anyway.
-            _signal_group(c.proc, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                c.proc.wait(timeout=5)
-            if c.log_file is not None:
-                c.log_file.close()
-                c.log_file = None
-        if self.children:
-            self.log("stopped " + ", ".join(c.name for c in self.children))
-        self.children.clear()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the supervisor dies, even by SIGKILL (Linux; best effort)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
-
+    pass
 
 @contextlib.contextmanager
 def running_cluster(
@@ -524,21 +312,6 @@ def main(argv: Sequence[str] | None = None) -> None:  # pragma: no cover - conve
     app = typer.Typer()
     register(app)
     app(args=list(argv) if argv is not None else None)
-
-
-def run_gateway_child(args: Sequence[str]) -> None:
-    """The gateway child of `kvtether up`: `python -m kvtether.cli.cmd_up gateway '<settings JSON>' [--config FILE]
-    --log-level L`."""
-    from kvtether.gateway.config import ConfigError
-    from kvtether.gateway.server import run_gateway
-
-    try:
-        cfg, log_level = gateway_child_config(args)
-    except ConfigError as e:  # `up` checked it; the file may have changed since
-        sys.stderr.write(f"kvtether up gateway: {e}\n")
-        raise SystemExit(EXIT_USAGE) from None
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_gateway(cfg, log_level=log_level)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,11 @@ MAX_JSON_DEPTH = 32
 # Characters one token can stand for, at most, in the tokenizers vLLM serves (BPE merges of repeated
 # whitespace or punctuation reach a few dozen): a prompt longer than max_model_len × this cannot fit.
 MAX_CHARS_PER_TOKEN = 32
+# Work the gateway does per request grows with these (the depth walk, hashing the message chain, rendering):
+# a body of 300,000 tiny messages held the event loop for seconds. Real agent histories stay far below.
+MAX_MESSAGES = 10_000
+MAX_TOOLS = 1_024
+MAX_PARTS = 1_024  # content parts of one message
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # A session id travels in headers, logs, spans and store keys: printable, no spaces, bounded.
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:~/@+=\-]{1,256}")
@@ -63,6 +68,10 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise GatewayError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise GatewayError(400, "request body must be a JSON object", code="invalid_json")
+    for name, limit in (("messages", MAX_MESSAGES), ("tools", MAX_TOOLS)):
+        value = data.get(name)
+        if isinstance(value, list) and len(value) > limit:  # before the walk below, which is per value
+            raise bad(f"{name} holds {len(value)} items; at most {limit} are served", name, "too_many_items")
     if depth(data) > MAX_JSON_DEPTH:
         raise GatewayError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels", code="too_deep")
     return data
@@ -205,6 +214,8 @@ def _check_content(content: Any, where: str, *, optional: bool) -> None:
         return
     if not isinstance(content, list):
         raise bad(f"{where} must be a string or a list of content parts", where)
+    if len(content) > MAX_PARTS:
+        raise bad(f"{where} holds {len(content)} parts; at most {MAX_PARTS} are served", where, "too_many_items")
     for j, part in enumerate(content):
         if not (isinstance(part, dict) and isinstance(part.get("type"), str)):
             raise bad(f"{where}[{j}] must be an object with a type", where)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 from kvtether.cli import cmd_up
-from kvtether.cli.cmd_up import (
+from kvtether.cli.cmd_up import running_cluster
+from kvtether.cli.gateway_child import (
     _SET_BY_UP,
     GatewaySettingError,
     gateway_child_config,
     parse_gateway_set,
-    running_cluster,
 )
 from kvtether.cli.launcher import GATEWAY_OWN_KEYS, ClusterOptions, plan_cluster
 from kvtether.cli.main import app

@@ -418,6 +418,20 @@ vllm:kv_cache_usage_perc{{model_name="a {{b}} c"}} 0.5
     assert parse_metrics(text) == {"running": 4.0, "waiting": 2.0, "kv_usage": 0.5}
 
 
+def test_a_nodes_load_carries_each_count_under_its_own_name() -> None:
+    """What the cost model reads of a node (prefix caching, arrivals, hold-back) comes from the field of the
+    same name: a swapped pair here silently misplaces turns, with no error anywhere."""
+    from kvtether.gateway.cluster import Node
+
+    node = Node("http://d1", "decode", running=2.0, waiting=1.0, kv_usage=0.5, prefix_caching=True,
+                arriving=3, holding_back=1, arrivals={7: (10.0, 0.5)})
+    load = node.load(now=9.0)
+    assert (load.running, load.waiting, load.kv_usage) == (2.0, 1.0, 0.5)
+    assert load.prefix_caching is True and load.arriving == 3.0 and load.holding_back == 1.0
+    assert load.arrivals == ((1.0, 0.5),)
+    assert Node("http://p1", "prefill", prefix_caching=None).load().prefix_caching is False
+
+
 def test_parse_metrics_reads_the_kv_cache_config() -> None:
     # vLLM's cache_config_info carries every CacheConfig field as a label (None ones as "None").
     from kvtether.gateway.cluster import parse_metrics

@@ -41,6 +41,8 @@ BAD_BODIES: list[Any] = [
     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": 3},
     {"model": MODEL, "messages": [{"role": "user", "content": "x"}],  # a tool schema 40 levels deep
      "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(40)}}]},
+    {"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 10_001},  # hashing them would stall
+    {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 1025}]},
     {"model": MODEL, "prompt": ["a", "b"]},  # a batch: one prompt per request in P/D
     {"model": MODEL, "prompt": [[1, 2], "x"]},
 ]

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from kvtether.cli.cmd_up import ChildDied, Supervisor, running_cluster
+from kvtether.cli.cmd_up import running_cluster
 from kvtether.cli.launcher import (
     ChildCommand,
     ClusterOptions,
@@ -24,6 +24,7 @@ from kvtether.cli.launcher import (
     kv_transfer_config,
     plan_cluster,
 )
+from kvtether.cli.supervisor import ChildDied, Supervisor
 
 
 def _opts(**kw: object) -> ClusterOptions:
@@ -460,7 +461,7 @@ def test_children_get_sigterm_when_the_supervisor_is_killed(tmp_path: Path) -> N
     code = textwrap.dedent(
         f"""
         import time
-        from kvtether.cli.cmd_up import Supervisor
+        from kvtether.cli.supervisor import Supervisor
         from kvtether.cli.launcher import ChildCommand
         sup = Supervisor()
         c = sup.start(ChildCommand(name="x", argv={cmd.argv!r}, env={dict(cmd.env)!r}, url={cmd.url!r}))

@@ -1,4 +1,4 @@
-"""What prefill nodes' prefix caches still hold of a session (gateway/prefillcache.py, pure)."""
+"""What prefill nodes' prefix caches still hold of a session (gateway/policy/copies.py, pure)."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ class TurnFacts:
     expected_output_tokens: int = 256  # for the look-ahead: the next turn's history grows by this
     prefill_cached_tokens: int = 0  # every P's own prefix-cache hit (e.g. a shared system prompt); 0 if unknown
     # (prefill url, tokens): a prefix of the prompt that a P's prefix cache likely still holds, because it
-    # prefilled an earlier turn of the session (the shell's estimate, eviction discounted: prefillcache.py).
+    # prefilled an earlier turn of the session (the shell's estimate, eviction discounted: copies.py).
     # A pull there reads only the rest of the reuse from D; a cold prefill there computes only the rest.
     prefill_cached: tuple[tuple[str, int], ...] = ()
     next_suffix_tokens: int | None = None  # typical suffix of the session's next turn; None: this turn's
