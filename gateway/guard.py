@@ -12,7 +12,7 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,18 +26,20 @@ _verbatim_size = 0
 _verbatim_lock = threading.Lock()
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, parent: bytes = b"") -> list[bytes]:
-    """The chained hashes of the full blocks of `tokens` (after the block whose hash is `parent`): each is
-    blake2b(previous hash + the block's tokens as int64), chained like vLLM's prefix-cache hashes, so two
+def _chain(tokens: Sequence[int], block_size: int, parent: bytes = b"") -> Iterator[bytes]:
+    """The chained hashes of the full blocks of `tokens` (after the block whose hash is `parent`), lazily: each
+    is blake2b(previous hash + the block's tokens as int64), chained like vLLM's prefix-cache hashes, so two
     sequences agree on block i's hash only if they agree on every token before it."""
-    out: list[bytes] = []
-    data = array("q", tokens[: len(tokens) - len(tokens) % block_size]).tobytes()
+    data = as_tokens(tokens)[: len(tokens) - len(tokens) % block_size].tobytes()
     step = block_size * 8
     blake = hashlib.blake2b
     for start in range(0, len(data), step):
         parent = blake(parent + data[start : start + step], digest_size=_DIGEST).digest()
-        out.append(parent)
-    return out
+        yield parent
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, parent: bytes = b"") -> list[bytes]:
+    return list(_chain(tokens, block_size, parent))
 
 
 def _remember(held: HeldSequence, tokens: Sequence[int]) -> None:
@@ -141,13 +143,10 @@ def verified_reuse(held: HeldSequence, prompt: Sequence[int]) -> int:
         hashed = len(held.hashes) * bs
         return same - same % bs if same < hashed else same
     usable = min(len(held.hashes), len(prompt) // bs)
-    data = as_tokens(prompt)[: usable * bs].tobytes()
-    step = bs * 8
-    parent = b""
     matched_blocks = 0
-    for i, expected in enumerate(held.hashes[:usable]):
-        parent = hashlib.blake2b(parent + data[i * step : (i + 1) * step], digest_size=_DIGEST).digest()
-        if parent != expected:
+    # Lazily: hashing stops at the first block that differs.
+    for ours, expected in zip(_chain(as_tokens(prompt)[: usable * bs], bs), held.hashes, strict=False):
+        if ours != expected:
             break
         matched_blocks += 1
     reuse = matched_blocks * bs

@@ -139,7 +139,7 @@ async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, resp: httpx.Resp
         failure = UpstreamFailure(the_plan.decode, "aggregated" if sv.config.mode == "aggregated" else "decode",
                                   f"{type(exc).__name__}: {exc}")
         sv.count_error(failure)
-        sv.cluster.mark_failed(the_plan.decode, str(failure), hard=False)
+        sv.mark_failed(failure)  # a broken stream is soft: the node connected, so three in a row take it out
         span.set_attribute(T.ERROR_TYPE, "stream_broken")
         r.result.ok = False
         yield sse_error(f"upstream stream failed: {failure}")
