@@ -27,6 +27,7 @@ from kvtether.gateway.legs import start_local_tokenizer
 from kvtether.gateway.orchestrator import Orchestrator
 from kvtether.gateway.sessions import SessionStore
 from kvtether.gateway.stores import open_store
+from kvtether.gateway.upstream import Upstream, UpstreamLimits
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -61,9 +62,14 @@ class Gateway:
         # with its own pool; benchmarks/pd_hop.py). The process sat idle meanwhile, i.e. the wait was in the
         # connection, not in Python.
         self.tokenize_client = _upstream_client(config)
+        # The completion legs: a client of their own that relays a stream in the pieces the network delivers.
+        self.upstream = Upstream(UpstreamLimits(
+            connect_timeout_s=config.connect_timeout_s, write_timeout_s=config.write_timeout_s,
+            pool_timeout_s=config.pool_timeout_s, max_connections=config.max_connections,
+            max_keepalive_connections=config.max_keepalive_connections, keepalive_expiry_s=config.keepalive_expiry_s))
         self.cluster = Cluster(config, self.client)
-        self.orchestrator = Orchestrator(config, self.cluster, self.store, self.metrics, self.client,
-                                         tracer=self.tracer, tokenize_client=self.tokenize_client)
+        self.orchestrator = Orchestrator(config, self.cluster, self.store, self.metrics, self.upstream,
+                                         self.tokenize_client, tracer=self.tracer)
 
     async def sweep_forever(self) -> None:
         while True:
@@ -231,6 +237,7 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
                 tg.cancel_scope.cancel()
         await gw.client.aclose()
         await gw.tokenize_client.aclose()
+        await gw.upstream.aclose()
         if gw.own_store:
             await gw.store.aclose()
 

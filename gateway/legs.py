@@ -26,6 +26,7 @@ from kvtether.gateway.remember import finish, read_body
 from kvtether.gateway.tokencheck import Trust
 from kvtether.gateway.tokenizer import LocalTokenizer
 from kvtether.gateway.turn import PATHS, LegResult, Prefilled, Services, TurnContext, UpstreamFailure
+from kvtether.gateway.upstream import UpstreamResponse
 from opentelemetry import trace
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -150,11 +151,10 @@ async def prefill(sv: Services, ctx: TurnContext, node: str, kv: dict[str, Any] 
         # which is then retried on another prefill node.
         c = sv.config
         bound = c.pull_timeout_s if kv is not None else c.prefill_timeout_s
-        timeout = httpx.Timeout(connect=c.connect_timeout_s, read=bound, write=c.write_timeout_s,
-                                pool=c.pool_timeout_s)
         try:
-            resp = await sv.client.post(f"{node}{PATHS[ctx.kind]}", content=B.dumps(payload),
-                                        headers=_headers(sv, ctx, span), timeout=timeout)
+            resp = await sv.upstream.send("POST", f"{node}{PATHS[ctx.kind]}", B.dumps(payload),
+                                          _headers(sv, ctx, span), read_timeout=bound)
+            await resp.read()
         except httpx.ReadTimeout:
             what = "prefill with a handle" if kv is not None else "prefill"
             raise UpstreamFailure(node, "prefill", f"{what} did not answer within {bound:g} s") from None
@@ -205,13 +205,13 @@ async def final_leg(sv: Services, ctx: TurnContext, the_plan: Plan, payload: dic
     span = sv.leg_span(ctx, node, leg)
     sv.cluster.begin(node)  # ended by remember.finish, or below on failure
     ctx.final_leg_at = time.perf_counter()
-    sresp: httpx.Response | None = None
+    sresp: UpstreamResponse | None = None
     try:
         if not ctx.stream:
             data = await _send_whole(sv, ctx, node, leg, payload, span)
         else:
             sresp = await _send_stream(sv, ctx, node, leg, payload, span)
-            batches = line_batches(sresp)
+            batches = line_batches(sresp.pieces())
             preamble = await read_preamble(sresp, batches, node, leg)
     except BaseException as exc:  # a failure, or the client leaving (cancelled): nothing is left open
         if isinstance(exc, UpstreamFailure):
@@ -243,8 +243,9 @@ async def _send_whole(sv: Services, ctx: TurnContext, node: str, leg: str, paylo
     sv.cluster.hold_back(node, 1)
     sv.enter_decoding(ctx, node)
     try:
-        resp = await sv.client.post(f"{node}{PATHS[ctx.kind]}", content=B.dumps(payload),
-                                    headers=_headers(sv, ctx, span))
+        resp = await sv.upstream.send("POST", f"{node}{PATHS[ctx.kind]}", B.dumps(payload), _headers(sv, ctx, span),
+                                      read_timeout=sv.config.read_timeout_s)
+        await resp.read()
     except httpx.HTTPError as exc:
         raise UpstreamFailure.from_http(node, leg, exc) from None
     finally:
@@ -256,16 +257,15 @@ async def _send_whole(sv: Services, ctx: TurnContext, node: str, leg: str, paylo
 
 
 async def _send_stream(sv: Services, ctx: TurnContext, node: str, leg: str, payload: dict[str, Any],
-                       span: trace.Span) -> httpx.Response:
-    req = sv.client.build_request("POST", f"{node}{PATHS[ctx.kind]}", content=B.dumps(payload),
-                                  headers=_headers(sv, ctx, span))
+                       span: trace.Span) -> UpstreamResponse:
     try:
-        sresp = await sv.client.send(req, stream=True)
+        sresp = await sv.upstream.send("POST", f"{node}{PATHS[ctx.kind]}", B.dumps(payload),
+                                       _headers(sv, ctx, span), read_timeout=sv.config.read_timeout_s)
     except httpx.HTTPError as exc:
         raise UpstreamFailure.from_http(node, leg, exc) from None
     if sresp.status_code != 200:
         with contextlib.suppress(httpx.HTTPError):
-            await sresp.aread()
+            await sresp.read()
         await sresp.aclose()
         raise UpstreamFailure(node, leg, f"HTTP {sresp.status_code}", sresp.status_code, _json_or_none(sresp))
     return sresp
@@ -276,8 +276,8 @@ def _headers(sv: Services, ctx: TurnContext, span: trace.Span) -> dict[str, str]
     return {**sv.upstream_headers(ctx, span), **_JSON}
 
 
-def _json_or_none(resp: httpx.Response) -> Any:
+def _json_or_none(resp: UpstreamResponse) -> Any:
     try:
         return resp.json()
-    except (ValueError, httpx.ResponseNotRead):
+    except ValueError:
         return None

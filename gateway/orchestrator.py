@@ -31,6 +31,7 @@ from kvtether.gateway.policy.placement import HandleAction, HandleState, NoCapac
 from kvtether.gateway.sessions import SessionStore
 from kvtether.gateway.tokencheck import GuardTokenizer
 from kvtether.gateway.turn import Services, TurnContext, UpstreamFailure
+from kvtether.gateway.upstream import Upstream
 from opentelemetry import trace
 from starlette.responses import Response
 
@@ -39,8 +40,8 @@ log = logging.getLogger(__name__)
 
 class Orchestrator:
     def __init__(self, config: GatewayConfig, cluster: Cluster, store: SessionStore, metrics: T.Metrics,
-                 client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
-                 tracer: trace.Tracer | None = None, tokenize_client: httpx.AsyncClient | None = None) -> None:
+                 upstream: Upstream, tokenize_client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
+                 tracer: trace.Tracer | None = None) -> None:
         self.knobs = policy_knobs(config)
         learning = Learning(estimator_seeds(config), learning_params(config), self.knobs,
                             request_stall_share=config.request_stall_share if config.policy == "auto" else 1.0,
@@ -48,7 +49,7 @@ class Orchestrator:
         # The guard's local tokenizer is loaded and checked at start-up (legs.start_local_tokenizer, from the app).
         guard_tok = (GuardTokenizer(config.tokenizer, metrics, config.tokenizer_check_share)
                      if config.tokenizer else None)
-        self.sv = Services(config, cluster, store, metrics, client, tokenize_client or client,
+        self.sv = Services(config, cluster, store, metrics, upstream, tokenize_client,
                            tracer or T.tracer(), learning, clock, guard_tok)
         self._rr = 0
         for node in config.decode:

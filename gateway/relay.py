@@ -25,6 +25,7 @@ from kvtether.gateway.errors import sse_error
 from kvtether.gateway.policy.placement import HandleAction, Plan
 from kvtether.gateway.remember import finish, release_hold_back
 from kvtether.gateway.turn import LegResult, Services, TurnContext, UpstreamFailure
+from kvtether.gateway.upstream import UpstreamResponse
 from opentelemetry import trace
 
 Batch = list[bytes]  # complete lines (without their line end) from one network read
@@ -37,11 +38,9 @@ _ALWAYS = (b'"kv_transfer_params"', b'token_ids"', b'"error"')
 _IF_SET = (b'"finish_reason"', b'"usage"')
 
 
-async def line_batches(resp: httpx.Response) -> AsyncIterator[Batch]:
+async def line_batches(pieces: AsyncIterator[bytes]) -> AsyncIterator[Batch]:
     """The response body as batches of complete lines, one batch per network read (SSE lines end in LF or
-    CRLF; a partial line waits for the rest)."""
-    encoded = resp.headers.get("content-encoding", "identity").lower() not in ("", "identity")
-    pieces = resp.aiter_bytes() if encoded else resp.aiter_raw()
+    CRLF; a partial line waits for the rest). The legs ask for no content encoding, so the body is the text."""
     pending = b""
     async for piece in pieces:
         if pending:
@@ -54,7 +53,7 @@ async def line_batches(resp: httpx.Response) -> AsyncIterator[Batch]:
         yield [pending[:-1] if pending.endswith(b"\r") else pending]
 
 
-async def read_preamble(resp: httpx.Response, batches: AsyncIterator[Batch], node: str, leg: str) -> list[Batch]:
+async def read_preamble(resp: UpstreamResponse, batches: AsyncIterator[Batch], node: str, leg: str) -> list[Batch]:
     """Hold back the stream's lines up to its first chunk with choices (or end): an error event there means
     the client has seen nothing yet, so the turn can still be retried as a whole (e.g. D failed to read
     P's KV). vLLM sends that chunk (the role chunk) with the first engine output, i.e. once D has the KV and
@@ -107,7 +106,7 @@ async def chain(first: list[Batch], rest: AsyncIterator[Batch]) -> AsyncIterator
         yield batch
 
 
-async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, resp: httpx.Response, batches: AsyncIterator[Batch],
+async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, resp: UpstreamResponse, batches: AsyncIterator[Batch],
                 span: trace.Span, source: str) -> AsyncIterator[bytes]:
     """SSE passthrough; lines are parsed only for timing, the handle, token ids, usage and the answer."""
     r = _Reader(sv, ctx, the_plan, span)

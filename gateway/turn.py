@@ -21,6 +21,7 @@ from kvtether.gateway.policy.learning import Learning
 from kvtether.gateway.policy.placement import ClusterView
 from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
 from kvtether.gateway.tokencheck import GuardTokenizer
+from kvtether.gateway.upstream import Upstream
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from starlette.responses import JSONResponse, Response
@@ -161,7 +162,7 @@ class Services:
     cluster: Cluster
     store: SessionStore
     metrics: T.Metrics
-    client: httpx.AsyncClient
+    upstream: Upstream  # the completion legs (prefill, decode, aggregated)
     tokenize_client: httpx.AsyncClient  # /tokenize on connections of its own (see app.py)
     tracer: trace.Tracer
     learning: Learning

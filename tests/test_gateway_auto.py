@@ -20,6 +20,7 @@ from kvtether.gateway.config import load_config
 from kvtether.gateway.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from test_gateway_sim import LIMITS, SPEED, Rig, metric, p2p_tokens, rig
+from upstream_hooks import on_send
 
 pytestmark = pytest.mark.anyio
 
@@ -581,7 +582,7 @@ async def test_tokenize_calls_use_connections_of_their_own() -> None:
         async def on(name: str, request: httpx.Request) -> None:
             seen[name].append(request.url.path)
 
-        gw.client.event_hooks["request"].append(lambda req: on("legs", req))
+        on_send(gw.upstream, lambda method, url, headers: seen["legs"].append(httpx.URL(url).path))
         gw.tokenize_client.event_hooks["request"].append(lambda req: on("tokenize", req))
         messages = await _oracle_turn(r, first_messages(90), 0, {"x-session-id": "tok-1"})
         await _oracle_turn(r, messages, 1, {"x-session-id": "tok-1"})

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
 import httpx
 import pytest
 from gateway_agent import MODEL, chat, comparable, first_messages, next_messages, request_body
+from kvtether.gateway.upstream import Upstream
 from test_gateway_sim import metric, outcome, rig
+from upstream_hooks import on_send
 
 pytestmark = pytest.mark.anyio
 
@@ -125,18 +128,17 @@ async def test_a_prefill_that_accepts_and_never_answers_is_retried_on_another_wi
         assert await metric(r.client, r.url, "kvtether_upstream_errors_total", phase="prefill") == 1
 
 
-class _ConnectTimeoutTo(httpx.AsyncBaseTransport):
+class _ConnectTimeoutTo:
     """Every completion request to `node` times out connecting, as a dead host behind a firewall would."""
 
-    def __init__(self, inner: httpx.AsyncBaseTransport, node: str, times: int = 1_000_000) -> None:
-        self.inner, self.node, self.refused, self.times = inner, node, 0, times
+    def __init__(self, upstream: Upstream, node: str, times: int = 1_000_000) -> None:
+        self.node, self.refused, self.times = node, 0, times
+        on_send(upstream, self.send)
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if (str(request.url).startswith(self.node) and request.url.path.startswith("/v1/")
-                and self.refused < self.times):
+    def send(self, method: str, url: str, headers: Mapping[str, str]) -> None:
+        if url.startswith(f"{self.node}/v1/") and self.refused < self.times:
             self.refused += 1
-            raise httpx.ConnectTimeout("connect timed out", request=request)
-        return await self.inner.handle_async_request(request)
+            raise httpx.ConnectTimeout("connect timed out")
 
 
 async def test_a_decode_connect_timeout_is_retried_on_another_decode_node() -> None:
@@ -146,9 +148,7 @@ async def test_a_decode_connect_timeout_is_retried_on_another_decode_node() -> N
         for turn in range(4):
             if turn == 2:
                 pinned = (await r.client.get(f"{r.url}/admin/sessions")).json()[0]["decode"]
-                client = r.gw.client
-                faulty = _ConnectTimeoutTo(client._transport, pinned)
-                client._transport = faulty
+                faulty = _ConnectTimeoutTo(r.gw.upstream, pinned)
             body = request_body(msgs, stream=turn % 2 == 0)
             got = await chat(r.client, r.url, body, h)  # asserts 200 on every turn: none failed
             want = await chat(r.client, r.oracle, {**body, "stream": False}, clean=False)
@@ -163,8 +163,7 @@ async def test_a_connect_timeout_on_the_only_decode_node_is_retried_there() -> N
     turn is tried once more on the same one, and the node stays in service."""
     async with rig(prefill=1, decode=1) as r:
         d = r.cluster.decode_urls[0]
-        faulty = _ConnectTimeoutTo(r.gw.client._transport, d, times=1)
-        r.gw.client._transport = faulty
+        faulty = _ConnectTimeoutTo(r.gw.upstream, d, times=1)
         body = request_body(first_messages(9), stream=True)
         got = await chat(r.client, r.url, body, {"x-session-id": "once"})
         want = await chat(r.client, r.oracle, {**body, "stream": False}, clean=False)
@@ -192,9 +191,8 @@ async def test_a_client_that_leaves_mid_stream_leaks_no_quota_pin_or_connection(
         assert d.holding_back == 0 and d.arriving == 0
         sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
         assert [s["session_id"] for s in sessions] == ["leaver"]  # the pin stays for the next turn
-        pool = r.gw.client._transport._pool
         with anyio.fail_after(10):
-            while any(not c.is_idle() for c in pool.connections):  # noqa: ASYNC110 - the pool's own state
+            while r.gw.upstream.busy:  # noqa: ASYNC110 - the pool's own state
                 await anyio.sleep(0.02)
         got = await chat(r.client, r.url, request_body(msgs, stream=False), h)  # the session goes on
         want = await chat(r.client, r.oracle, request_body(msgs, stream=False), clean=False)

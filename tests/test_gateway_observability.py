@@ -8,7 +8,7 @@ edits the system prompt (the guard refuses the handle).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from kvtether.gateway.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
+from upstream_hooks import on_send
 
 pytestmark = pytest.mark.anyio
 
@@ -68,12 +69,12 @@ def anyio_backend() -> str:
 async def run() -> Run:
     upstream: list[tuple[str, str | None]] = []
 
-    async def seen(request: httpx.Request) -> None:
-        upstream.append((request.url.path, request.headers.get("traceparent")))
+    def seen(method: str, url: str, headers: Mapping[str, str]) -> None:
+        upstream.append((httpx.URL(url).path, headers.get("traceparent")))
 
     snapshots: list[dict[str, float]] = []
     async with _gateway() as (url, app, exporter, cluster), httpx.AsyncClient(timeout=60) as client:
-        app.state.gateway.client.event_hooks["request"].append(seen)
+        on_send(app.state.gateway.upstream, seen)
 
         async def snap() -> None:
             snapshots.append(_samples((await client.get(f"{url}/metrics")).text))

@@ -28,6 +28,7 @@ from kvtether.gateway.stores import open_store
 from kvtether.gateway.tokencheck import GuardTokenizer, Trust, probes
 from kvtether.gateway.tokenizer import LocalTokenizer
 from kvtether.gateway.turn import TurnContext
+from kvtether.gateway.upstream import Upstream
 from opentelemetry import trace
 
 pytestmark = pytest.mark.anyio
@@ -218,7 +219,7 @@ async def test_turns_use_local_ids_once_they_match_and_switch_back_on_a_mismatch
     cfg = load_config(None, prefill=["http://p0:8000"], decode=["http://d0:8000"], tokenizer="unused",
                       tokenizer_check_share=0.0)
     client = httpx.AsyncClient(transport=httpx.MockTransport(p_node))
-    orch = Orchestrator(cfg, Cluster(cfg, client), open_store(cfg), T.Metrics(), client, tokenize_client=client)
+    orch = Orchestrator(cfg, Cluster(cfg, client), open_store(cfg), T.Metrics(), Upstream(), client)
     sv = orch.sv
     assert sv.tokenizer is not None
     sv.tokenizer.loaded(local)
