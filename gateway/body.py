@@ -6,7 +6,6 @@ testable without a network.
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,7 +29,9 @@ COLD_PREFILL_PARAMS: dict[str, Any] = {
 
 
 def prefill_body(body: Mapping[str, Any], kv_params: Mapping[str, Any] | None) -> dict[str, Any]:
-    out = copy.deepcopy(dict(body))
+    # A shallow copy: only top-level keys change, and a long history is not worth copying (it is serialized,
+    # never mutated).
+    out = dict(body)
     out[KV_FIELD] = dict(kv_params) if kv_params is not None else dict(COLD_PREFILL_PARAMS)
     out["stream"] = False
     out["max_tokens"] = 1
@@ -50,7 +51,7 @@ LOCAL_RETAIN_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_de
 def decode_body(
     body: Mapping[str, Any], kv_params: Mapping[str, Any] | None, *, want_token_ids: bool
 ) -> dict[str, Any]:
-    out = copy.deepcopy(dict(body))
+    out = dict(body)  # shallow, as in prefill_body
     if kv_params is not None:
         out[KV_FIELD] = dict(kv_params)
     if want_token_ids:

@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import lru_cache
 from urllib.parse import urlparse
 
 import anyio
@@ -38,8 +39,14 @@ def parse_version(text: str | None) -> tuple[int, ...] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+@lru_cache(maxsize=1024)
 def host_of(url: str) -> str:
     return urlparse(url).hostname or "localhost"
+
+
+@lru_cache(maxsize=1024)
+def port_of(url: str) -> int | None:
+    return urlparse(url).port
 
 
 @dataclass

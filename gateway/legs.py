@@ -21,7 +21,7 @@ from kvtether.gateway import telemetry as T
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.guard import handle_num_tokens
 from kvtether.gateway.policy.placement import Plan, Turn
-from kvtether.gateway.relay import chain, line_batches, read_preamble, relay
+from kvtether.gateway.relay import read_preamble, relay
 from kvtether.gateway.remember import finish, read_body
 from kvtether.gateway.tokencheck import Trust
 from kvtether.gateway.tokenizer import LocalTokenizer
@@ -211,8 +211,7 @@ async def final_leg(sv: Services, ctx: TurnContext, the_plan: Plan, payload: dic
             data = await _send_whole(sv, ctx, node, leg, payload, span)
         else:
             sresp = await _send_stream(sv, ctx, node, leg, payload, span)
-            batches = line_batches(sresp.pieces())
-            preamble = await read_preamble(sresp, batches, node, leg)
+            stream = await read_preamble(sresp, node, leg)
     except BaseException as exc:  # a failure, or the client leaving (cancelled): nothing is left open
         if isinstance(exc, UpstreamFailure):
             span.set_attribute(T.ERROR_TYPE, str(exc.status or "connection"))
@@ -232,7 +231,7 @@ async def final_leg(sv: Services, ctx: TurnContext, the_plan: Plan, payload: dic
         await finish(sv, ctx, the_plan, result, span, source)
         return JSONResponse(data, headers=ctx.response_headers)
     # The reuse decision is final before the decode leg starts, so it can go into the stream's headers.
-    return StreamingResponse(relay(sv, ctx, the_plan, sresp, chain(preamble, batches), span, source),
+    return StreamingResponse(relay(sv, ctx, the_plan, stream, span, source),
                              media_type="text/event-stream",
                              headers={"cache-control": "no-cache", **ctx.response_headers})
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -38,22 +39,36 @@ _ALWAYS = (b'"kv_transfer_params"', b'token_ids"', b'"error"')
 _IF_SET = (b'"finish_reason"', b'"usage"')
 
 
-async def line_batches(pieces: AsyncIterator[bytes]) -> AsyncIterator[Batch]:
-    """The response body as batches of complete lines, one batch per network read (SSE lines end in LF or
-    CRLF; a partial line waits for the rest). The legs ask for no content encoding, so the body is the text."""
-    pending = b""
-    async for piece in pieces:
-        if pending:
-            piece = pending + piece
+class Lines:
+    """The response body cut into complete lines, a batch per network read (SSE lines end in LF or CRLF; a
+    partial line waits for the rest). The legs ask for no content encoding, so the body is the text."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+
+    def cut(self, piece: bytes) -> Batch:
+        if self.pending:
+            piece = self.pending + piece
         lines = piece.split(b"\n")
-        pending = lines.pop()
-        if lines:
-            yield [line[:-1] if line.endswith(b"\r") else line for line in lines]
-    if pending:
-        yield [pending[:-1] if pending.endswith(b"\r") else pending]
+        self.pending = lines.pop()
+        return [line[:-1] if line.endswith(b"\r") else line for line in lines]
+
+    def rest(self) -> Batch:
+        last, self.pending = self.pending, b""
+        return [last[:-1] if last.endswith(b"\r") else last] if last else []
 
 
-async def read_preamble(resp: UpstreamResponse, batches: AsyncIterator[Batch], node: str, leg: str) -> list[Batch]:
+@dataclass
+class Stream:
+    """The final leg's answer as the relay takes it over: the batches held back so far, then the rest."""
+
+    resp: UpstreamResponse
+    pieces: AsyncIterator[bytes]
+    lines: Lines
+    held: list[Batch]
+
+
+async def read_preamble(resp: UpstreamResponse, node: str, leg: str) -> Stream:
     """Hold back the stream's lines up to its first chunk with choices (or end): an error event there means
     the client has seen nothing yet, so the turn can still be retried as a whole (e.g. D failed to read
     P's KV). vLLM sends that chunk (the role chunk) with the first engine output, i.e. once D has the KV and
@@ -62,19 +77,22 @@ async def read_preamble(resp: UpstreamResponse, batches: AsyncIterator[Batch], n
     Not up to the first content or tool-call delta: a tool-call parser holds that back for several decode
     steps, and holding the stream meanwhile delayed the client's first chunk and stamped the turn's first
     token (and every chunk held with it) that much late, which the estimator then learned as prefill."""
-    held: list[Batch] = []
+    stream = Stream(resp, resp.pieces(), Lines(), [])
     try:
-        async for batch in batches:
-            held.append(batch)
+        async for piece in stream.pieces:
+            batch = stream.lines.cut(piece)
+            stream.held.append(batch)
             if _ends_preamble(batch, node, leg):
-                break
+                return stream
+        stream.held.append(stream.lines.rest())
+        _ends_preamble(stream.held[-1], node, leg)
     except httpx.HTTPError as exc:
         await resp.aclose()
         raise UpstreamFailure.from_http(node, leg, exc) from None
     except UpstreamFailure:
         await resp.aclose()
         raise
-    return held
+    return stream
 
 
 def _ends_preamble(batch: Batch, node: str, leg: str) -> bool:
@@ -99,41 +117,35 @@ def _ends_preamble(batch: Batch, node: str, leg: str) -> bool:
     return False
 
 
-async def chain(first: list[Batch], rest: AsyncIterator[Batch]) -> AsyncIterator[Batch]:
-    for batch in first:
-        yield batch
-    async for batch in rest:
-        yield batch
-
-
-async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, resp: UpstreamResponse, batches: AsyncIterator[Batch],
-                span: trace.Span, source: str) -> AsyncIterator[bytes]:
+async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, stream: Stream, span: trace.Span,
+                source: str) -> AsyncIterator[bytes]:
     """SSE passthrough; lines are parsed only for timing, the handle, token ids, usage and the answer."""
     r = _Reader(sv, ctx, the_plan, span)
     finished = False
     try:
-        async for batch in batches:
-            start = 0
-            for i, line in enumerate(batch):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                r.saw_data()
-                if payload == _DONE:
-                    if not finished:
-                        # Record D's handle before the client sees the end of the stream: an agent sends its next
-                        # turn right after [DONE], and that turn must find the handle.
-                        if i > start:
-                            yield _join(batch, start, i)
-                            start = i
-                        finished = True
-                        r.result.answer = r.answer.message()
-                        await finish(sv, ctx, the_plan, r.result, span, source)
-                elif payload:
-                    replaced = r.chunk(payload)
-                    if replaced is not None:
-                        batch[i] = replaced
-            yield _join(batch, start, len(batch))
+        batches = iter(stream.held)
+        while True:
+            batch = next(batches, None)
+            if batch is None:
+                piece = await anext(stream.pieces, None)
+                batch = stream.lines.cut(piece) if piece is not None else stream.lines.rest()
+                if piece is None and not batch:
+                    break
+            if not batch:
+                continue
+            head, tail = r.read(batch)
+            if tail is None:
+                yield head
+                continue
+            if head:
+                yield head
+            if not finished:
+                # Record D's handle before the client sees the end of the stream: an agent sends its next
+                # turn right after [DONE], and that turn must find the handle.
+                finished = True
+                r.result.answer = r.answer.message()
+                await finish(sv, ctx, the_plan, r.result, span, source)
+            yield tail
     except httpx.HTTPError as exc:
         failure = UpstreamFailure(the_plan.decode, "aggregated" if sv.config.mode == "aggregated" else "decode",
                                   f"{type(exc).__name__}: {exc}")
@@ -144,15 +156,11 @@ async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, resp: UpstreamRe
         yield sse_error(f"upstream stream failed: {failure}")
     finally:
         with anyio.CancelScope(shield=True):
-            await resp.aclose()
+            await stream.resp.aclose()
             if not finished:
                 # The client left or the stream broke: keep the pin; keep the handle only if D finished.
                 r.result.answer = r.answer.message()
                 await finish(sv, ctx, the_plan, r.result, span, source)
-
-
-def _join(batch: Batch, start: int, end: int) -> bytes:
-    return b"\n".join(batch[start:end]) + b"\n"
 
 
 class _Reader:
@@ -165,33 +173,63 @@ class _Reader:
         # The next turn's message-chain key needs the answer only for a session identified by hash.
         self.want_answer = ctx.kind == "chat" and ctx.session_source in ("new", "prefix")
         self.first_data = True
+        self.steady = False  # past the first chunk with choices and the first token
 
-    def saw_data(self) -> None:
-        if self.first_data:
-            self.first_data = False
-            self.span.add_event(T.EVENT_FIRST_CHUNK)
-            self.span.set_attribute(T.GEN_AI_RESPONSE_TTFC, time.perf_counter() - self.ctx.t0)
+    def read(self, batch: Batch) -> tuple[bytes, bytes | None]:
+        """Reads a batch of lines (internal fields cut from them); returns the text to forward, split before
+        ``data: [DONE]`` when the batch holds it: (all, None), or (before, from [DONE] on)."""
+        now = self.batch_arrived()
+        for i, line in enumerate(batch):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if self.first_data:
+                self.saw_data(now)
+            if payload == _DONE:
+                return (b"\n".join(batch[:i]) + b"\n" if i else b""), b"\n".join(batch[i:]) + b"\n"
+            if payload:
+                replaced = self.chunk(payload, now)
+                if replaced is not None:
+                    batch[i] = replaced
+        return b"\n".join(batch) + b"\n", None
 
-    def chunk(self, payload: bytes) -> bytes | None:
+    def batch_arrived(self) -> float:
+        """A network read's lines are here: one timestamp for them all, and (past the stream's first chunk) one
+        arrival on D's record of step boundaries (policy/steps.py): the chunks of one read are one arrival."""
+        now = time.perf_counter()
+        if self.result.first_chunk is not None:
+            self.sv.learning.chunk_arrived(self.the_plan.decode, now)
+        return now
+
+    def saw_data(self, now: float) -> None:
+        self.first_data = False
+        self.span.add_event(T.EVENT_FIRST_CHUNK)
+        self.span.set_attribute(T.GEN_AI_RESPONSE_TTFC, now - self.ctx.t0)
+
+    def chunk(self, payload: bytes, now: float) -> bytes | None:
         """Reads one SSE data payload; returns a replacement line when internal fields had to go."""
         result = self.result
-        seen_first = result.first_chunk is not None
-        replaced: bytes | None = None
-        if self.want_answer or result.ttft is None or not seen_first or _must_parse(payload):
-            chunk = _loads(payload)
-            if chunk is not None:
-                self._timing(chunk)
-                _read_chunk(chunk, result, self.answer if self.want_answer else None)
-                if B.strip_internal(chunk, keep_token_ids=self.ctx.keep_token_ids):
-                    replaced = b"data: " + _dumps(chunk)
-        if result.first_chunk is not None:
-            _time_chunk(self.sv, self.ctx, self.the_plan, result, seen_first)
-        return replaced
+        if self.steady and not self.want_answer and not _must_parse(payload):
+            return None
+        chunk = _loads(payload)
+        if chunk is None:
+            return None
+        if not self.steady:
+            self._timing(chunk, now)
+        _read_chunk(chunk, result, self.answer if self.want_answer else None, now)
+        if B.strip_internal(chunk, keep_token_ids=self.ctx.keep_token_ids):
+            return b"data: " + _dumps(chunk)
+        return None
 
-    def _timing(self, chunk: dict[str, Any]) -> None:
+    def _timing(self, chunk: dict[str, Any], now: float) -> None:
         result, ctx, node = self.result, self.ctx, self.the_plan.decode
         if result.first_chunk is None and chunk.get("choices"):
-            result.first_chunk = time.perf_counter() - ctx.t0
+            result.first_chunk = now - ctx.t0
+            # Only a decode-local turn's mixed step is learned from; read before this stream's own first chunk
+            # joins the record, so only other streams' bursts are in it.
+            if ctx.final_leg_at is not None and self.the_plan.action is HandleAction.DECODE_LOCAL:
+                result.arrivals_before_first = self.sv.learning.arrivals_since(node, ctx.final_leg_at)
+            self.sv.learning.chunk_arrived(node, now)
             self.sv.enter_decoding(ctx, node)
             if not B.has_first_token(chunk):
                 # D produced the first token but the client sees nothing yet (a tool-call parser holds the name
@@ -199,10 +237,11 @@ class _Reader:
                 result.holding_back = True
                 self.sv.cluster.hold_back(node, 1)
         if result.ttft is None and B.has_first_token(chunk):
-            result.ttft = time.perf_counter() - ctx.t0
+            result.ttft = now - ctx.t0
             self.span.add_event(T.EVENT_FIRST_TOKEN)
             ctx.span.add_event(T.EVENT_FIRST_TOKEN)
             release_hold_back(self.sv, node, result)
+        self.steady = result.first_chunk is not None and result.ttft is not None
 
 
 def _must_parse(payload: bytes) -> bool:
@@ -239,17 +278,7 @@ def _dumps(chunk: dict[str, Any]) -> bytes:
         return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _time_chunk(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResult, seen_first: bool) -> None:
-    at = time.perf_counter()
-    node = the_plan.decode
-    # Only a decode-local turn's mixed step is learned from; read before this stream's own first chunk joins
-    # the record, so only other streams' bursts are in it.
-    if not seen_first and ctx.final_leg_at is not None and the_plan.action is HandleAction.DECODE_LOCAL:
-        result.arrivals_before_first = sv.learning.arrivals_since(node, ctx.final_leg_at)
-    sv.learning.chunk_arrived(node, at)
-
-
-def _read_chunk(chunk: dict[str, Any], result: LegResult, answer: B.StreamAnswer | None) -> None:
+def _read_chunk(chunk: dict[str, Any], result: LegResult, answer: B.StreamAnswer | None, now: float) -> None:
     """What the session store needs from a chunk: token ids, the answer, finish reasons, handle, usage."""
     if result.prompt_ids is None:
         result.prompt_ids = B.prompt_ids_of(chunk)
@@ -259,7 +288,7 @@ def _read_chunk(chunk: dict[str, Any], result: LegResult, answer: B.StreamAnswer
         out = B.output_ids_of(choice)
         if out:
             result.output_ids.extend(out)
-            result.time_output(len(out))
+            result.time_output(len(out), now)
         if answer is not None:
             answer.add(choice)
         if choice.get("finish_reason"):

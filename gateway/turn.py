@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.cluster import Cluster, host_of
+from kvtether.gateway.cluster import Cluster, host_of, port_of
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.policy.learning import Learning
@@ -117,9 +117,8 @@ class LegResult:
     # delta or the end of the leg.
     holding_back: bool = False
 
-    def time_output(self, n: int) -> None:
+    def time_output(self, n: int, t: float) -> None:
         """Timestamps of streamed output: gaps after the first chunk are decode steps (TPOT samples)."""
-        t = time.perf_counter()
         if self.out_first_at is None:
             self.out_first_at = t
             return
@@ -181,7 +180,7 @@ class Services:
                                       kind=T.KIND_CLIENT)
         T.set_attrs(span, {T.GEN_AI_OPERATION: operation, T.GEN_AI_PROVIDER: T.PROVIDER,
                            T.GEN_AI_REQUEST_MODEL: ctx.model, T.SERVER_ADDRESS: host_of(node),
-                           T.SERVER_PORT: httpx.URL(node).port,
+                           T.SERVER_PORT: port_of(node),
                            T.ATTR_LEG: leg, T.ATTR_TURN: ctx.state.turns if ctx.state else 0,
                            T.GEN_AI_CONVERSATION_ID: ctx.named_session if ctx.session_source == "header" else None,
                            T.GEN_AI_REQUEST_STREAM: True if (ctx.stream and leg != "prefill") else None,

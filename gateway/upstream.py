@@ -23,7 +23,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, cast
@@ -81,6 +81,24 @@ def _header_lines(headers: Mapping[str, str]) -> bytes:
             raise httpx.LocalProtocolError(f"illegal character in header {name!r}")
         out.append(f"{name}: {value}\r\n")
     return "".join(out).encode("latin-1")
+
+
+async def _bounded(fut: asyncio.Future[None], bound_s: float | None, error: Callable[[], Exception]) -> None:
+    """Awaits `fut`, failing it with `error()` after `bound_s`. A timer on the future rather than a cancel scope:
+    these waits happen once per streamed piece, and the future failing is all a timeout needs to do."""
+    if bound_s is None:
+        await fut
+        return
+    timer = asyncio.get_running_loop().call_later(bound_s, _expire, fut, error)
+    try:
+        await fut
+    finally:
+        timer.cancel()
+
+
+def _expire(fut: asyncio.Future[None], error: Callable[[], Exception]) -> None:
+    if not fut.done():
+        fut.set_exception(error())
 
 
 class _Connection(asyncio.Protocol):
@@ -202,10 +220,8 @@ class _Connection(asyncio.Protocol):
             return
         self._drained = asyncio.get_running_loop().create_future()
         try:
-            with anyio.fail_after(bound_s):
-                await self._drained
-        except TimeoutError:
-            raise httpx.WriteTimeout(f"request body not sent within {bound_s:g} s") from None
+            await _bounded(self._drained, bound_s, lambda: httpx.WriteTimeout(f"request body not sent within "
+                                                                             f"{bound_s:g} s"))
         finally:
             self._drained = None
 
@@ -213,14 +229,7 @@ class _Connection(asyncio.Protocol):
         """Until more of the answer (or its end, or an error) is here."""
         self.waiter = asyncio.get_running_loop().create_future()
         try:
-            if bound_s is None:
-                await self.waiter
-            else:
-                try:
-                    with anyio.fail_after(bound_s):
-                        await self.waiter
-                except TimeoutError:
-                    raise httpx.ReadTimeout(f"no answer within {bound_s:g} s") from None
+            await _bounded(self.waiter, bound_s, lambda: httpx.ReadTimeout(f"no answer within {bound_s:g} s"))
         finally:
             self.waiter = None
 
@@ -284,7 +293,8 @@ class Upstream:
         self.limits = limits or UpstreamLimits()
         self._idle: dict[tuple[str, str, int], deque[_Connection]] = {}
         self._idle_count = 0
-        self._slots = anyio.Semaphore(self.limits.max_connections)
+        self._free = self.limits.max_connections  # connection slots not taken
+        self._queue: deque[asyncio.Future[None]] = deque()  # requests waiting for a slot
         self.busy = 0  # connections carrying a request now
         self._ssl: ssl.SSLContext | None = None
 
@@ -295,17 +305,37 @@ class Upstream:
         origin, target = _split(url)
         head = b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-length: %d\r\n%s\r\n" % (
             method.encode("ascii"), target, origin.host_header, len(body), _header_lines(headers or {}))
-        limits = self.limits
-        try:
-            with anyio.fail_after(limits.pool_timeout_s):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise httpx.PoolTimeout(f"no connection free within {limits.pool_timeout_s:g} s") from None
+        await self._acquire()
         try:
             return await self._exchange(origin, head, body, read_timeout)
         except BaseException:
-            self._slots.release()
+            self._give_slot()
             raise
+
+    async def _acquire(self) -> None:
+        """A slot among ``max_connections``, waiting up to ``pool_timeout_s`` for one (first come first served)."""
+        if self._free > 0 and not self._queue:
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append(fut)
+        bound = self.limits.pool_timeout_s
+        try:
+            await _bounded(fut, bound, lambda: httpx.PoolTimeout(f"no connection free within {bound:g} s"))
+        except BaseException:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._give_slot()  # handed a slot as it gave up: pass it on
+            elif fut in self._queue:
+                self._queue.remove(fut)
+            raise
+
+    def _give_slot(self) -> None:
+        while self._queue:
+            fut = self._queue.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self._free += 1
 
     async def _exchange(self, origin: _Origin, head: bytes, body: bytes,
                         read_timeout: float | None) -> UpstreamResponse:
@@ -368,7 +398,7 @@ class Upstream:
 
     def _release(self, conn: _Connection) -> None:
         self.busy -= 1
-        self._slots.release()
+        self._give_slot()
         if conn.complete and conn.keep_alive and not conn.closed and not conn.body \
                 and self._idle_count < self.limits.max_keepalive_connections:
             conn.idle_since = time.monotonic()

@@ -320,6 +320,7 @@ def test_prefill_and_decode_bodies() -> None:
     assert d["stream"] is True and d["max_tokens"] == 50 and d["kv_transfer_params"] == {"a": 1}
     assert d["return_token_ids"] is True
     assert "kv_transfer_params" not in body  # inputs are never mutated
+    assert body["stream"] is True and body["max_tokens"] == 50 and "stream_options" in body and "min_tokens" in body
     assert B.with_host({"remote_host": "localhost", "x": 1}, "10.0.0.2") == {"remote_host": "10.0.0.2", "x": 1}
 
 
