@@ -27,13 +27,14 @@ from kvtether.gateway.legs import start_local_tokenizer
 from kvtether.gateway.orchestrator import Orchestrator
 from kvtether.gateway.sessions import SessionStore
 from kvtether.gateway.stores import open_store
+from kvtether.gateway.streaming import RelayResponse
 from kvtether.gateway.upstream import Upstream, UpstreamLimits
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 log = logging.getLogger(__name__)
@@ -114,8 +115,9 @@ def _completion_route(kind: str) -> Any:
     async def endpoint(request: Request) -> Response:
         gw = _gateway(request)
         parent = propagate.extract(dict(request.headers))
-        span = gw.tracer.start_span(T.server_span_name("POST", request.url.path), context=parent, kind=T.KIND_SERVER)
-        T.set_attrs(span, {T.HTTP_METHOD: "POST", T.HTTP_ROUTE: request.url.path, T.ATTR_MODE: gw.config.mode,
+        path = request.scope["path"]
+        span = gw.tracer.start_span(T.server_span_name("POST", path), context=parent, kind=T.KIND_SERVER)
+        T.set_attrs(span, {T.HTTP_METHOD: "POST", T.HTTP_ROUTE: path, T.ATTR_MODE: gw.config.mode,
                            T.ATTR_POLICY: gw.config.policy})
         response: Response | None = None
         try:
@@ -139,22 +141,14 @@ def _completion_route(kind: str) -> Any:
             status = response.status_code if response is not None else 500
             span.set_attribute(T.HTTP_STATUS, status)
             gw.metrics.requests.labels(kind, f"{status // 100}xx").inc()
-            if isinstance(response, StreamingResponse):
-                response.body_iterator = _end_span_after(response.body_iterator, span)
+            if isinstance(response, RelayResponse):
+                response.on_close.append(span.end)
             else:
                 if status >= 500:
                     span.set_status(trace.Status(trace.StatusCode.ERROR))
                 span.end()
 
     return endpoint
-
-
-async def _end_span_after(iterator: Any, span: trace.Span) -> AsyncIterator[Any]:
-    try:
-        async for chunk in iterator:
-            yield chunk
-    finally:
-        span.end()
 
 
 async def models(request: Request) -> Response:

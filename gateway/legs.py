@@ -23,12 +23,13 @@ from kvtether.gateway.guard import handle_num_tokens
 from kvtether.gateway.policy.placement import Plan, Turn
 from kvtether.gateway.relay import read_preamble, relay
 from kvtether.gateway.remember import finish, read_body
+from kvtether.gateway.streaming import RelayResponse
 from kvtether.gateway.tokencheck import Trust
 from kvtether.gateway.tokenizer import LocalTokenizer
 from kvtether.gateway.turn import PATHS, LegResult, Prefilled, Services, TurnContext, UpstreamFailure
 from kvtether.gateway.upstream import UpstreamResponse
 from opentelemetry import trace
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
@@ -231,9 +232,8 @@ async def final_leg(sv: Services, ctx: TurnContext, the_plan: Plan, payload: dic
         await finish(sv, ctx, the_plan, result, span, source)
         return JSONResponse(data, headers=ctx.response_headers)
     # The reuse decision is final before the decode leg starts, so it can go into the stream's headers.
-    return StreamingResponse(relay(sv, ctx, the_plan, stream, span, source),
-                             media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", **ctx.response_headers})
+    return RelayResponse(relay(sv, ctx, the_plan, stream, span, source),
+                         headers={"cache-control": "no-cache", **ctx.response_headers})
 
 
 async def _send_whole(sv: Services, ctx: TurnContext, node: str, leg: str, payload: dict[str, Any],
