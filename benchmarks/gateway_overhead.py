@@ -165,6 +165,7 @@ class Bench:
         self.args = args
         self.procs = Procs(logs)
         self.fake = [free_port() for _ in range(3)]  # P, D, aggregated replica
+        self.pids: dict[int, int] = {}  # a proxy's port -> its process
         self.router, self.router_note = (None, "vllm-router: skipped (--skip-router)") if args.skip_router \
             else install_router()
 
@@ -194,7 +195,9 @@ class Bench:
         else:  # bare
             argv = [sys.executable, str(Path(__file__).with_name("overhead_backends.py")), "bare", "--port",
                     str(port), "--upstream", self.url(2)]
-        return self.procs.start(f"{name}-{mode}", argv, port, env), port
+        proc = self.procs.start(f"{name}-{mode}", argv, port, env)
+        self.pids[port] = proc.pid
+        return proc, port
 
     def contenders(self, mode: str) -> list[str]:
         names = ["direct", "kvtether"] + (["vllm-router"] if self.router else [])
@@ -251,18 +254,31 @@ def _session_turns(name: str, proxy: Client | None, pd: tuple[Client, Client] | 
     return turn
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+Results = dict[str, tuple[list[float], list[float], list[float]]]  # name -> (TTFBs, req/s per round, CPU s)
+
+
 async def measure(bench: Bench, mode: str, chunks: int, ports: dict[str, int | None],
-                  histories: Any = None) -> dict[str, tuple[list[float], list[float]]]:
-    """Alternating rounds: name -> (TTFBs, req/s per round)."""
+                  histories: Any = None) -> Results:
+    """Alternating rounds: name -> (TTFBs, req/s per round, the proxy's CPU seconds per round)."""
     names = list(ports)
-    results: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in names}
+    results: Results = {n: ([], [], []) for n in names}
     for n in names:  # warm-up: connections, caches, the local tokenizer's start-up check
         await warm_up(bench, n, mode, ports[n], chunks, histories)
     for r in range(bench.args.rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
-            ttfb, rps = await closed_loop(streams_for(n, mode, ports[n], bench, chunks, histories), bench.args.seconds)
+            port = ports[n]
+            pid = bench.pids.get(port) if port is not None else None
+            cpu0 = cpu_seconds(pid) if pid else 0.0
+            ttfb, rps = await closed_loop(streams_for(n, mode, port, bench, chunks, histories), bench.args.seconds)
             results[n][0].extend(ttfb)
             results[n][1].append(rps)
+            results[n][2].append(cpu_seconds(pid) - cpu0 if pid else 0.0)
     return results
 
 
@@ -288,16 +304,17 @@ def local_turns(port: int) -> float:
                    if s.name == "kvtether_guard_tokenize_total" and s.labels.get("source") == "local")
 
 
-def rows(label: str, results: dict[str, tuple[list[float], list[float]]]) -> list[str]:
+def rows(label: str, results: Results) -> list[str]:
     base = results["direct"][0]
     out = []
-    for n, (ttfb, rps) in results.items():
+    for n, (ttfb, rps, cpu) in results.items():
         p50, p99 = pct(ttfb, 0.5), pct(ttfb, 0.99)
         if n == "direct":
-            cell = f"TTFB {p50 * 1e3:.1f} / {p99 * 1e3:.1f} ms"
+            cell, per = f"TTFB {p50 * 1e3:.1f} / {p99 * 1e3:.1f} ms", "–"
         else:
             cell = f"+{(p50 - pct(base, 0.5)) * 1e3:.1f} / +{(p99 - pct(base, 0.99)) * 1e3:.1f} ms"
-        out.append(f"| {label} | {n} | {cell} | {statistics.mean(rps):.0f} req/s | n={len(ttfb)} |")
+            per = f"{sum(cpu) / len(ttfb) * 1e3:.2f} ms"
+        out.append(f"| {label} | {n} | {cell} | {statistics.mean(rps):.0f} req/s | {per} | n={len(ttfb)} |")
     return out
 
 
@@ -368,8 +385,8 @@ def main() -> int:
     bench = Bench(args, logs)
     print(f"# gateway overhead: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; {bench.router_note}; "
           f"{STREAMS} closed-loop streams, {args.rounds} rounds x {args.seconds:g} s; logs in {logs}")
-    table = ["| stream | contender | added TTFB p50 / p99 (direct: absolute) | req/s | samples |",
-             "|---|---|---|---|---|"]
+    table = ["| stream | contender | added TTFB p50 / p99 (direct: absolute) | req/s | proxy CPU / request | samples |",
+             "|---|---|---|---|---|---|"]
     try:
         if args.only != "guarded":
             bench.fakes()

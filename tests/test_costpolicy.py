@@ -17,6 +17,7 @@ from kvtether.gateway.policy import (
     parse_mode,
 )
 from kvtether.gateway.policy.estimates import (
+    SNAPSHOT_REUSE_S,
     Estimator,
     EstimatorSeeds,
     EstimatorSnapshot,
@@ -676,3 +677,17 @@ def test_a_stall_on_a_request_whose_client_has_seen_nothing_costs_its_ttft() -> 
     same = choose(turn, D0, (p(P0),), (d(D0, running=3, holding_back=2),), MOE,
                   replace(k, holdback_weight=k.interference_weight))
     assert same.scores_s == calm.scores_s
+
+
+def test_a_snapshot_is_reused_briefly_and_never_past_a_new_sample() -> None:
+    est = Estimator()
+    for i in range(10):
+        est.observe_tpot(D0, 8, 0.05, now=float(i))
+    first = est.snapshot(10.0)
+    assert est.snapshot(10.0 + SNAPSHOT_REUSE_S / 2) is first  # nothing new, a moment later: the same
+    assert est.snapshot(10.0 + SNAPSHOT_REUSE_S * 2) is not first  # long enough for decay to count
+    again = est.snapshot(20.0)
+    est.observe_tpot(D0, 8, 0.2, now=20.0)
+    after = est.snapshot(20.0)
+    assert after is not again and after.tpot_s(D0, 8) > again.tpot_s(D0, 8)
+    assert est.snapshot(19.0) is not after  # an earlier `now` is computed, not served from the cache
