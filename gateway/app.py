@@ -229,6 +229,9 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
                 yield
             finally:
                 tg.cancel_scope.cancel()
+        if gw.orchestrator.sv.tokenizer is not None:
+            with anyio.move_on_after(5):  # background tokenizer warm-ups: threads cannot be cancelled
+                await gw.orchestrator.sv.tokenizer.warmed()
         await gw.client.aclose()
         await gw.tokenize_client.aclose()
         await gw.upstream.aclose()

@@ -54,6 +54,8 @@ async def gather(sv: Services, ctx: TurnContext, round_robin: int) -> Gathered:
         prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx)
         if prompt_ids is not None:
             reuse = _guard(sv, ctx, taken if has_handle else None, prompt_ids)
+    elif policy in ("pull", "auto"):
+        _warm_tokenizer(sv, ctx)
     turn = Turn(
         policy=policy,
         new_session=state is None,
@@ -69,6 +71,17 @@ async def gather(sv: Services, ctx: TurnContext, round_robin: int) -> Gathered:
         **_auto_facts(sv, ctx, taken, prompt_ids),
     )
     return Gathered(turn, taken, has_handle, prompt_ids)
+
+
+def _warm_tokenizer(sv: Services, ctx: TurnContext) -> None:
+    """A turn the guard does not check (the session's first, or one gone cold): its prompt is the next turn's
+    history, which the guard will check. With the local tokenizer, encode it now, in the background."""
+    guard_tok = sv.tokenizer
+    if guard_tok is None or not guard_tok.usable(ctx.model) or B.literal_prompt_ids(ctx.kind, ctx.body):
+        return
+    payload = B.tokenize_body(ctx.kind, ctx.body)
+    if payload is not None:
+        guard_tok.warm(payload)
 
 
 def _guard(sv: Services, ctx: TurnContext, taken: TakenHandle | None, prompt_ids: list[int]) -> int | None:

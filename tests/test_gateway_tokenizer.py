@@ -262,3 +262,30 @@ async def test_a_tokenizer_that_differs_from_the_engine_falls_back_to_tokenize(h
         assert sample_sum(text, "kvtether_guard_tokenize_total", source="local") == 0
         assert sample_sum(text, "kvtether_guard_tokenize_total", source="remote") >= 3
         assert await outcome(r, "attached") >= 3
+
+
+async def test_a_turn_the_guard_does_not_check_warms_the_cache_for_the_next_one(local: LocalTokenizer) -> None:
+    """A session's first turn is not checked, but its prompt is the next turn's history: gather encodes it in the
+    background, so the first checked turn finds its pieces cached."""
+    from kvtether.gateway.gather import gather
+
+    cfg = load_config(None, prefill=["http://p0:8000"], decode=["http://d0:8000"], tokenizer="unused")
+    client = httpx.AsyncClient()
+    orch = Orchestrator(cfg, Cluster(cfg, client), open_store(cfg), T.Metrics(), Upstream(), client)
+    sv = orch.sv
+    assert sv.tokenizer is not None
+    sv.tokenizer.loaded(local)
+    messages = [{"role": "system", "content": "You are a warm-up test agent."},
+                {"role": "user", "content": "A document no other test sends: " + "lorem ipsum dolor " * 300}]
+    body = request_body(messages, stream=True)
+    payload = B.tokenize_body("chat", body)
+    assert payload is not None
+    text, special = local.render(payload)
+    assert local._pieces(text, special)[1], "the prompt's pieces must not be cached before the turn"
+    ctx = TurnContext("chat", body, {}, True, False, "warm", "header", None, 0.0,
+                      trace.NonRecordingSpan(trace.INVALID_SPAN_CONTEXT))
+    gathered = await gather(sv, ctx, 0)
+    assert gathered.prompt_ids is None  # the first turn is not tokenized for the guard ...
+    await sv.tokenizer.warmed()
+    assert local._pieces(text, special)[1] == []  # ... but its pieces are cached for the next one
+    await client.aclose()
