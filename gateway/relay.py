@@ -13,7 +13,7 @@ that turn must find the handle.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +118,7 @@ def _ends_preamble(batch: Batch, node: str, leg: str) -> bool:
 
 
 async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, stream: Stream, span: trace.Span,
-                source: str) -> AsyncIterator[bytes]:
+                source: str) -> AsyncGenerator[bytes, None]:
     """SSE passthrough; lines are parsed only for timing, the handle, token ids, usage and the answer."""
     r = _Reader(sv, ctx, the_plan, span)
     finished = False
