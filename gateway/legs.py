@@ -153,8 +153,7 @@ async def prefill(sv: Services, ctx: TurnContext, node: str, kv: dict[str, Any] 
         c = sv.config
         bound = c.pull_timeout_s if kv is not None else c.prefill_timeout_s
         try:
-            resp = await sv.upstream.send("POST", f"{node}{PATHS[ctx.kind]}", B.dumps(payload),
-                                          _headers(sv, ctx, span), read_timeout=bound)
+            resp = await _post(sv, ctx, node, payload, span, bound)
             await resp.read()
         except httpx.ReadTimeout:
             what = "prefill with a handle" if kv is not None else "prefill"
@@ -242,8 +241,7 @@ async def _send_whole(sv: Services, ctx: TurnContext, node: str, leg: str, paylo
     sv.cluster.hold_back(node, 1)
     sv.enter_decoding(ctx, node)
     try:
-        resp = await sv.upstream.send("POST", f"{node}{PATHS[ctx.kind]}", B.dumps(payload), _headers(sv, ctx, span),
-                                      read_timeout=sv.config.read_timeout_s)
+        resp = await _post(sv, ctx, node, payload, span, sv.config.read_timeout_s)
         await resp.read()
     except httpx.HTTPError as exc:
         raise UpstreamFailure.from_http(node, leg, exc) from None
@@ -258,8 +256,7 @@ async def _send_whole(sv: Services, ctx: TurnContext, node: str, leg: str, paylo
 async def _send_stream(sv: Services, ctx: TurnContext, node: str, leg: str, payload: dict[str, Any],
                        span: trace.Span) -> UpstreamResponse:
     try:
-        sresp = await sv.upstream.send("POST", f"{node}{PATHS[ctx.kind]}", B.dumps(payload),
-                                       _headers(sv, ctx, span), read_timeout=sv.config.read_timeout_s)
+        sresp = await _post(sv, ctx, node, payload, span, sv.config.read_timeout_s)
     except httpx.HTTPError as exc:
         raise UpstreamFailure.from_http(node, leg, exc) from None
     if sresp.status_code != 200:
@@ -270,9 +267,13 @@ async def _send_stream(sv: Services, ctx: TurnContext, node: str, leg: str, payl
     return sresp
 
 
-def _headers(sv: Services, ctx: TurnContext, span: trace.Span) -> dict[str, str]:
-    # Bodies are serialized by orjson (B.dumps), several times faster than httpx's json= for long histories.
-    return {**sv.upstream_headers(ctx, span), **_JSON}
+async def _post(sv: Services, ctx: TurnContext, node: str, payload: dict[str, Any], span: trace.Span,
+                read_timeout: float | None) -> UpstreamResponse:
+    """A leg's request to `node`, up to its answer's head (`read_timeout` bounds each wait for the node's bytes)."""
+    # Bodies are serialized by orjson (B.dumps), several times faster than the stdlib for long histories.
+    headers = {**sv.upstream_headers(ctx, span), **_JSON}
+    return await sv.upstream.send("POST", f"{node}{PATHS[ctx.kind]}", B.dumps(payload), headers,
+                                  read_timeout=read_timeout)
 
 
 def _json_or_none(resp: UpstreamResponse) -> Any:

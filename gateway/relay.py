@@ -173,7 +173,6 @@ class _Reader:
         # The next turn's message-chain key needs the answer only for a session identified by hash.
         self.want_answer = ctx.kind == "chat" and ctx.session_source in ("new", "prefix")
         self.first_data = True
-        self.steady = False  # past the first chunk with choices and the first token
 
     def read(self, batch: Batch) -> tuple[bytes, bytes | None]:
         """Reads a batch of lines (internal fields cut from them); returns the text to forward, split before
@@ -200,6 +199,11 @@ class _Reader:
         if self.result.first_chunk is not None:
             self.sv.learning.chunk_arrived(self.the_plan.decode, now)
         return now
+
+    @property
+    def steady(self) -> bool:
+        """Past the first chunk with choices and the first token: a chunk is parsed only if it can matter."""
+        return self.result.first_chunk is not None and self.result.ttft is not None
 
     def saw_data(self, now: float) -> None:
         self.first_data = False
@@ -241,7 +245,6 @@ class _Reader:
             self.span.add_event(T.EVENT_FIRST_TOKEN)
             ctx.span.add_event(T.EVENT_FIRST_TOKEN)
             release_hold_back(self.sv, node, result)
-        self.steady = result.first_chunk is not None and result.ttft is not None
 
 
 def _must_parse(payload: bytes) -> bool:

@@ -45,7 +45,7 @@ class UpstreamLimits:
     write_timeout_s: float = 30.0
     pool_timeout_s: float = 30.0
     max_connections: int = 512
-    max_keepalive_connections: int = 128
+    max_keepalive_connections: int = 64  # GatewayConfig's default too
     keepalive_expiry_s: float = 2.0
 
 
