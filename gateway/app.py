@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -28,6 +28,7 @@ from kvtether.gateway.orchestrator import Orchestrator
 from kvtether.gateway.sessions import SessionStore
 from kvtether.gateway.stores import open_store
 from kvtether.gateway.streaming import RelayResponse
+from kvtether.gateway.turn import PATHS
 from kvtether.gateway.upstream import Upstream, UpstreamLimits
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -36,6 +37,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ async def _validate(gw: Gateway, kind: str, body: dict[str, Any], headers: Mappi
     V.check_length(kind, body, gw.cluster.max_model_len(body["model"]))
 
 
-def _completion_route(kind: str) -> Any:
+def _completion_route(kind: str) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         gw = _gateway(request)
         parent = propagate.extract(dict(request.headers))
@@ -212,7 +214,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
-               tracer_provider: trace.TracerProvider | None = None) -> Starlette:
+               tracer_provider: trace.TracerProvider | None = None) -> GatewayApp:
     gw = Gateway(config, store, tracer_provider)
 
     @contextlib.asynccontextmanager
@@ -238,10 +240,11 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
         if gw.own_store:
             await gw.store.aclose()
 
-    app = Starlette(
+    completions = {PATHS[kind]: _completion_route(kind) for kind in ("chat", "completions")}
+    app = GatewayApp(
+        completions,
         routes=[
-            Route("/v1/chat/completions", _completion_route("chat"), methods=["POST"]),
-            Route("/v1/completions", _completion_route("completions"), methods=["POST"]),
+            *(Route(path, endpoint, methods=["POST"]) for path, endpoint in completions.items()),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
@@ -253,6 +256,27 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
     )
     app.state.gateway = gw
     return app
+
+
+class GatewayApp(Starlette):
+    """Starlette, with the completion routes called directly: their endpoint answers every error in the API's
+    shape itself, so the router's matching and the exception middlewares around it (a layer of calls per
+    request, and one per message sent) buy them nothing. Every other request, and lifespan, goes through the
+    router as usual."""
+
+    def __init__(self, completions: dict[str, Callable[[Request], Awaitable[Response]]], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._completions = completions
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            endpoint = self._completions.get(scope["path"])
+            if endpoint is not None:
+                scope["app"] = self
+                response = await endpoint(Request(scope, receive))
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def _upstream_client(config: GatewayConfig) -> httpx.AsyncClient:

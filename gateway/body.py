@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from kvtether.sdk.contract import prefix_chain, rendering_fields
+from kvtether.sdk.contract import Chain, rendering_fields
 
 # Fields the gateway adds for its own use and must never show a client who did not ask.
 TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
@@ -147,29 +148,48 @@ def _normal_message(message: Any) -> Any:
     return message
 
 
-def chat_keys(body: Mapping[str, Any], answer: Mapping[str, Any] | None = None) -> tuple[str | None, str | None]:
-    """(parent key, own key) of a chat body, by the SDK's message-chain hash.
+@dataclass(frozen=True)
+class ChatChain:
+    """A chat prompt's message-chain hash, computed once per turn (identify); the answer extends it (remember)
+    without hashing the history again."""
 
-    The parent key names the history up to the last assistant message — what the previous turn left;
-    the own key names this prompt plus ``answer`` — what the next turn's parent key will be. Reasoning
-    is left out on both sides, so a client that strips it still finds its session (the token guard
-    then decides how much KV is really reusable).
+    parent: str | None  # the history up to the last assistant message: what the previous turn left
+    prompt: Chain  # the whole prompt
+
+    def after(self, answer: Mapping[str, Any]) -> str:
+        """The prompt plus its answer: what the next turn's parent key will be."""
+        return self.prompt.extend(_normal_message(answer), keep_reasoning=False).id
+
+
+def chat_chain(body: Mapping[str, Any]) -> ChatChain | None:
+    """The message-chain hash of a chat body (the SDK's), or None without messages.
+
+    Reasoning is left out, so a client that strips it still finds its session (the token guard then decides
+    how much KV is really reusable).
     """
-    messages = [_normal_message(m) for m in (body.get("messages") or [])]
-    if answer is not None:
-        messages.append(_normal_message(answer))
+    messages = body.get("messages") or []
     if not messages:
-        return None, None
-    ids = prefix_chain(messages, model=body.get("model"), tools=body.get("tools"),
-                       rendering=rendering_fields(body), keep_reasoning=False)
+        return None
+    chain = Chain.start(body.get("model"), body.get("tools"), rendering_fields(body))
     parent = None
-    limit = len(messages) - (1 if answer is not None else 0)
-    for i in range(limit - 1, -1, -1):
-        m = messages[i]
+    for m in messages:
+        m = _normal_message(m)
+        chain = chain.extend(m, keep_reasoning=False)
         if isinstance(m, Mapping) and m.get("role") == "assistant":
-            parent = ids[i]
-            break
-    return parent, ids[-1]
+            parent = chain.id
+    return ChatChain(parent, chain)
+
+
+def chat_keys(body: Mapping[str, Any], answer: Mapping[str, Any] | None = None) -> tuple[str | None, str | None]:
+    """(parent key, own key) of a chat body: the parent key names the history up to the last assistant message,
+    the own key this prompt plus ``answer`` (or the prompt alone)."""
+    chain = chat_chain(body)
+    if chain is None:
+        if answer is None:
+            return None, None
+        return None, Chain.start(body.get("model"), body.get("tools"), rendering_fields(body)).extend(
+            _normal_message(answer), keep_reasoning=False).id
+    return chain.parent, chain.after(answer) if answer is not None else chain.prompt.id
 
 
 def answer_message(choice: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,10 +28,11 @@ async def identify(store: SessionStore, kind: str, body: dict[str, Any], headers
     named = session_id_from_headers(headers)
     sid = scoped(tenant, named) if named else None
     source = "header" if sid else "none"
+    chain = None
     if sid is None and kind == "chat":
-        parent_key, _ = B.chat_keys(body)
-        if parent_key is not None:
-            sid = await store.find_by_prefix(scoped(tenant, parent_key))
+        chain = B.chat_chain(body)
+        if chain is not None and chain.parent is not None:
+            sid = await store.find_by_prefix(scoped(tenant, chain.parent))
             source = "prefix" if sid else source
         if sid is None:
             # A plain OpenAI client: a fresh session the next turn finds by its message-chain hash.
@@ -41,5 +42,5 @@ async def identify(store: SessionStore, kind: str, body: dict[str, Any], headers
                        T.ATTR_SESSION_SOURCE: source})
     ctx = TurnContext(kind, body, {k.lower(): v for k, v in headers.items()}, body.get("stream") is True,
                       body.get("return_token_ids") is True, sid, source, state, time.perf_counter(), span)
-    ctx.tenant, ctx.named_session = tenant, named
+    ctx.tenant, ctx.named_session, ctx.chain = tenant, named, chain
     return ctx

@@ -43,9 +43,11 @@ class Orchestrator:
                  upstream: Upstream, tokenize_client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
                  tracer: trace.Tracer | None = None) -> None:
         self.knobs = policy_knobs(config)
+        # TPOT quotas and step boundaries serve decode-local turns only: P/D mode under the auto policy.
+        pd_auto = config.policy == "auto" and config.mode == "pd"
         learning = Learning(estimator_seeds(config), learning_params(config), self.knobs,
-                            request_stall_share=config.request_stall_share if config.policy == "auto" else 1.0,
-                            enabled=config.learn_estimates)
+                            request_stall_share=config.request_stall_share if pd_auto else 1.0,
+                            enabled=config.learn_estimates, steps=config.mode == "pd")
         # The guard's local tokenizer is loaded and checked at start-up (legs.start_local_tokenizer, from the app).
         guard_tok = (GuardTokenizer(config.tokenizer, metrics, config.tokenizer_check_share)
                      if config.tokenizer else None)

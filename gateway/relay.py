@@ -25,6 +25,7 @@ from kvtether.gateway import telemetry as T
 from kvtether.gateway.errors import sse_error
 from kvtether.gateway.policy.placement import HandleAction, Plan
 from kvtether.gateway.remember import finish, release_hold_back
+from kvtether.gateway.streaming import LastChunk
 from kvtether.gateway.turn import LegResult, Services, TurnContext, UpstreamFailure
 from kvtether.gateway.upstream import UpstreamResponse
 from opentelemetry import trace
@@ -145,7 +146,7 @@ async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, stream: Stream, 
                 finished = True
                 r.result.answer = r.answer.message()
                 await finish(sv, ctx, the_plan, r.result, span, source)
-            yield tail
+            yield LastChunk(tail)
     except httpx.HTTPError as exc:
         failure = UpstreamFailure(the_plan.decode, "aggregated" if sv.config.mode == "aggregated" else "decode",
                                   f"{type(exc).__name__}: {exc}")

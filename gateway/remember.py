@@ -86,9 +86,8 @@ async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRe
     if result.ok and sv.config.mode != "aggregated":
         sv.learning.decode_done(_decode_sample(ctx, the_plan, result), now)
     prefix_key = None
-    if ctx.kind == "chat" and ctx.session_source in ("new", "prefix") and result.answer is not None:
-        _, own_key = B.chat_keys(ctx.body, result.answer)
-        prefix_key = scoped(ctx.tenant, own_key) if own_key is not None else None
+    if ctx.chain is not None and ctx.session_source in ("new", "prefix") and result.answer is not None:
+        prefix_key = scoped(ctx.tenant, ctx.chain.after(result.answer))
     current = await sv.store.get(ctx.session_id)
     base = current or prior
     avg_out, avg_suffix = _running_means(base, result, total)

@@ -17,6 +17,11 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 
+class LastChunk(bytes):
+    """The stream's end (``data: [DONE]`` and what follows it in that read): sent as the answer's last body
+    message, so the chunked body's terminator leaves in the same write instead of one of its own."""
+
+
 class RelayResponse(Response):
     media_type = "text/event-stream"
 
@@ -45,9 +50,14 @@ class RelayResponse(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            state["over"] = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if state["over"]:
+                    continue  # past [DONE]: the relay finishes reading the node (keep-alive), the client is done
+                if type(chunk) is LastChunk:
+                    state["over"] = True
+                await send({"type": "http.response.body", "body": chunk, "more_body": not state["over"]})
+            if not state["over"]:
+                state["over"] = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not state["left"]:
                 raise

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.body import ChatChain
 from kvtether.gateway.cluster import Cluster, host_of, port_of
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
@@ -65,6 +66,9 @@ class TurnContext:
     tenant: str | None = None
     named_session: str | None = None
     upstream_auth: str | None = None
+    # A chat prompt's message-chain hash when the session is found or started by it (identify): the answer
+    # extends it into the key the next turn finds the session by (remember).
+    chain: ChatChain | None = None
 
     @property
     def model(self) -> str:

@@ -96,8 +96,13 @@ def canonical_message(message: Any, *, keep_reasoning: bool = True) -> dict[str,
     return out
 
 
+# One encoder for every call: json.dumps with non-default options builds a new one each time, which cost more
+# than encoding a short message. Same options, same bytes.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def canonical_json(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return _CANONICAL.encode(obj).encode()
 
 
 def _key_bytes(key: str | bytes | None) -> bytes:
@@ -128,6 +133,29 @@ def chain_seed(
     return _b(_key_bytes(key), _SEED_TAG + canonical_json(seed_obj))
 
 
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """The message-chain hash at some point of a conversation, to be extended one message at a time: a turn's
+    prompt is hashed once, and its answer is one more step rather than the whole history again."""
+
+    key: bytes  # the tenant key, folded (_key_bytes)
+    tip: bytes  # h_i: the seed before the first message
+
+    @classmethod
+    def start(cls, model: str | None, tools: Sequence[Any] | None = None,
+              rendering: Mapping[str, Any] | None = None, *, key: str | bytes | None = None) -> Chain:
+        return cls(_key_bytes(key), chain_seed(model, tools, rendering, key=key))
+
+    def extend(self, message: Any, *, keep_reasoning: bool = True) -> Chain:
+        step = canonical_json(canonical_message(message, keep_reasoning=keep_reasoning))
+        return Chain(self.key, _b(self.key, self.tip + step))
+
+    @property
+    def id(self) -> str:
+        """The chain's id as headers and session keys carry it (16 hex chars)."""
+        return self.tip.hex()
+
+
 def prefix_chain(
     messages: Sequence[Any],
     *,
@@ -138,12 +166,11 @@ def prefix_chain(
     keep_reasoning: bool = True,
 ) -> list[str]:
     """Chained ids, one per message: ``ids[i]`` identifies ``messages[: i + 1]`` (16 hex chars)."""
-    k = _key_bytes(key)
-    h = chain_seed(model, tools, rendering, key=key)
+    chain = Chain.start(model, tools, rendering, key=key)
     ids: list[str] = []
     for message in messages:
-        h = _b(k, h + canonical_json(canonical_message(message, keep_reasoning=keep_reasoning)))
-        ids.append(h.hex())
+        chain = chain.extend(message, keep_reasoning=keep_reasoning)
+        ids.append(chain.id)
     return ids
 
 

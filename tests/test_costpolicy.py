@@ -691,3 +691,20 @@ def test_a_snapshot_is_reused_briefly_and_never_past_a_new_sample() -> None:
     after = est.snapshot(20.0)
     assert after is not again and after.tpot_s(D0, 8) > again.tpot_s(D0, 8)
     assert est.snapshot(19.0) is not after  # an earlier `now` is computed, not served from the cache
+
+
+def test_after_a_sample_only_its_kind_is_computed_again_and_the_result_equals_a_fresh_one() -> None:
+    est = Estimator()
+    for i in range(10):
+        est.observe_tpot(D0, 8, 0.05, now=float(i))
+        est.observe_prefill(P0, 1000, 0, 0.3, now=float(i))
+    before = est.snapshot(10.0)
+    est.observe_tpot(D0, 8, 0.2, now=10.01)
+    after = est.snapshot(10.02)
+    assert after.coefficients["prefill"] is before.coefficients["prefill"]  # untouched kind: reused
+    assert after.coefficients["tpot"] is not before.coefficients["tpot"]
+    fresh = Estimator()
+    fresh._fits = est._fits  # same data, no cache: every kind computed at 10.02
+    assert fresh.snapshot(10.02).coefficients["tpot"] == after.coefficients["tpot"]
+    assert fresh.snapshot(10.02).prefill_s(P0, 1000) == pytest.approx(after.prefill_s(P0, 1000), rel=1e-6)
+    assert est.snapshot(10.0 + 2 * SNAPSHOT_REUSE_S).coefficients["prefill"] is not before.coefficients["prefill"]

@@ -288,6 +288,9 @@ class Estimator:
         self.params = params or LearningParams()
         self._fits: dict[Kind, OrderedDict[str, Fit]] = {k: OrderedDict() for k in KINDS}
         self._snapshot: tuple[float, EstimatorSnapshot] | None = None  # the last one, and the `now` it was for
+        # Per kind, its part of the last snapshot and the `now` it was computed for: a sample changes one kind,
+        # so the next snapshot recomputes that kind's fits and reuses the others' (SNAPSHOT_REUSE_S).
+        self._parts: dict[Kind, tuple[float, Mapping[str, tuple[float, ...]], Mapping[str, float]]] = {}
 
     def __len__(self) -> int:
         """Number of fits held (all kinds, "*" included): bounded by 4 × (max_keys + 1)."""
@@ -295,6 +298,7 @@ class Estimator:
 
     def _observe(self, kind: Kind, key: str, x: tuple[float, ...], seconds: float, now: float) -> None:
         self._snapshot = None
+        self._parts.pop(kind, None)
         seed = self.seeds.coefficients(kind)
         fits = self._fits[kind]
         for k in (key, GLOBAL):
@@ -346,31 +350,37 @@ class Estimator:
     def snapshot(self, now: float) -> EstimatorSnapshot:
         """The estimates at `now`. A turn asks several times (plan, TPOT quota, learning) and busy gateways many
         times a second: without a sample since, the one computed less than SNAPSHOT_REUSE_S before stands in
-        (the data's decay over that time, a factor 0.5 ** (0.05 / 600), changes nothing)."""
+        (the data's decay over that time, a factor 0.5 ** (0.05 / 600), changes nothing). After a sample, only
+        the kind it taught is computed again, on the same terms."""
         last = self._snapshot
         if last is not None and 0.0 <= now - last[0] < SNAPSHOT_REUSE_S:
             return last[1]
-        snap = self._compute_snapshot(now)
+        coefficients: dict[str, Mapping[str, tuple[float, ...]]] = {}
+        weights: dict[str, Mapping[str, float]] = {}
+        for kind in KINDS:
+            part = self._parts.get(kind)
+            if part is None or not 0.0 <= now - part[0] < SNAPSHOT_REUSE_S:
+                part = (now, *self._compute_kind(kind, now))
+                self._parts[kind] = part
+            coefficients[kind], weights[kind] = part[1], part[2]
+        snap = EstimatorSnapshot(self.seeds, MappingProxyType(coefficients), MappingProxyType(weights))
         self._snapshot = (now, snap)
         return snap
 
-    def _compute_snapshot(self, now: float) -> EstimatorSnapshot:
-        coefficients: dict[str, Mapping[str, tuple[float, ...]]] = {}
-        weights: dict[str, Mapping[str, float]] = {}
-        for kind, fits in self._fits.items():
-            seed = self.seeds.coefficients(kind)
-            cs: dict[str, tuple[float, ...]] = {}
-            ws: dict[str, float] = {}
-            g = fits.get(GLOBAL)
-            g_theta = g.decayed(now, self.params).theta(self.params) if g is not None else (1.0,) * len(seed)
-            for key, fit in fits.items():
-                cur = fit.decayed(now, self.params)
-                if cur.weight < _NEGLIGIBLE * self.params.min_weight:
-                    continue  # (almost) no data left: the fallback answers
-                # A node's own fit stands on the cluster-wide one, which stands on the seed.
-                th = cur.theta(self.params, None if key == GLOBAL else g_theta)
-                cs[key] = tuple(s * t for s, t in zip(seed, th, strict=True))
-                ws[key] = cur.weight
-            coefficients[kind] = MappingProxyType(cs)
-            weights[kind] = MappingProxyType(ws)
-        return EstimatorSnapshot(self.seeds, MappingProxyType(coefficients), MappingProxyType(weights))
+    def _compute_kind(self, kind: Kind, now: float) -> tuple[Mapping[str, tuple[float, ...]], Mapping[str, float]]:
+        """One kind's coefficients and data weights per key at `now`."""
+        fits = self._fits[kind]
+        seed = self.seeds.coefficients(kind)
+        cs: dict[str, tuple[float, ...]] = {}
+        ws: dict[str, float] = {}
+        g = fits.get(GLOBAL)
+        g_theta = g.decayed(now, self.params).theta(self.params) if g is not None else (1.0,) * len(seed)
+        for key, fit in fits.items():
+            cur = fit.decayed(now, self.params)
+            if cur.weight < _NEGLIGIBLE * self.params.min_weight:
+                continue  # (almost) no data left: the fallback answers
+            # A node's own fit stands on the cluster-wide one, which stands on the seed.
+            th = cur.theta(self.params, None if key == GLOBAL else g_theta)
+            cs[key] = tuple(s * t for s, t in zip(seed, th, strict=True))
+            ws[key] = cur.weight
+        return MappingProxyType(cs), MappingProxyType(ws)

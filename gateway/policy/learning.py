@@ -61,9 +61,10 @@ class DecodeSample:
 
 class Learning:
     def __init__(self, seeds: EstimatorSeeds, params: LearningParams, knobs: PolicyKnobs, *,
-                 request_stall_share: float = 1.0, enabled: bool = True) -> None:
+                 request_stall_share: float = 1.0, enabled: bool = True, steps: bool = True) -> None:
         """`request_stall_share`: each decoding request's TPOT quota (1: none kept, as under fixed policies);
-        `enabled`: whether finished turns update the estimates (off: the seeds stay)."""
+        `enabled`: whether finished turns update the estimates (off: the seeds stay); `steps`: whether chunk
+        arrivals are recorded (only decode-local turns read them: off in aggregated mode)."""
         # Node speeds learned from served turns (prefill, transfer, decode step, queue).
         self.estimator = Estimator(seeds, params)
         self.knobs = knobs
@@ -74,6 +75,7 @@ class Learning:
         self._exposure_keys = itertools.count()
         # Per decode node: when its streamed chunks arrived (one burst per engine step).
         self.chunk_times = ChunkTimes()
+        self.steps = steps
         # Where recent turns' estimated TTFT tail starts (the tail-aware objective's threshold).
         self.tail = TailTracker(knobs.tail_quantile)
         # Per prefill node: tokens of new KV it took in (what evicts its older cached blocks; copies.py).
@@ -137,7 +139,8 @@ class Learning:
         self.prefill_written[node] = self.prefill_written.get(node, 0) + PC.new_kv_tokens(prompt_tokens, hit)
 
     def chunk_arrived(self, node: str, at: float) -> None:
-        self.chunk_times.record(node, at)
+        if self.steps:
+            self.chunk_times.record(node, at)
 
     def arrivals_since(self, node: str, after: float) -> tuple[float, ...]:
         """The last few chunk arrivals on `node` after `after`: the step boundaries a decode-local turn's
