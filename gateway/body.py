@@ -7,7 +7,7 @@ testable without a network.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -302,9 +302,3 @@ def cached_tokens(usage: Any) -> int:
     if isinstance(details, Mapping) and isinstance(details.get("cached_tokens"), int):
         return int(details["cached_tokens"])
     return 0
-
-
-def held_tokens(prompt_ids: Sequence[int] | None, output_ids: Sequence[int] | None, num_tokens: int) -> list[int]:
-    """The first ``num_tokens`` of prompt + output: D's handle covers prompt + generated − 1 tokens."""
-    seq = list(prompt_ids or []) + list(output_ids or [])
-    return seq[:num_tokens]

@@ -92,7 +92,7 @@ def _known_prefix(prefix: HeldSequence | None, tokens: Sequence[int], block_size
     if theirs is None:
         return ()
     n = len(prefix.hashes) * block_size
-    same = _first_difference(array("q", tokens[:n]), theirs[:n])
+    same = _first_difference(as_tokens(tokens[:n]), theirs[:n])
     return prefix.hashes[: same // block_size]
 
 

@@ -80,9 +80,8 @@ async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRe
     total: int | None = None
     if result.ok and result.prompt_ids is not None and policy == "auto":
         total = len(result.prompt_ids) + len(result.output_ids)
-        cached = HeldSequence.from_tokens(
-            B.held_tokens(result.prompt_ids, result.output_ids, max(0, total - 1)), block_size,
-            prefix=held or _previous(ctx))
+        cached = HeldSequence.from_tokens(result.sequence()[:max(0, total - 1)], block_size,
+                                          prefix=held or _previous(ctx))
     if result.ok and sv.config.mode != "aggregated":
         sv.learning.decode_done(_decode_sample(ctx, the_plan, result), now)
     prefix_key = None
@@ -157,8 +156,7 @@ def _kept(sv: Services, result: LegResult, params: dict[str, Any], decode: str, 
     n = handle_num_tokens(handle)
     if not (sv.config.guarded and n and result.prompt_ids is not None):
         return handle, None
-    tokens = B.held_tokens(result.prompt_ids, result.output_ids, n)
-    return handle, HeldSequence.from_tokens(tokens, block_size, prefix=prefix)
+    return handle, HeldSequence.from_tokens(result.sequence()[:n], block_size, prefix=prefix)
 
 
 def _previous(ctx: TurnContext) -> HeldSequence | None:

@@ -8,6 +8,7 @@ HTTP clients and the policy's :class:`~kvtether.gateway.policy.learning.Learning
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,16 @@ class LegResult:
     # Counted in its D's `holding_back` (first token out, first delta not yet): released once, by the first
     # delta or the end of the leg.
     holding_back: bool = False
+    _sequence: array[int] | None = field(default=None, init=False, repr=False)  # sequence(), once the stream is over
+
+    def sequence(self) -> array[int]:
+        """Prompt + output ids as one int64 array (the guard's form), built once per turn: the held sequences
+        remembered after it are slices of it, where each used to convert its own ~16k-element list."""
+        if self._sequence is None:
+            seq = array("q", self.prompt_ids or ())
+            seq.extend(self.output_ids)
+            self._sequence = seq
+        return self._sequence
 
     def time_output(self, n: int, t: float) -> None:
         """Timestamps of streamed output: gaps after the first chunk are decode steps (TPOT samples)."""

@@ -376,7 +376,19 @@ def test_tokenize_body_and_literal_ids() -> None:
     assert t["chat_template_kwargs"] == {"enable_thinking": False}
     assert B.tokenize_body("completions", {"model": "m", "prompt": ["a", "b"]}) is None
     assert B.literal_prompt_ids("completions", {"prompt": [1, 2, 3]}) == [1, 2, 3]
-    assert B.held_tokens([1, 2, 3], [4, 5], 4) == [1, 2, 3, 4]
+
+
+def test_a_turns_sequence_is_built_once_and_its_slices_hold_what_lists_would() -> None:
+    from kvtether.gateway.turn import LegResult
+
+    prompt, output = list(range(100, 140)), [7, 8, 9]
+    result = LegResult(prompt_ids=prompt, output_ids=output)
+    seq = result.sequence()
+    assert list(seq) == prompt + output and result.sequence() is seq
+    previous = HeldSequence.from_tokens(prompt[:32], 16)
+    for n in (0, 15, 16, 41, 42):
+        from_array = HeldSequence.from_tokens(seq[:n], 16, prefix=previous)
+        assert from_array == HeldSequence.from_tokens((prompt + output)[:n], 16)
 
 
 def test_parse_vllm_metrics() -> None:
