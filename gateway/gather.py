@@ -38,8 +38,9 @@ async def gather(sv: Services, ctx: TurnContext, round_robin: int) -> Gathered:
     if state is not None and ctx.session_id is not None and policy in ("pull", "reference", "auto"):
         taken = await sv.store.take_handle(ctx.session_id)
         if taken is None and state.handle is not None:
-            # A concurrent turn of the same session took it first: this one goes cold.
-            sv.metrics.handle_outcomes.labels("lost_race").inc()
+            # A concurrent turn of the same session took it first, or the store could not hand it out (it
+            # answered the read just before): either way this one goes cold.
+            sv.metrics.handle_outcomes.labels("lost_race" if sv.store.available else "store_unavailable").inc()
         if taken is not None:
             age = sv.clock() - taken.handle_at
             handle_state = HandleState.EXPIRED if age >= sv.config.session_ttl_s else HandleState.PRESENT

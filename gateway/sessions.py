@@ -57,6 +57,12 @@ class TakenHandle:
 
 
 class SessionStore(Protocol):
+    @property
+    def available(self) -> bool:
+        """Whether the store answered its last call (a fail-safe store answers for it, safely, while it is
+        away): tells a handle another turn took from one the store could not hand out."""
+        ...
+
     async def get(self, session_id: str) -> SessionState | None: ...
 
     async def put(self, state: SessionState) -> None: ...

@@ -28,6 +28,8 @@ from kvtether.gateway.app import create_app
 from kvtether.gateway.cluster import sample_sum
 from kvtether.gateway.config import GatewayConfig, load_config
 from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.sessions import TakenHandle
+from kvtether.gateway.stores import FailSafeStore, MemorySessionStore
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 
 pytestmark = pytest.mark.anyio
@@ -52,7 +54,7 @@ class Rig:
 
 @contextlib.asynccontextmanager
 async def rig(*, prefill: int = 1, decode: int = 1, aggregated: int = 0, sim: dict[str, Any] | None = None,
-              **gw: Any) -> AsyncIterator[Rig]:
+              store: Any = None, **gw: Any) -> AsyncIterator[Rig]:
     # These tests pin down the pull mechanics: policy "pull" unless a test asks otherwise ("auto" may run a
     # turn on D instead; tests/test_gateway_auto.py covers it).
     gw.setdefault("policy", "pull")
@@ -65,7 +67,7 @@ async def rig(*, prefill: int = 1, decode: int = 1, aggregated: int = 0, sim: di
             cfg = load_config(None, aggregated=cluster.aggregated_urls, **gw)
         else:
             cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, **gw)
-        app = create_app(cfg)
+        app = create_app(cfg, store=store)
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             yield Rig(cluster, oracle.aggregated_urls[0], url, app, client)
 
@@ -251,6 +253,29 @@ async def test_gateway_side_expiry_goes_cold() -> None:
         want = await chat(r.client, r.oracle, request_body(messages, stream=False), clean=False)
         assert comparable(got) == comparable(want)
         assert await outcome(r, "attached") == 0
+
+
+async def test_a_handle_the_store_cannot_hand_out_is_counted_as_such_not_as_a_lost_race() -> None:
+    class TakeFails(MemorySessionStore):
+        failing = False
+
+        async def take_handle(self, session_id: str) -> TakenHandle | None:
+            if self.failing:
+                raise ConnectionError("store went away")
+            return await super().take_handle(session_id)
+
+    inner = TakeFails()
+    async with rig(store=FailSafeStore(inner, timeout_s=1.0, cooldown_s=0.01)) as r:
+        messages = first_messages(7)
+        h = {"x-session-id": "flaky"}
+        got = await chat(r.client, r.url, request_body(messages, stream=False), h)
+        inner.failing = True  # the session (and its handle) is read; taking the handle fails
+        messages = next_messages(messages, got, 7, 0)
+        got = await chat(r.client, r.url, request_body(messages, stream=True), h)
+        want = await chat(r.client, r.oracle, request_body(messages, stream=False), clean=False)
+        assert comparable(got) == comparable(want)  # cold, and right
+        assert await outcome(r, "store_unavailable") == 1
+        assert await outcome(r, "lost_race") == 0 and await outcome(r, "attached") == 0
 
 
 @pytest.mark.parametrize("how", ["fail", "stop"])

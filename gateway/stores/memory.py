@@ -12,6 +12,8 @@ from kvtether.gateway.sessions import SessionState, TakenHandle
 class MemorySessionStore:
     """Single-process store. Methods never await, so each is atomic on the event loop."""
 
+    available = True  # in-process: every call answers
+
     def __init__(self, *, max_sessions: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._by_prefix: dict[str, str] = {}

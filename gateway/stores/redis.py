@@ -83,6 +83,8 @@ def connect(url: str, *, timeout_s: float, max_connections: int = 256) -> aiored
 class RedisSessionStore:
     """The shared store (module docstring). Calls raise on any fault; wrap it in FailSafeStore."""
 
+    available = True  # a call that got no answer raised instead
+
     def __init__(self, client: aioredis.Redis, *, key_prefix: str, handle_ttl_s: float,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
                  list_limit: int = 1000) -> None:
