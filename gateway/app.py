@@ -128,6 +128,9 @@ def _completion_route(kind: str) -> Callable[[Request], Awaitable[Response]]:
                 tenant = gw.auth.tenant(headers)
                 body = await V.read_json(request, gw.config.max_body_bytes)
                 await _validate(gw, kind, body, headers)
+                salt = gw.auth.cache_salt(tenant, body.get("cache_salt"))
+                if salt is not None:
+                    body["cache_salt"] = salt
                 T.set_attrs(span, {T.GEN_AI_REQUEST_MODEL: body.get("model"),
                                    T.GEN_AI_REQUEST_STREAM: body.get("stream") is True or None})
                 response = await gw.orchestrator.handle(kind, body, headers, span, tenant=tenant,

@@ -4,6 +4,11 @@ With API keys configured every request must carry one (``Authorization: Bearer <
 namespaces the caller's sessions (``scoped``), so one tenant can never name — and so never reuse the pin,
 handle or held KV of — another tenant's session, whatever session id it sends. Keys are compared by their
 SHA-256 digest, so the lookup's timing says nothing about a key's characters.
+
+The engines' prefix caches are kept apart the same way (``cache_salt``): vLLM salts a request's block hashes
+with it, so a request only hits blocks cached by requests of the same salt. A tenant's salt is an HMAC keyed
+by a digest of that tenant's own API keys: every replica derives the same one without configuration, no other
+tenant can compute it, and a salt a client sends only divides its own tenant's cache further.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ def bearer(headers: Mapping[str, str]) -> str | None:
 class Auth:
     def __init__(self, config: GatewayConfig) -> None:
         self._tenants = {_digest(k): t for k, t in config.api_keys.items()}
+        self._salt_keys: dict[str, bytes] = {}
+        if config.tenant_cache_salt:
+            for tenant in set(self._tenants.values()):
+                own = sorted(d for d, t in self._tenants.items() if t == tenant)
+                self._salt_keys[tenant] = hashlib.sha256(b"kvtether-cache-salt\0" + b"".join(own)).digest()
         self._admin = _digest(config.admin_key) if config.admin_key else None
         self._upstream = config.upstream_api_key
 
@@ -57,6 +67,15 @@ class Auth:
         if key is None or not hmac.compare_digest(_digest(key), self._admin):
             raise GatewayError(401, "the admin key is required (Authorization: Bearer <admin key>)",
                                code="invalid_admin_key")
+
+    def cache_salt(self, tenant: str | None, requested: str | None) -> str | None:
+        """The `cache_salt` every leg of the caller's request carries: the tenant's, with the client's own salt
+        folded in (None: no tenants, or tenant salts off; the client's salt then goes through as it is)."""
+        key = self._salt_keys.get(tenant) if tenant is not None else None
+        if key is None:
+            return requested
+        mixed = hmac.new(key, b"" if requested is None else b"\1" + requested.encode(), hashlib.sha256)
+        return mixed.hexdigest()
 
     def upstream_authorization(self, headers: Mapping[str, str]) -> str | None:
         """The Authorization header the legs send vLLM: the configured upstream key, else the client's own

@@ -142,6 +142,11 @@ class GatewayConfig:
     # is set every request must carry one (Authorization: Bearer), and sessions are namespaced by tenant, so
     # the same session id from two tenants never shares a pin, a handle or a held sequence. Empty: no auth.
     api_keys: dict[str, str] = field(default_factory=dict)
+    # With API keys: every leg carries a `cache_salt` of the caller's tenant (derived from its keys, combined
+    # with any salt the client sent), so vLLM's prefix caches never serve one tenant's blocks to another (a
+    # cache hit is a timing signal: it would tell a tenant what another one sent). Off: tenants share cached
+    # prefixes, e.g. a common system prompt.
+    tenant_cache_salt: bool = True
     # The key /admin/* needs (env KVTETHER_ADMIN_KEY). Unset: /admin/* is open without API keys (a local
     # gateway) and closed with them.
     admin_key: str | None = None

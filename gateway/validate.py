@@ -43,6 +43,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 # A session id travels in headers, logs, spans and store keys: printable, no spaces, bounded.
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:~/@+=\-]{1,256}")
 _PREFIX_ID = re.compile(r"[0-9a-fA-F]{1,128}")
+MAX_CACHE_SALT = 1_024
 _MAX_N = 128  # choices per request (aggregated mode); vLLM's own default limit on best_of/n is of this order
 
 
@@ -128,6 +129,9 @@ def check_body(kind: str, body: dict[str, Any], *, pd: bool) -> None:
     for name in ("stream_options", "response_format", "chat_template_kwargs", "logit_bias", "metadata"):
         if body.get(name) is not None and not isinstance(body[name], dict):
             raise bad(f"{name} must be an object", name)
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT):
+        raise bad(f"cache_salt must be a string of 1-{MAX_CACHE_SALT} characters", "cache_salt")
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                            and all(isinstance(s, str) for s in stop))):

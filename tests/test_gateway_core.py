@@ -589,3 +589,21 @@ def test_decode_nodes_the_pin_left_are_cut_to_the_prompts_overlap() -> None:
     assert cut(left, 6000) == (("http://d1", 4000), ("http://d2", 6000))
     assert cut(left, 0) == ()
     assert cut(left, 12000, drop="http://d2") == (("http://d1", 4000),)
+
+
+def test_tenant_cache_salts_are_stable_across_replicas_distinct_per_tenant_and_unguessable() -> None:
+    from kvtether.gateway.auth import Auth
+
+    keys = {"key-a-000001": "A", "key-a-000002": "A", "key-b-000003": "B"}
+    one, two = Auth(GatewayConfig(api_keys=keys)), Auth(GatewayConfig(api_keys=dict(reversed(keys.items()))))
+    a, b = one.cache_salt("A", None), one.cache_salt("B", None)
+    assert a is not None and b is not None and a != b
+    assert two.cache_salt("A", None) == a  # another replica, same keys: the same salt
+    assert "A" not in a and one.cache_salt("A", "user-1") not in (a, "user-1")
+    assert one.cache_salt("A", "user-1") != one.cache_salt("B", "user-1")
+    # A tenant's salt hangs on its own keys only.
+    assert Auth(GatewayConfig(api_keys={**keys, "key-b-000004": "B"})).cache_salt("A", None) == a
+    assert Auth(GatewayConfig(api_keys={**keys, "key-a-000005": "A"})).cache_salt("A", None) != a
+    # Off, or without tenants: the client's salt as sent.
+    assert Auth(GatewayConfig(api_keys=keys, tenant_cache_salt=False)).cache_salt("A", "u") == "u"
+    assert Auth(GatewayConfig()).cache_salt(None, "u") == "u" and Auth(GatewayConfig()).cache_salt(None, None) is None

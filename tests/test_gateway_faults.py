@@ -207,6 +207,32 @@ def _as(tenant: str, session: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}", "x-session-id": session}
 
 
+@pytest.mark.parametrize("salted", [True, False])
+async def test_tenants_do_not_hit_each_others_prefix_cache_unless_told_to(salted: bool) -> None:
+    """A prefix-cache hit is a timing signal: with tenant salts, tenant B sending exactly what tenant A sent
+    finds nothing of it cached on P, while another session of A's hits it."""
+    async with rig(prefill=1, decode=1, api_keys=KEYS, tenant_cache_salt=salted) as r:
+        msgs = first_messages(9)
+        body = request_body(msgs, stream=False)
+
+        async def source(tenant: str, session: str, **extra: Any) -> str:
+            resp = await r.client.post(f"{r.url}/v1/chat/completions", json={**body, **extra},
+                                       headers=_as(tenant, session))
+            assert resp.status_code == 200, resp.text
+            return str(resp.headers["x-kvtether-reuse-source"])
+
+        assert await source("A", "first") == "none"
+        assert await source("B", "other") == ("none" if salted else "prefill_cache")
+        assert await source("A", "second") == "prefill_cache"
+        # A client's own salt divides its tenant's cache further, and never reaches another tenant's.
+        assert await source("A", "third", cache_salt="user-1") == "none"
+        assert await source("A", "fourth", cache_salt="user-1") == "prefill_cache"
+        assert await source("B", "fifth", cache_salt="user-1") == ("none" if salted else "prefill_cache")
+        bad = await r.client.post(f"{r.url}/v1/chat/completions", json={**body, "cache_salt": ""},
+                                  headers=_as("A", "x"))
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
 async def test_a_tenant_naming_another_tenants_session_is_answered_cold_never_with_its_kv() -> None:
     """Tenant B sends tenant A's session id with A's exact history (a perfect extension of what A's decode
     node holds): B's turn gets no handle, reads nothing from D, and A's next turn still pulls its own."""

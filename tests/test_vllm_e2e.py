@@ -223,10 +223,11 @@ async def test_token_sessions_pull_on_every_eligible_turn(pair: Backend) -> None
     """Exact token-id histories (`/v1/completions`): every turn after a non-streamed one is eligible; P pulls
     the held KV from D (p2p counter) and the answer equals the reference."""
     rng = random.Random(uuid.uuid4().int)
-    # policy "pull": "auto" may run a short suffix on D itself (decode_local), which needs no pull.
-    async with gateway(pair, policy="pull") as r:
+    # policy "pull": "auto" may run a short suffix on D itself (decode_local), which needs no pull. With a
+    # tenant: every leg carries its cache_salt, which must not get in the pull's way.
+    async with gateway(pair, policy="pull", api_keys={"key-tokens-0001": "T"}) as r:
         tag = f"tok-{uuid.uuid4().hex[:6]}"
-        hdr = {"x-session-id": tag}
+        hdr = {"x-session-id": tag, "authorization": "Bearer key-tokens-0001"}
         prompt = [rng.randrange(16, 4000) for _ in range(500)]
         pulls = 0
         done: list[tuple[dict[str, Any], list[int]]] = []
