@@ -189,7 +189,10 @@ def _prefill_learned(sv: Services, ctx: TurnContext, node: str, usage: Any, cach
     prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     if not isinstance(prompt, int):
         return
-    pulled = (handle_num_tokens(kv) or 0) if kv is not None else 0
+    # P reads from D only what its own cache lacks of the handle (min(handle, prompt) − its own hit), so a
+    # handle whose head P already held is not a pull of all its tokens; P's own hit is the plan's estimate.
+    offered = min(handle_num_tokens(kv) or 0, prompt) if kv is not None else 0
+    pulled = max(0, offered - ctx.prefill_cached.get(node, 0))
     holder = ctx.state.decode if ctx.state is not None else None
     sv.learning.prefill_done(node, prompt, cached, seconds, now=sv.clock(), load=ctx.load_at_plan(node),
                              pulled_tokens=pulled, pulled_from=holder)

@@ -607,3 +607,32 @@ def test_tenant_cache_salts_are_stable_across_replicas_distinct_per_tenant_and_u
     # Off, or without tenants: the client's salt as sent.
     assert Auth(GatewayConfig(api_keys=keys, tenant_cache_salt=False)).cache_salt("A", "u") == "u"
     assert Auth(GatewayConfig()).cache_salt(None, "u") == "u" and Auth(GatewayConfig()).cache_salt(None, None) is None
+
+
+def test_a_pull_is_learned_as_what_p_lacked_of_the_handle_not_the_whole_handle() -> None:
+    from types import SimpleNamespace
+
+    from kvtether.gateway.legs import _prefill_learned
+    from kvtether.gateway.turn import TurnContext
+
+    seen: list[dict[str, object]] = []
+
+    class Spy:
+        def prefill_done(self, node: str, prompt: int, cached: int, seconds: float, **kw: object) -> None:
+            seen.append({"prompt": prompt, "cached": cached, **kw})
+
+        def wrote(self, node: str, prompt: int, hit: int) -> None:
+            pass
+
+    sv = SimpleNamespace(learning=Spy(), clock=lambda: 5.0)
+    state = SessionState("s", decode="http://d0", expires_at=9.0, created_at=0.0)
+    ctx = TurnContext("chat", {}, {}, False, False, "s", "header", state, 0.0, None)  # type: ignore[arg-type]
+    handle = {"remote_num_tokens": 1000}
+    ctx.prefill_cached = {"http://p0": 640}  # P still holds the session's first 640 tokens itself
+    _prefill_learned(sv, ctx, "http://p0", {"prompt_tokens": 1200}, 1000, 0.2, handle)  # type: ignore[arg-type]
+    ctx.prefill_cached = {}
+    _prefill_learned(sv, ctx, "http://p0", {"prompt_tokens": 1200}, 1000, 0.2, handle)  # type: ignore[arg-type]
+    _prefill_learned(sv, ctx, "http://p0", {"prompt_tokens": 800}, 800, 0.2, handle)  # type: ignore[arg-type]
+    _prefill_learned(sv, ctx, "http://p0", {"prompt_tokens": 1200}, 0, 0.2, None)  # type: ignore[arg-type]
+    assert [s["pulled_tokens"] for s in seen] == [360, 1000, 800, 0]
+    assert all(s["pulled_from"] == "http://d0" for s in seen)
