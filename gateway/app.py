@@ -70,7 +70,8 @@ class Gateway:
             connect_timeout_s=config.connect_timeout_s, write_timeout_s=config.write_timeout_s,
             pool_timeout_s=config.pool_timeout_s, max_connections=config.max_connections,
             max_keepalive_connections=config.max_keepalive_connections, keepalive_expiry_s=config.keepalive_expiry_s))
-        self.cluster = Cluster(config, self.client)
+        self.cluster = Cluster(config, self.client,
+                               on_poll_failure=lambda url: self.metrics.upstream_errors.labels(url, "metrics").inc())
         self.orchestrator = Orchestrator(config, self.cluster, self.store, self.metrics, self.upstream,
                                          self.tokenize_client, tracer=self.tracer)
 

@@ -166,9 +166,11 @@ def parse_metrics(text: str) -> dict[str, float | int]:
 
 
 class Cluster:
-    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient) -> None:
+    def __init__(self, config: GatewayConfig, client: httpx.AsyncClient,
+                 on_poll_failure: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.client = client
+        self.on_poll_failure = on_poll_failure  # a node's /metrics poll failed (its URL): counted by the app
         self._arrival_ids = itertools.count()
         # Set when a node is taken out, so the health prober (health.py) probes it without waiting.
         self.wake: anyio.Event | None = None
@@ -345,6 +347,8 @@ class Cluster:
                 self.back_in(node, "metrics answer again")
         except (httpx.HTTPError, ValueError) as exc:
             node.last_error = f"poll failed: {type(exc).__name__}: {exc}"
+            if self.on_poll_failure is not None:
+                self.on_poll_failure(node.url)
             # A slow or failed /metrics is no proof the node is down (a busy engine answers it late): it is
             # out only if its /health fails too.
             if not await self.alive(node):

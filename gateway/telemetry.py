@@ -104,8 +104,8 @@ PROVIDER = "openai"
 REUSE_SOURCES = ("decode_pull", "prefill_cache", "decode_local", "none")
 GUARD_VERDICTS = ("match", "partial", "refused")
 MODES = ("pd", "aggregated")
-HANDLE_OUTCOMES = ("attached", "truncated", "refused_by_guard", "expired", "missing", "lost_race", "store_unavailable",
-                   "retried_cold")
+HANDLE_OUTCOMES = ("attached", "truncated", "refused_by_guard", "expired", "missing", "unused_local", "unused_cold",
+                   "lost_race", "store_unavailable", "retried_cold")
 PHASES = ("tokenize", "prefill", "decode", "aggregated", "metrics")
 
 M_TTFT = "kvtether_ttft_seconds"

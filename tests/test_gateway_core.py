@@ -517,7 +517,7 @@ def test_auto_short_suffix_runs_on_the_pinned_decode_without_a_prefill() -> None
     p = plan(auto(), cluster(d2=NodeLoad(D2)))
     assert p.action is HandleAction.DECODE_LOCAL and p.prefill is None and p.decode == D2 and p.reuse_tokens == 0
     assert p.decision is not None and p.decision.option == "decode_local"
-    assert p.reason.startswith("auto -> decode_local") and p.handle_outcome is None
+    assert p.reason.startswith("auto -> decode_local") and p.handle_outcome == "unused_local"
 
 
 def test_auto_long_suffix_pulls_exact_or_truncated() -> None:
@@ -530,6 +530,13 @@ def test_auto_long_suffix_pulls_exact_or_truncated() -> None:
     p = plan(auto(prompt_tokens=17_000, suffix_tokens=5_000, reuse_tokens=8_000, decode_cached_tokens=8_000),
              idle, None, limit)
     assert p.action is HandleAction.TRUNCATE and p.reuse_tokens == 8_000 and p.handle_outcome == "truncated"
+    # A link so slow that recomputing beats reading: the verified handle is left unused, and counted so.
+    from kvtether.gateway.policy.estimates import EstimatorSeeds, EstimatorSnapshot
+
+    slow = EstimatorSnapshot(EstimatorSeeds(transfer_latency_s=2.0, transfer_s_per_token=1e-3))
+    p = plan(auto(prompt_tokens=17_000, suffix_tokens=5_000, decode_cached_tokens=0), idle, slow, limit)
+    assert p.action is HandleAction.NONE and p.decision is not None and p.decision.option == "cold"
+    assert p.handle_outcome == "unused_cold"
 
 
 def test_auto_pull_onto_a_lighter_decode_moves_the_pin_and_still_attaches_the_handle() -> None:
@@ -636,3 +643,27 @@ def test_a_pull_is_learned_as_what_p_lacked_of_the_handle_not_the_whole_handle()
     _prefill_learned(sv, ctx, "http://p0", {"prompt_tokens": 1200}, 0, 0.2, None)  # type: ignore[arg-type]
     assert [s["pulled_tokens"] for s in seen] == [360, 1000, 800, 0]
     assert all(s["pulled_from"] == "http://d0" for s in seen)
+
+
+@pytest.mark.anyio
+async def test_a_failed_poll_is_counted_and_takes_a_node_out_only_when_its_health_fails_too() -> None:
+    import httpx
+    from kvtether.gateway.cluster import Cluster
+
+    health = {"status": 200}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(500, text="busy")
+        return httpx.Response(health["status"], json={})
+
+    failed: list[str] = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        c = Cluster(GatewayConfig(prefill=["http://p:1"], decode=["http://d:1"]), client,
+                    on_poll_failure=failed.append)
+        node = c.nodes["http://d:1"]
+        await c.refresh(node)
+        assert failed == ["http://d:1"] and node.healthy  # a slow or failing /metrics alone proves nothing
+        health["status"] = 503
+        await c.refresh(node)
+        assert failed == ["http://d:1"] * 2 and not node.healthy

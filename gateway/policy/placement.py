@@ -80,7 +80,8 @@ class Plan:
     action: HandleAction
     reuse_tokens: int
     reason: str
-    handle_outcome: str | None = None  # attached | truncated | refused_by_guard | expired | missing
+    # attached | truncated | refused_by_guard | expired | missing | unused_local | unused_cold (auto)
+    handle_outcome: str | None = None
     re_placed: bool = False
     decision: CostDecision | None = None  # auto: the cost model's choice, estimates and reason
 
@@ -243,16 +244,21 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
     re_placed = pinned is not None and d.decode_url != pinned
     if re_placed and not pinned_alive and refused is None and turn.handle is HandleState.PRESENT:
         refused = "missing"  # the handle is on the lost decode node, as the pull rule reports it
+    # A verified handle the choice leaves unused still gets an outcome, so every turn with a handle counts once.
+    unused = refused is None and turn.handle is HandleState.PRESENT and reuse > 0
     if d.option == "decode_local":
-        return Plan(None, d.decode_url, HandleAction.DECODE_LOCAL, 0, d.reason, refused, re_placed, d)
+        # D computes the suffix after its own prefix-cache hit; the handle stays for a later pull.
+        outcome = "unused_local" if unused else refused
+        return Plan(None, d.decode_url, HandleAction.DECODE_LOCAL, 0, d.reason, outcome, re_placed, d)
     assert d.prefill_url is not None
     if d.option == "pull":
         exact = d.reuse_tokens == turn.handle_tokens == turn.reuse_tokens
         action, outcome = (HandleAction.ATTACH, "attached") if exact else (HandleAction.TRUNCATE, "truncated")
         return Plan(d.prefill_url, d.decode_url, action, d.reuse_tokens, d.reason, outcome, re_placed, d)
-    # A verified handle that cold leaves unused (pull was dearer) has no outcome of its own: the orchestrator
-    # drops it (the P/D turn leaves a fresh one behind).
-    return Plan(d.prefill_url, d.decode_url, HandleAction.NONE, 0, d.reason, refused, re_placed, d)
+    # A verified handle that cold leaves unused (pull was dearer): the orchestrator drops it (the P/D turn leaves
+    # a fresh one behind).
+    outcome = "unused_cold" if unused else refused
+    return Plan(d.prefill_url, d.decode_url, HandleAction.NONE, 0, d.reason, outcome, re_placed, d)
 
 
 def _plan_reference(turn: Turn, cluster: ClusterView) -> Plan:
