@@ -24,7 +24,7 @@ from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.errors import sse_error
 from kvtether.gateway.policy.placement import HandleAction, Plan
-from kvtether.gateway.remember import finish, release_hold_back
+from kvtether.gateway.remember import finish, read_identity, release_hold_back
 from kvtether.gateway.streaming import LastChunk
 from kvtether.gateway.turn import LegResult, Services, TurnContext, UpstreamFailure
 from kvtether.gateway.upstream import UpstreamResponse
@@ -230,6 +230,7 @@ class _Reader:
         result, ctx, node = self.result, self.ctx, self.the_plan.decode
         if result.first_chunk is None and chunk.get("choices"):
             result.first_chunk = now - ctx.t0
+            read_identity(chunk, result)
             # Only a decode-local turn's mixed step is learned from; read before this stream's own first chunk
             # joins the record, so only other streams' bursts are in it.
             if ctx.final_leg_at is not None and self.the_plan.action is HandleAction.DECODE_LOCAL:

@@ -42,6 +42,7 @@ async def finish(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResu
         if the_plan.prefill is None and source == "none" and B.cached_tokens(usage):
             source = "prefill_cache"
         T.set_attrs(span, {T.GEN_AI_RESPONSE_FINISH_REASONS: result.finish_reasons or None,
+                           T.GEN_AI_RESPONSE_ID: result.response_id, T.GEN_AI_RESPONSE_MODEL: result.response_model,
                            T.GEN_AI_USAGE_INPUT: usage.get("prompt_tokens"),
                            T.GEN_AI_USAGE_OUTPUT: usage.get("completion_tokens"),
                            T.GEN_AI_USAGE_CACHE_READ: B.cached_tokens(usage) if usage else None,
@@ -223,6 +224,7 @@ def read_body(data: dict[str, Any], result: LegResult) -> None:
     params = data.get(B.KV_FIELD)
     result.handle = params if isinstance(params, dict) else None
     result.prompt_ids = B.prompt_ids_of(data)
+    read_identity(data, result)
     choices = data.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         first = choices[0]
@@ -231,3 +233,10 @@ def read_body(data: dict[str, Any], result: LegResult) -> None:
         if first.get("finish_reason"):
             result.finish_reasons = [str(c.get("finish_reason")) for c in choices if isinstance(c, dict)]
     result.ok = bool(result.finish_reasons)
+
+
+def read_identity(data: dict[str, Any], result: LegResult) -> None:
+    """The answer's id and model, from a whole answer or a stream's first chunk."""
+    rid, model = data.get("id"), data.get("model")
+    result.response_id = rid if isinstance(rid, str) else None
+    result.response_model = model if isinstance(model, str) else None

@@ -106,6 +106,9 @@ class LegResult:
     answer: dict[str, Any] | None = None
     usage: Any = None
     finish_reasons: list[str] = field(default_factory=list)
+    # The answer's id and model as the node reported them (gen_ai.response.id / .model on the leg's span).
+    response_id: str | None = None
+    response_model: str | None = None
     ttft: float | None = None
     # Since the turn's start, the stream's first chunk with choices: vLLM sends its role chunk with the first
     # engine output, so this is when D produced the first token. TTFT (above) may come several decode steps

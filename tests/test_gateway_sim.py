@@ -418,6 +418,11 @@ async def test_spans_per_request_and_leg() -> None:
     attrs = dict(decode.attributes or {})
     assert attrs["gen_ai.conversation.id"] == "traced" and attrs["kvtether.reuse.source"] == "decode_pull"
     assert attrs["kvtether.ttft_s"] > 0 and "gen_ai.response.time_to_first_chunk" in attrs
+    # The node's own answer id and model, streamed (the last decode leg) and whole (the first).
+    for leg in [s for s in legs if dict(s.attributes or {})["kvtether.leg"] == "decode"]:
+        a = dict(leg.attributes or {})
+        assert str(a["gen_ai.response.id"]).startswith(("chatcmpl-", "cmpl-")) and a["gen_ai.response.model"] == MODEL
+    assert all({"gen_ai.response.id", "gen_ai.response.model"} <= set(dict(s.attributes or {})) for s in legs)
     plan = [s for s in spans if s.name == "kvtether.plan"][-1]
     assert dict(plan.attributes or {})["kvtether.plan.action"] == "attach"
 
