@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvtether.gateway.policy import (
     CostDecision,
     NodeLoad,
@@ -708,3 +710,16 @@ def test_after_a_sample_only_its_kind_is_computed_again_and_the_result_equals_a_
     assert fresh.snapshot(10.02).coefficients["tpot"] == after.coefficients["tpot"]
     assert fresh.snapshot(10.02).prefill_s(P0, 1000) == pytest.approx(after.prefill_s(P0, 1000), rel=1e-6)
     assert est.snapshot(10.0 + 2 * SNAPSHOT_REUSE_S).coefficients["prefill"] is not before.coefficients["prefill"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 3), st.lists(st.floats(-50, 50), min_size=12, max_size=12), st.floats(0.01, 40.0))
+def test_the_closed_form_ridge_solve_agrees_with_elimination(dim: int, values: list[float], lam: float) -> None:
+    from kvtether.gateway.policy.estimates import _eliminate, _solve
+
+    # A ridge system as the fits build one: Σ g·gᵀ + λI, with its right-hand side.
+    rows = [values[i * dim:(i + 1) * dim] for i in range(3)]
+    a = [[sum(r[i] * r[j] for r in rows) + (lam if i == j else 0.0) for j in range(dim)] for i in range(dim)]
+    b = values[9:9 + dim]
+    got, want = _solve([row[:] for row in a], b[:]), _eliminate([row[:] for row in a], b[:])
+    assert got == pytest.approx(want, rel=1e-6, abs=1e-9)

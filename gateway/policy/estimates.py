@@ -162,7 +162,21 @@ class Fit:
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting; `a` is symmetric positive definite (ridge), d ≤ 3."""
+    """`a`·x = `b` for the ridge system (symmetric positive definite, d ≤ 3): closed form for d ≤ 2 (a sample is
+    learned on every turn, and these are the TPOT, transfer and queue fits), elimination for the prefill fit."""
+    n = len(b)
+    if n == 1:
+        return [b[0] / a[0][0]] if abs(a[0][0]) >= 1e-300 else [1.0]
+    if n == 2:
+        det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
+        if abs(det) < 1e-300:
+            return [1.0, 1.0]
+        return [(b[0] * a[1][1] - a[0][1] * b[1]) / det, (a[0][0] * b[1] - b[0] * a[1][0]) / det]
+    return _eliminate(a, b)
+
+
+def _eliminate(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting."""
     n = len(b)
     m = [[*row, b[i]] for i, row in enumerate(a)]
     for col in range(n):
