@@ -49,8 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from kvtether.cli.cluster_spec import ClusterOptions
 from kvtether.cli.cmd_up import running_cluster
-from kvtether.cli.launcher import ClusterOptions, gateway_session_ttl, plan_cluster
+from kvtether.cli.launcher import gateway_session_ttl, plan_cluster
 from kvtether.gateway.app import create_app
 from kvtether.gateway.cluster import sample_sum
 from kvtether.gateway.config import load_config

@@ -26,6 +26,15 @@ from types import FrameType
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
+from kvtether.cli.cluster_spec import (
+    DEFAULT_DECODE_TTL_S,
+    DEFAULT_GATEWAY_LOG_LEVEL,
+    DEFAULT_GATEWAY_PORT,
+    DEFAULT_SIDE_CHANNEL_BASE_PORT,
+    ClusterOptions,
+    ClusterPlan,
+    Device,
+)
 from kvtether.cli.gateway_child import (
     EXIT_USAGE,
     GATEWAY_LOG_LEVELS,
@@ -34,17 +43,7 @@ from kvtether.cli.gateway_child import (
     parse_gateway_set,
     run_gateway_child,
 )
-from kvtether.cli.launcher import (
-    DEFAULT_DECODE_TTL_S,
-    DEFAULT_GATEWAY_LOG_LEVEL,
-    DEFAULT_GATEWAY_PORT,
-    DEFAULT_SIDE_CHANNEL_BASE_PORT,
-    ClusterOptions,
-    ClusterPlan,
-    Device,
-    dry_run_text,
-    plan_cluster,
-)
+from kvtether.cli.launcher import dry_run_text, plan_cluster
 from kvtether.cli.supervisor import ChildDied, Supervisor, tail
 from rich.console import Console
 

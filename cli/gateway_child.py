@@ -12,7 +12,7 @@ import tomllib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, get_type_hints
 
-from kvtether.cli.launcher import DEFAULT_GATEWAY_LOG_LEVEL, ClusterPlan
+from kvtether.cli.cluster_spec import DEFAULT_GATEWAY_LOG_LEVEL, ClusterPlan
 
 if TYPE_CHECKING:
     from kvtether.gateway.config import GatewayConfig

@@ -1,4 +1,5 @@
-"""Pure command construction for `kvtether up`: the vLLM prefill/decode instances and the gateway in front.
+"""Pure command construction for `kvtether up`: the plan of the vLLM prefill/decode instances
+(`vllm_instance.py`) and the gateway in front (here), over the options and plan types of `cluster_spec.py`.
 
 Nothing here starts a process; `plan_cluster()` returns a `ClusterPlan` with, for every child, the exact
 argv and the environment *additions* (on top of the caller's environment). Process management lives in
@@ -15,147 +16,19 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
-Device = Literal["cpu", "cuda"]
-Role = Literal["prefill", "decode"]
-
-# Environment every vLLM child gets: never reach the hub, never phone home.
-OFFLINE_ENV: dict[str, str] = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-}
-
-# On CPU, NIXL's progress thread busy-polls (pthrDelay = 0); our vLLM plugin (cli/vllm_plugin.py) raises it.
-CPU_NIXL_PTHR_DELAY_US = 1000
-# vLLM's shared-memory queue re-check (5 s in 0.32) after a lost wake-up; the plugin lowers it on CPU.
-CPU_SHM_RECHECK_MS = 50
-
-DEFAULT_DECODE_TTL_S = 480.0
-DEFAULT_GATEWAY_PORT = 8000
-DEFAULT_SIDE_CHANNEL_BASE_PORT = 5600
-DEFAULT_GATEWAY_LOG_LEVEL = "warning"
-
-# Gateway settings that follow from the cluster `up` starts; `ClusterOptions.gateway_settings` may not set them.
-GATEWAY_OWN_KEYS: frozenset[str] = frozenset(
-    {"prefill", "decode", "aggregated", "host", "port", "session_ttl_s", "engine_kv_ttl_s"}
+from kvtether.cli.cluster_spec import (
+    GATEWAY_OWN_KEYS,
+    ChildCommand,
+    ClusterOptions,
+    ClusterPlan,
+    GatewaySpec,
+    InstanceSpec,
+    Role,
+    url_host,
 )
-
-
-@dataclass(frozen=True)
-class ChildCommand:
-    """One child process: a name for logs, its argv, env additions, and (for servers) its base URL."""
-
-    name: str
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
-    url: str | None = None
-    health_path: str = "/health"
-
-    def shell(self) -> str:
-        """The command as one copy-pasteable shell line (env additions first)."""
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
-        cmd = shlex.join(self.argv)
-        return f"{env} {cmd}" if env else cmd
-
-
-@dataclass(frozen=True)
-class InstanceSpec:
-    role: Role
-    index: int
-    port: int
-    side_channel_port: int
-    command: ChildCommand
-
-
-@dataclass(frozen=True)
-class GatewaySpec:
-    port: int
-    host: str
-    session_ttl_s: float
-    prefill_urls: tuple[str, ...]
-    decode_urls: tuple[str, ...]
-    command: ChildCommand
-    # The gateway child's arguments after `gateway` (see the module docstring), so that `up` can build the
-    # child's configuration from exactly what the child will receive, before anything is started.
-    child_args: tuple[str, ...] = ()
-    config_file: str | None = None
-
-
-@dataclass(frozen=True)
-class ClusterPlan:
-    model: str
-    device: Device
-    decode_ttl_s: float
-    prefill: tuple[InstanceSpec, ...]
-    decode: tuple[InstanceSpec, ...]
-    gateway: GatewaySpec | None
-    # Gateway replicas after the first (`--gateways N`), on the ports after its port; they share the store.
-    more_gateways: tuple[GatewaySpec, ...] = ()
-
-    @property
-    def instances(self) -> tuple[InstanceSpec, ...]:
-        return self.prefill + self.decode
-
-    @property
-    def gateways(self) -> tuple[GatewaySpec, ...]:
-        return (self.gateway, *self.more_gateways) if self.gateway is not None else ()
-
-    def urls(self) -> dict[str, object]:
-        out: dict[str, object] = {
-            "gateway": self.gateway.command.url if self.gateway else None,
-            "prefill": [i.command.url for i in self.prefill],
-            "decode": [i.command.url for i in self.decode],
-        }
-        if self.more_gateways:
-            out["gateways"] = [g.command.url for g in self.gateways]
-        return out
-
-    def commands(self) -> list[ChildCommand]:
-        return [i.command for i in self.instances] + [g.command for g in self.gateways]
-
-
-@dataclass(frozen=True)
-class ClusterOptions:
-    model: str
-    prefill: int = 1
-    decode: int = 1
-    device: Device = "cpu"
-    vllm_python: str = "python"
-    decode_ttl_s: float = DEFAULT_DECODE_TTL_S
-    gateway_port: int = DEFAULT_GATEWAY_PORT
-    host: str = "127.0.0.1"
-    # First vLLM HTTP port; defaults to gateway_port + 100 (prefill first, then decode).
-    vllm_base_port: int | None = None
-    side_channel_base_port: int = DEFAULT_SIDE_CHANNEL_BASE_PORT
-    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
-    kv_recompute_threshold: int | None = None
-    # kv_producer/kv_consumer (default) or kv_both on every instance.
-    kv_both: bool = False
-    kv_cache_space_gib: int = 1
-    # Prefix caching on the prefill instances. vLLM's published reverse-pull figures turn it off, so that
-    # P's own cache (which, lightly loaded, still holds the last turn's prompt) does not stand in for the pull.
-    prefill_prefix_caching: bool = True
-    cpu_count: int | None = None
-    cpu_binds: Sequence[str] | None = None
-    extra_vllm_args: Sequence[str] = ()
-    gateway: bool = True
-    # Gateway replicas on consecutive ports from gateway_port; more than one needs a shared store (settings).
-    gateways: int = 1
-    gateway_python: str = "python"
-    gateway_policy: str | None = None
-    gateway_session_ttl_s: float | None = None
-    # A TOML gateway config (as `kvtether serve --config` reads), absolute: the child may not share our cwd.
-    gateway_config_file: str | None = None
-    # Further gateway settings (GatewayConfig field names) over the file's; GATEWAY_OWN_KEYS are refused.
-    gateway_settings: Mapping[str, object] = field(default_factory=dict)
-    gateway_log_level: str = DEFAULT_GATEWAY_LOG_LEVEL
-    served_model_name: str | None = None
-    extra_env: Mapping[str, str] = field(default_factory=dict)
+from kvtether.cli.vllm_instance import cpu_binds_for, vllm_instance_command
 
 
 def gateway_session_ttl(decode_ttl_s: float) -> float:
@@ -167,112 +40,6 @@ def gateway_session_ttl(decode_ttl_s: float) -> float:
     """
     ttl = min(0.9 * decode_ttl_s, decode_ttl_s - 10.0)
     return max(1.0, round(ttl, 3))
-
-
-def kv_transfer_config(
-    role: Role,
-    *,
-    device: Device,
-    decode_ttl_s: float,
-    failure_policy: str = "fail",
-    kv_both: bool = False,
-    recompute_threshold: int | None = None,
-) -> str:
-    """The `--kv-transfer-config` value (one argv element, compact JSON) for NixlConnector, bidirectional."""
-    extra: dict[str, object] = {
-        "bidirectional_kv_xfer": True,
-        "decoder_kv_blocks_ttl": _num(decode_ttl_s),
-    }
-    if recompute_threshold is not None:
-        extra["kv_recompute_threshold"] = recompute_threshold
-    kv_role = "kv_both" if kv_both else ("kv_producer" if role == "prefill" else "kv_consumer")
-    cfg = {
-        "kv_connector": "NixlConnector",
-        "kv_role": kv_role,
-        "kv_buffer_device": device,
-        "kv_load_failure_policy": failure_policy,
-        "kv_connector_extra_config": extra,
-    }
-    return json.dumps(cfg, separators=(",", ":"))
-
-
-def _num(x: float) -> int | float:
-    return int(x) if float(x).is_integer() else x
-
-
-def cpu_binds_for(n_instances: int, cpu_count: int) -> list[str]:
-    """`VLLM_CPU_OMP_THREADS_BIND` per instance: split the cores into contiguous ranges, one per instance;
-    with more instances than cores, instances share cores round-robin."""
-    if n_instances <= 0:
-        return []
-    cpu_count = max(1, cpu_count)
-    if n_instances >= cpu_count:
-        return [str(i % cpu_count) for i in range(n_instances)]
-    per = cpu_count // n_instances
-    binds = []
-    for i in range(n_instances):
-        lo = i * per
-        hi = cpu_count - 1 if i == n_instances - 1 else lo + per - 1
-        binds.append(str(lo) if lo == hi else f"{lo}-{hi}")
-    return binds
-
-
-def vllm_instance_command(
-    opts: ClusterOptions,
-    role: Role,
-    index: int,
-    port: int,
-    side_channel_port: int,
-    device_env: Mapping[str, str],
-) -> ChildCommand:
-    argv: list[str] = [
-        opts.vllm_python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        opts.model,
-        "--host",
-        opts.host,
-        "--port",
-        str(port),
-        "--enable-prefix-caching" if role == "decode" or opts.prefill_prefix_caching else "--no-enable-prefix-caching",
-        "--enable-prompt-tokens-details",
-        "--kv-transfer-config",
-        kv_transfer_config(
-            role,
-            device=opts.device,
-            decode_ttl_s=opts.decode_ttl_s,
-            failure_policy=opts.kv_load_failure_policy,
-            kv_both=opts.kv_both,
-            recompute_threshold=opts.kv_recompute_threshold,
-        ),
-    ]
-    if opts.served_model_name:
-        argv += ["--served-model-name", opts.served_model_name]
-    if opts.device == "cpu" and "--enforce-eager" not in opts.extra_vllm_args:
-        argv.append("--enforce-eager")
-    argv += list(opts.extra_vllm_args)
-    env: dict[str, str] = dict(OFFLINE_ENV)
-    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1" if opts.host in ("127.0.0.1", "localhost") else opts.host
-    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
-    env.update(device_env)
-    if opts.device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(opts.kv_cache_space_gib)
-        env["KVTETHER_NIXL_PTHR_DELAY_US"] = str(CPU_NIXL_PTHR_DELAY_US)
-        # AMX CPUs: vLLM's CPU attention kernel needs the AMX permission before its first decode step.
-        env["KVTETHER_CPU_REQUEST_AMX"] = "1"
-        # Bounds the cost of a lost engine-core <-> worker wake-up under CPU contention (cli/vllm_plugin.py).
-        env["KVTETHER_VLLM_SHM_RECHECK_MS"] = str(CPU_SHM_RECHECK_MS)
-        # No sched_yield spinning after each message: a decode holding handles would starve the prefill.
-        env["KVTETHER_VLLM_SHM_BUSY_LOOP_MS"] = "0"
-    env.update(opts.extra_env)
-    return ChildCommand(
-        name=f"{role}-{index}",
-        argv=tuple(argv),
-        env=env,
-        url=f"http://{_url_host(opts.host)}:{port}",
-        health_path="/health",
-    )
 
 
 def gateway_config(
@@ -353,17 +120,9 @@ def gateway_command(
         name="gateway" if index == 0 else f"gateway-{index}",
         argv=argv,
         env={},
-        url=f"http://{_url_host(opts.host)}:{opts.gateway_port + index}",
+        url=f"http://{url_host(opts.host)}:{opts.gateway_port + index}",
         health_path="/health",
     )
-
-
-def _fmt(x: float) -> str:
-    return str(_num(x))
-
-
-def _url_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
 def plan_cluster(opts: ClusterOptions) -> ClusterPlan:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
-from kvtether.cli.launcher import ChildCommand
+from kvtether.cli.cluster_spec import ChildCommand
 
 
 class ChildDied(RuntimeError):

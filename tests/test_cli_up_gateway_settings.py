@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from kvtether.cli import cmd_up
+from kvtether.cli.cluster_spec import GATEWAY_OWN_KEYS, ClusterOptions
 from kvtether.cli.cmd_up import running_cluster
 from kvtether.cli.gateway_child import (
     _SET_BY_UP,
@@ -16,7 +17,7 @@ from kvtether.cli.gateway_child import (
     gateway_child_config,
     parse_gateway_set,
 )
-from kvtether.cli.launcher import GATEWAY_OWN_KEYS, ClusterOptions, plan_cluster
+from kvtether.cli.launcher import plan_cluster
 from kvtether.cli.main import app
 from kvtether.gateway.config import ConfigError
 from typer.testing import CliRunner

@@ -14,17 +14,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from kvtether.cli.cluster_spec import ChildCommand, ClusterOptions
 from kvtether.cli.cmd_up import running_cluster
-from kvtether.cli.launcher import (
-    ChildCommand,
-    ClusterOptions,
-    cpu_binds_for,
-    dry_run_text,
-    gateway_session_ttl,
-    kv_transfer_config,
-    plan_cluster,
-)
+from kvtether.cli.launcher import dry_run_text, gateway_session_ttl, plan_cluster
 from kvtether.cli.supervisor import ChildDied, Supervisor
+from kvtether.cli.vllm_instance import cpu_binds_for, kv_transfer_config
 
 
 def _opts(**kw: object) -> ClusterOptions:
@@ -461,8 +455,8 @@ def test_children_get_sigterm_when_the_supervisor_is_killed(tmp_path: Path) -> N
     code = textwrap.dedent(
         f"""
         import time
+        from kvtether.cli.cluster_spec import ChildCommand
         from kvtether.cli.supervisor import Supervisor
-        from kvtether.cli.launcher import ChildCommand
         sup = Supervisor()
         c = sup.start(ChildCommand(name="x", argv={cmd.argv!r}, env={dict(cmd.env)!r}, url={cmd.url!r}))
         sup.wait_healthy(c, timeout_s=30)

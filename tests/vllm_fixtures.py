@@ -29,8 +29,9 @@ from typing import Any
 
 import httpx
 import pytest
+from kvtether.cli.cluster_spec import ClusterOptions
 from kvtether.cli.cmd_up import running_cluster
-from kvtether.cli.launcher import ClusterOptions, plan_cluster
+from kvtether.cli.launcher import plan_cluster
 from kvtether.gateway.cluster import sample_sum
 from prometheus_client.parser import text_string_to_metric_families
 
