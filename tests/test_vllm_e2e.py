@@ -200,6 +200,41 @@ async def test_chat_sessions_equal_reference(pair: Backend) -> None:
 TOKEN_ANSWER = 96  # a token session's answer length (ignore_eos: always all of it)
 
 
+async def test_a_client_that_leaves_mid_stream_aborts_ds_request_and_the_session_goes_on(pair: Backend) -> None:
+    """The client walks away while D decodes: the gateway stops reading, vLLM aborts the request (D generates
+    far fewer tokens than the request forces), no connection stays busy, and the session's next turn is served
+    and right."""
+    async with gateway(pair, policy="pull") as r:
+        tag = f"leave-{uuid.uuid4().hex[:6]}"
+        hdr = {"x-session-id": tag}
+        messages = first_messages(tag)
+        text, _ = await chat(r.client, r.url, body(pair.model, messages, stream=False), hdr)
+        messages = follow_up(messages, text, tag, 0)
+        generated = await metric(r.client, pair.decode_url, "vllm:generation_tokens_total")
+        forced = 3000
+        long = {**body(pair.model, messages, stream=True), "max_tokens": forced, "min_tokens": forced,
+                "ignore_eos": True}
+        async with r.client.stream("POST", r.url + "/v1/chat/completions", json=long, headers=hdr) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data:") and '"content"' in line:
+                    break  # D is decoding: the client leaves
+        gw = r.app.state.gateway
+        with anyio.fail_after(60):
+            while True:  # D's gauge and the pool's own state: nothing to wait on but polling
+                running = await metric(r.client, pair.decode_url, "vllm:num_requests_running")
+                if running == 0 and not gw.upstream.busy:
+                    break
+                await anyio.sleep(0.1)
+        spent = await metric(r.client, pair.decode_url, "vllm:generation_tokens_total") - generated
+        assert spent < forced / 2, f"D generated {spent} of the {forced} tokens after the client left"
+        sessions = (await r.client.get(r.url + "/admin/sessions")).json()
+        assert tag in [s["session_id"] for s in sessions]  # the pin stays
+        _, ids = await chat(r.client, r.url, body(pair.model, messages, stream=False), hdr)
+        why = await answer_mismatch(r.client, pair, messages, ids)
+        assert why is None, f"the turn after the client left differs from the reference {why}"
+
+
 def token_request(model: str, prompt: list[int]) -> dict[str, Any]:
     return {
         "model": model,
