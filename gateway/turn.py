@@ -128,7 +128,8 @@ class LegResult:
 
     def sequence(self) -> array[int]:
         """Prompt + output ids as one int64 array (the guard's form), built once per turn: the held sequences
-        remembered after it are slices of it, where each used to convert its own ~16k-element list."""
+        remembered after it are slices of it (converting a 16k-element list of ints costs ~0.5 ms; a slice of an
+        array is a copy of bytes)."""
         if self._sequence is None:
             seq = array("q", self.prompt_ids or ())
             seq.extend(self.output_ids)
