@@ -161,35 +161,20 @@ class ChatChain:
         return self.prompt.extend(_normal_message(answer), keep_reasoning=False).id
 
 
-def chat_chain(body: Mapping[str, Any]) -> ChatChain | None:
-    """The message-chain hash of a chat body (the SDK's), or None without messages.
+def chat_chain(body: Mapping[str, Any]) -> ChatChain:
+    """The message-chain hash of a chat body (the SDK's); without messages, the chain's seed.
 
     Reasoning is left out, so a client that strips it still finds its session (the token guard then decides
     how much KV is really reusable).
     """
-    messages = body.get("messages") or []
-    if not messages:
-        return None
     chain = Chain.start(body.get("model"), body.get("tools"), rendering_fields(body))
     parent = None
-    for m in messages:
+    for m in body.get("messages") or ():
         m = _normal_message(m)
         chain = chain.extend(m, keep_reasoning=False)
         if isinstance(m, Mapping) and m.get("role") == "assistant":
             parent = chain.id
     return ChatChain(parent, chain)
-
-
-def chat_keys(body: Mapping[str, Any], answer: Mapping[str, Any] | None = None) -> tuple[str | None, str | None]:
-    """(parent key, own key) of a chat body: the parent key names the history up to the last assistant message,
-    the own key this prompt plus ``answer`` (or the prompt alone)."""
-    chain = chat_chain(body)
-    if chain is None:
-        if answer is None:
-            return None, None
-        return None, Chain.start(body.get("model"), body.get("tools"), rendering_fields(body)).extend(
-            _normal_message(answer), keep_reasoning=False).id
-    return chain.parent, chain.after(answer) if answer is not None else chain.prompt.id
 
 
 def answer_message(choice: Mapping[str, Any]) -> dict[str, Any]:
@@ -302,3 +287,9 @@ def cached_tokens(usage: Any) -> int:
     if isinstance(details, Mapping) and isinstance(details.get("cached_tokens"), int):
         return int(details["cached_tokens"])
     return 0
+
+
+def response_identity(data: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """(id, model) of a node's answer, from the whole answer or a stream's chunk."""
+    rid, model = data.get("id"), data.get("model")
+    return (rid if isinstance(rid, str) else None), (model if isinstance(model, str) else None)

@@ -31,7 +31,7 @@ async def identify(store: SessionStore, kind: str, body: dict[str, Any], headers
     chain = None
     if sid is None and kind == "chat":
         chain = B.chat_chain(body)
-        if chain is not None and chain.parent is not None:
+        if chain.parent is not None:
             sid = await store.find_by_prefix(scoped(tenant, chain.parent))
             source = "prefix" if sid else source
         if sid is None:

@@ -169,9 +169,9 @@ async def prefill(sv: Services, ctx: TurnContext, node: str, kv: dict[str, Any] 
         params = data.get(B.KV_FIELD)
         usage = data.get("usage")
         cached = B.cached_tokens(usage)
+        response_id, response_model = B.response_identity(data)
         T.set_attrs(span, {T.GEN_AI_RESPONSE_TTFC: time.perf_counter() - started,
-                           T.GEN_AI_RESPONSE_ID: data.get("id") if isinstance(data.get("id"), str) else None,
-                           T.GEN_AI_RESPONSE_MODEL: data.get("model") if isinstance(data.get("model"), str) else None,
+                           T.GEN_AI_RESPONSE_ID: response_id, T.GEN_AI_RESPONSE_MODEL: response_model,
                            T.GEN_AI_USAGE_INPUT: usage.get("prompt_tokens") if isinstance(usage, dict) else None,
                            T.GEN_AI_USAGE_CACHE_READ: cached})
         _prefill_learned(sv, ctx, node, usage, cached, time.perf_counter() - started, kv)

@@ -237,6 +237,4 @@ def read_body(data: dict[str, Any], result: LegResult) -> None:
 
 def read_identity(data: dict[str, Any], result: LegResult) -> None:
     """The answer's id and model, from a whole answer or a stream's first chunk."""
-    rid, model = data.get("id"), data.get("model")
-    result.response_id = rid if isinstance(rid, str) else None
-    result.response_model = model if isinstance(model, str) else None
+    result.response_id, result.response_model = B.response_identity(data)

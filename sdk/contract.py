@@ -139,7 +139,7 @@ class Chain:
     prompt is hashed once, and its answer is one more step rather than the whole history again."""
 
     key: bytes  # the tenant key, folded (_key_bytes)
-    tip: bytes  # h_i: the seed before the first message
+    tip: bytes  # h_i after i messages (the seed before the first)
 
     @classmethod
     def start(cls, model: str | None, tools: Sequence[Any] | None = None,

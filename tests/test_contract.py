@@ -83,11 +83,9 @@ def test_the_answer_extends_the_prompts_chain_as_rehashing_would(messages: list[
                                       tools=TOOLS, keep_reasoning=False)
     except UnicodeEncodeError:
         return
-    assert chain is not None
     assert chain.prompt.id == whole[-2]
     assert chain.after(answer) == whole[-1]
     # The next turn, sent with that answer in its history, finds this one by its parent key.
     follow = B.chat_chain({**body, "messages": [*messages, answer, {"role": "user", "content": "next"}]})
-    assert follow is not None
     if answer["role"] == "assistant":
         assert follow.parent == chain.after(answer)

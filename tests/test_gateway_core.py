@@ -343,18 +343,17 @@ def test_a_null_kv_transfer_params_counts_as_stripped() -> None:
     assert not B.strip_internal({"id": "x", "choices": [{"delta": {"content": "hi"}}]}, keep_token_ids=True)
 
 
-def test_chat_keys_link_a_turn_to_the_next() -> None:
+def test_chat_chains_link_a_turn_to_the_next() -> None:
     body1 = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     answer = {"role": "assistant", "content": "hello", "reasoning_content": "think"}
-    parent1, _ = B.chat_keys(body1)
-    assert parent1 is None
-    _, own = B.chat_keys(body1, answer)
+    assert B.chat_chain(body1).parent is None
+    own = B.chat_chain(body1).after(answer)
     # The client echoes the answer back (without reasoning, with content "" → same key when relevant).
     body2 = {"model": "m", "messages": [*body1["messages"], {"role": "assistant", "content": "hello"},
                                         {"role": "user", "content": "next"}]}
-    assert B.chat_keys(body2)[0] == own
+    assert B.chat_chain(body2).parent == own
     other_model = {**body2, "model": "other"}
-    assert B.chat_keys(other_model)[0] != own
+    assert B.chat_chain(other_model).parent != own
 
 
 def test_stream_answer_accumulates_tool_calls() -> None:
