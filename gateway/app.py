@@ -18,13 +18,15 @@ import anyio
 import httpx
 from kvtether.gateway import telemetry as T
 from kvtether.gateway import validate as V
-from kvtether.gateway.auth import Auth
+from kvtether.gateway.auth import Auth, scoped
 from kvtether.gateway.cluster import Cluster
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.health import probe_forever
 from kvtether.gateway.legs import start_local_tokenizer
 from kvtether.gateway.orchestrator import Orchestrator
+from kvtether.gateway.policy.retention import ReleaseReason
+from kvtether.gateway.retention import Retention
 from kvtether.gateway.sessions import SessionStore
 from kvtether.gateway.stores import open_store
 from kvtether.gateway.streaming import RelayResponse
@@ -72,8 +74,10 @@ class Gateway:
             max_keepalive_connections=config.max_keepalive_connections, keepalive_expiry_s=config.keepalive_expiry_s))
         self.cluster = Cluster(config, self.client,
                                on_poll_failure=lambda url: self.metrics.upstream_errors.labels(url, "metrics").inc())
+        # Releases go out on the polls' client: a one-token prefill each, off the request path.
+        self.retention = Retention(config, self.cluster, self.store, self.metrics, self.client)
         self.orchestrator = Orchestrator(config, self.cluster, self.store, self.metrics, self.upstream,
-                                         self.tokenize_client, tracer=self.tracer)
+                                         self.tokenize_client, tracer=self.tracer, retention=self.retention)
 
     async def sweep_forever(self) -> None:
         while True:
@@ -212,6 +216,25 @@ async def admin_sessions(request: Request) -> Response:
     return JSONResponse(out)
 
 
+async def end_session(request: Request) -> Response:
+    """DELETE /v1/sessions/{id}: the client is done with a session (the SDK's AgentSession.close()). Its handle
+    is released on its decode node and the session forgotten; 404 when the gateway holds no such session."""
+    gw = _gateway(request)
+    try:
+        tenant = gw.auth.tenant({k.lower(): v for k, v in request.headers.items()})
+        named = request.path_params["session_id"]
+        V.check_session_id(named)
+    except GatewayError as err:
+        return err.response()
+    sid = scoped(tenant, named)
+    if await gw.store.get(sid) is None:
+        return GatewayError(404, f"no session {named!r}", param="session_id", code="session_not_found").response()
+    await gw.retention.release_session(sid, ReleaseReason.FINAL)
+    await gw.store.delete(sid)
+    gw.metrics.pinned_sessions.set(await gw.store.count())
+    return Response(status_code=204)
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return GatewayError(exc.status_code, str(exc.detail)).response()
@@ -231,9 +254,12 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
             tg.start_soon(probe_forever, gw.cluster)
             tg.start_soon(gw.sweep_forever)
             tg.start_soon(start_local_tokenizer, gw.orchestrator.sv)  # in the background: it imports transformers
+            tg.start_soon(gw.retention.run)
             try:
                 yield
             finally:
+                with anyio.CancelScope(shield=True):
+                    await gw.retention.shutdown()
                 tg.cancel_scope.cancel()
         if gw.orchestrator.sv.tokenizer is not None:
             with anyio.move_on_after(5):  # background tokenizer warm-ups: threads cannot be cancelled
@@ -254,6 +280,7 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/admin/sessions", admin_sessions, methods=["GET"]),
+            Route("/v1/sessions/{session_id:path}", end_session, methods=["DELETE"]),
         ],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},

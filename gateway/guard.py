@@ -168,6 +168,12 @@ def handle_num_tokens(handle: Mapping[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def handle_request_id(handle: Mapping[str, Any] | None) -> str | None:
+    """D's ``remote_request_id``: what names the hold a handle stands for."""
+    rid = handle.get("remote_request_id") if handle is not None else None
+    return rid if isinstance(rid, str) and rid else None
+
+
 def handle_groups(handle: Mapping[str, Any]) -> int:
     ids = handle.get("remote_block_ids")
     return len(ids) if isinstance(ids, list) else 0

@@ -28,10 +28,13 @@ from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
 from kvtether.gateway.policy.knobs import PolicyKnobs
 from kvtether.gateway.policy.learning import Learning
 from kvtether.gateway.policy.placement import HandleAction, HandleState, NoCapacity, Plan, Turn, plan, plan_aggregated
+from kvtether.gateway.policy.retention import ReleaseReason
+from kvtether.gateway.retention import Retention
 from kvtether.gateway.sessions import SessionStore
 from kvtether.gateway.tokencheck import GuardTokenizer
 from kvtether.gateway.turn import Services, TurnContext, UpstreamFailure
 from kvtether.gateway.upstream import Upstream
+from kvtether.sdk.contract import session_final_from_headers
 from opentelemetry import trace
 from starlette.responses import Response
 
@@ -41,7 +44,7 @@ log = logging.getLogger(__name__)
 class Orchestrator:
     def __init__(self, config: GatewayConfig, cluster: Cluster, store: SessionStore, metrics: T.Metrics,
                  upstream: Upstream, tokenize_client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
-                 tracer: trace.Tracer | None = None) -> None:
+                 tracer: trace.Tracer | None = None, retention: Retention | None = None) -> None:
         self.knobs = policy_knobs(config)
         # TPOT quotas and step boundaries serve decode-local turns only: P/D mode under the auto policy.
         pd_auto = config.policy == "auto" and config.mode == "pd"
@@ -52,7 +55,7 @@ class Orchestrator:
         guard_tok = (GuardTokenizer(config.tokenizer, metrics, config.tokenizer_check_share)
                      if config.tokenizer else None)
         self.sv = Services(config, cluster, store, metrics, upstream, tokenize_client,
-                           tracer or T.tracer(), learning, clock, guard_tok)
+                           tracer or T.tracer(), learning, clock, guard_tok, retention)
         self._rr = 0
         for node in config.decode:
             metrics.decode_stall.labels(node)  # every series shows zero before the first local turn
@@ -65,6 +68,10 @@ class Orchestrator:
                      tenant: str | None = None, upstream_auth: str | None = None) -> Response:
         ctx = await identify(self.sv.store, kind, body, headers, span, tenant)
         ctx.upstream_auth = upstream_auth
+        ctx.arrived_at = self.sv.clock()
+        ctx.final = session_final_from_headers(headers)
+        if ctx.final:
+            ctx.span.set_attribute(T.ATTR_SESSION_FINAL, True)
         if self.sv.config.mode == "aggregated":
             return await self._aggregated(ctx)
         return await self._pd(ctx)
@@ -123,6 +130,10 @@ class Orchestrator:
             ctx.unused_handle = g.taken  # D still holds it: restored after the turn, for a later pull
         if the_plan.handle_outcome:
             sv.metrics.handle_outcomes.labels(the_plan.handle_outcome).inc()
+        if g.has_handle and g.taken is not None and the_plan.action is HandleAction.NONE:
+            # Out of the store and not sent: nothing will pull it now, so D need not hold it until its TTL.
+            reason = ReleaseReason.REFUSED if the_plan.handle_outcome == "refused_by_guard" else ReleaseReason.UNUSED
+            sv.release(g.taken.handle, g.turn.pinned_decode, reason)
         if g.prompt_ids is not None:
             sv.metrics.prompt_tokens.inc(len(g.prompt_ids))
         kv: dict[str, Any] | None = None
@@ -198,7 +209,9 @@ class Orchestrator:
                                T.ATTR_PLAN_REASON: p.reason, T.ATTR_PREFILL: p.prefill, T.ATTR_DECODE: p.decode,
                                T.ATTR_HANDLE_OUTCOME: p.handle_outcome, T.ATTR_REUSE_TOKENS: p.reuse_tokens,
                                T.ATTR_RE_PLACED: p.re_placed})
-        T.set_attrs(ctx.span, {T.ATTR_PLAN_ACTION: p.action.value, T.ATTR_PLAN_REASON: p.reason})
+        held = sv.cluster.nodes.get(p.decode)
+        T.set_attrs(ctx.span, {T.ATTR_PLAN_ACTION: p.action.value, T.ATTR_PLAN_REASON: p.reason,
+                               T.ATTR_DECODE_HELD_KV_TOKENS: held.held_kv_tokens if held is not None else None})
         log.debug("plan %s: %s", ctx.session_id, p.reason)
         return p
 

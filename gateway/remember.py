@@ -15,10 +15,11 @@ from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.auth import scoped
 from kvtether.gateway.cluster import host_of
-from kvtether.gateway.guard import HeldSequence, handle_num_tokens
+from kvtether.gateway.guard import HeldSequence, handle_num_tokens, handle_request_id
 from kvtether.gateway.policy import copies as PC
 from kvtether.gateway.policy.learning import DecodeSample
 from kvtether.gateway.policy.placement import HandleAction, Plan
+from kvtether.gateway.policy.retention import ReleaseReason
 from kvtether.gateway.sessions import SessionState
 from kvtether.gateway.turn import LegResult, Services, TurnContext
 from opentelemetry import trace
@@ -67,6 +68,9 @@ async def finish(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResu
 
 async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResult) -> None:
     if ctx.session_id is None:
+        if result.ok and result.handle is not None and the_plan.prefill is not None:
+            # No session to keep it for: D would hold it until its TTL for nothing.
+            sv.release(B.with_host(result.handle, host_of(the_plan.decode)), the_plan.decode, ReleaseReason.UNUSED)
         return
     now = sv.clock()
     prior = ctx.state
@@ -85,10 +89,17 @@ async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRe
                                           prefix=held or _previous(ctx))
     if result.ok and sv.config.mode != "aggregated":
         sv.learning.decode_done(_decode_sample(ctx, the_plan, result), now)
+    current = await sv.store.get(ctx.session_id)
+    await _release_replaced(sv, ctx, current, handle)
+    if ctx.final:
+        # The session's last turn: nothing will pull its handle, and nothing of it is worth remembering.
+        sv.release(handle, the_plan.decode, ReleaseReason.FINAL)
+        await sv.store.delete(ctx.session_id)
+        sv.metrics.pinned_sessions.set(await sv.store.count())
+        return
     prefix_key = None
     if ctx.chain is not None and ctx.session_source in ("new", "prefix") and result.answer is not None:
         prefix_key = scoped(ctx.tenant, ctx.chain.after(result.answer))
-    current = await sv.store.get(ctx.session_id)
     base = current or prior
     avg_out, avg_suffix = _running_means(base, result, total)
     elsewhere: tuple[PC.DecodeCopy, ...] = ()
@@ -115,8 +126,33 @@ async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRe
         avg_suffix_tokens=avg_suffix,
         elsewhere=elsewhere,
         prefill_copies=copies,
+        last_turn_at=now,
+        mean_gap_s=_mean_gap(base, prior, ctx),
     ))
     sv.metrics.pinned_sessions.set(await sv.store.count())
+
+
+async def _release_replaced(sv: Services, ctx: TurnContext, current: SessionState | None,
+                      handle: dict[str, Any] | None) -> None:
+    """A handle the store holds that this turn's put would overwrite (a concurrent turn of the session stored
+    it meanwhile) would never be pulled: taken, only while it is still that one, and released."""
+    if current is None or current.handle is None:
+        return
+    rid = handle_request_id(current.handle)
+    if rid is None or rid == handle_request_id(handle):
+        return
+    taken = await sv.store.take_handle(current.session_id, rid)
+    if taken is not None:
+        sv.release(taken.handle, current.decode, ReleaseReason.SUPERSEDED)
+
+
+def _mean_gap(base: SessionState | None, prior: SessionState | None, ctx: TurnContext) -> float | None:
+    """The session's mean wait between a turn's end and the next one's start (exponentially weighted)."""
+    mean = base.mean_gap_s if base is not None else None
+    if prior is None or prior.last_turn_at is None:
+        return mean
+    gap = max(0.0, ctx.arrived_at - prior.last_turn_at)
+    return gap if mean is None else (1 - _MEAN_WEIGHT) * mean + _MEAN_WEIGHT * gap
 
 
 def _handle_after(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResult, block_size: int,
@@ -125,6 +161,10 @@ def _handle_after(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRes
     now): D's new handle after a P/D turn or a marked decode-local one, else the handle a local turn did not
     use."""
     local = the_plan.action is HandleAction.DECODE_LOCAL
+    if result.ok and the_plan.prefill is not None and result.handle is not None and sv.config.policy == "no-pull":
+        # D keeps every finished P/D turn's blocks when bidirectional_kv_xfer is on; this policy never pulls.
+        sv.release(B.with_host(result.handle, host_of(the_plan.decode)), the_plan.decode, ReleaseReason.UNUSED)
+        return None, None, None
     if result.ok and the_plan.prefill is not None and sv.config.policy in ("pull", "reference", "auto"):
         if result.handle is None:
             sv.metrics.stream_handles_missing.inc()
@@ -137,6 +177,7 @@ def _handle_after(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRes
         sv.metrics.local_handles.labels("kept").inc()
         if ctx.unused_handle is not None:
             sv.metrics.local_handles.labels("superseded").inc()
+            sv.release(ctx.unused_handle.handle, ctx.state.decode if ctx.state else None, ReleaseReason.SUPERSEDED)
         return (*_kept(sv, result, result.handle, the_plan.decode, block_size, _previous(ctx)), None)
     if local:
         if result.ok and sv.local_handle_due(ctx, the_plan.decode):

@@ -44,6 +44,10 @@ class SessionState:
     # Prefill nodes that prefilled a turn of the session, and how much of its history each likely still
     # holds in its prefix cache (policy/copies.py); prefixes of ``cached`` like ``elsewhere``.
     prefill_copies: tuple[PrefillCopy, ...] = ()
+    # The session's rhythm, for retention (policy/retention.py): when its last turn ended, and its mean wait
+    # between a turn's end and the next one's start (None until it has come back once).
+    last_turn_at: float | None = None
+    mean_gap_s: float | None = None
 
     def with_(self, **changes: Any) -> SessionState:
         return replace(self, **changes)
@@ -67,8 +71,10 @@ class SessionStore(Protocol):
 
     async def put(self, state: SessionState) -> None: ...
 
-    async def take_handle(self, session_id: str) -> TakenHandle | None:
-        """Remove and return the session's handle, atomically: two concurrent turns never both get it."""
+    async def take_handle(self, session_id: str, request_id: str | None = None) -> TakenHandle | None:
+        """Remove and return the session's handle, atomically: two concurrent turns never both get it. With
+        ``request_id``, only if the handle is still that one (D's ``remote_request_id``): a release decided on
+        an earlier read never takes a newer handle the session stored meanwhile."""
         ...
 
     async def find_by_prefix(self, prefix_key: str) -> str | None: ...

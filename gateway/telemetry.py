@@ -11,6 +11,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from kvtether.gateway.policy.retention import RELEASE_REASONS
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -81,6 +82,8 @@ ATTR_GATEWAY_OVERHEAD = "kvtether.gateway.overhead_s"
 ATTR_MODE = "kvtether.mode"  # pd | aggregated
 ATTR_TOKENIZE_SOURCE = "kvtether.tokenize.source"  # local | remote (the engine's /tokenize)
 # ---- cost-based placement (issue 8; the placement owner's block) ----
+ATTR_DECODE_HELD_KV_TOKENS = "kvtether.decode.held_kv_tokens"  # handles the plan's D held (last review)
+ATTR_SESSION_FINAL = "kvtether.session.final"  # the client marked this turn as the session's last
 ATTR_DECODE_CACHED_TOKENS = "kvtether.decode.cached_tokens"  # prompt prefix the pinned D's prefix cache holds
 ATTR_COST_PREFIX = "kvtether.plan.cost."  # + CostDecision.trace_attributes() keys (option, estimates, reason …)
 
@@ -122,6 +125,15 @@ M_LOCAL_HANDLES = "kvtether_local_turn_handles_total"
 # not use, which D now frees only at its TTL), missing (due but none came back: D keeps no local turns).
 LOCAL_HANDLE_OUTCOMES = ("kept", "superseded", "missing")
 M_DECODE_STALL = "kvtether_decode_stall_seconds_total"
+# Decode memory (retention): handles released by reason (policy/retention.py RELEASE_REASONS), releases that
+# did not happen (cause: upstream = the prefill node failed it, no_prefill = none could take it, queue_full =
+# too many waiting; the engine's TTL frees those holds in the end), and what the session store holds per decode
+# node, in tokens and as a share of the node's KV capacity.
+M_HANDLE_RELEASES = "kvtether_handle_releases_total"
+M_RELEASE_FAILURES = "kvtether_handle_release_failures_total"
+RELEASE_FAILURES = ("upstream", "no_prefill", "queue_full")
+M_HELD_KV_TOKENS = "kvtether_held_kv_tokens"
+M_HELD_KV_SHARE = "kvtether_held_kv_share"
 # The guard's local tokenizer: ids that differed from the engine's /tokenize (check = startup | turn; each
 # switches that model back to /tokenize), and guarded turns by which tokenizer gave their ids.
 M_TOKENIZER_MISMATCHES = "kvtether_tokenizer_mismatches_total"
@@ -179,6 +191,18 @@ class Metrics:
             ["node"], registry=r)
         for outcome in HANDLE_OUTCOMES:
             self.handle_outcomes.labels(outcome)
+        self.handle_releases = Counter(M_HANDLE_RELEASES, "Handles released on their decode node, by reason",
+                                       ["reason"], registry=r)
+        for reason in RELEASE_REASONS:
+            self.handle_releases.labels(reason)
+        self.release_failures = Counter(M_RELEASE_FAILURES, "Handle releases that did not happen, by cause",
+                                        ["cause"], registry=r)
+        for cause in RELEASE_FAILURES:
+            self.release_failures.labels(cause)
+        self.held_kv_tokens = Gauge(M_HELD_KV_TOKENS, "KV tokens the gateway's handles hold on a decode node "
+                                    "(whole blocks)", ["node"], registry=r)
+        self.held_kv_share = Gauge(M_HELD_KV_SHARE, "Share of a decode node's KV capacity its held handles take",
+                                   ["node"], registry=r)
         self.store_seconds = Histogram(M_STORE_SECONDS, "Latency of the shared session store's calls",
                                        ["operation"], buckets=STORE_BUCKETS, registry=r)
         self.store_failures = Counter(M_STORE_FAILURES, "Session store calls answered without the store",

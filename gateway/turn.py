@@ -21,6 +21,8 @@ from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.policy.learning import Learning
 from kvtether.gateway.policy.placement import ClusterView
+from kvtether.gateway.policy.retention import ReleaseReason
+from kvtether.gateway.retention import Retention
 from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
 from kvtether.gateway.tokencheck import GuardTokenizer
 from kvtether.gateway.upstream import Upstream
@@ -29,6 +31,7 @@ from opentelemetry import propagate, trace
 from starlette.responses import JSONResponse, Response
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+VLLM_SESSION_HEADER = "x-session-id"
 
 
 @dataclass
@@ -70,6 +73,11 @@ class TurnContext:
     # A chat prompt's message-chain hash when the session is found or started by it (identify): the answer
     # extends it into the key the next turn finds the session by (remember).
     chain: ChatChain | None = None
+    # The client marked this turn as its session's last (contract.FINAL_HEADER): its handle is released once
+    # the answer is out, and the session forgotten. When the turn reached the gateway (the gateway's clock):
+    # the session's gap since its last turn ended, for retention's idle estimate.
+    final: bool = False
+    arrived_at: float = 0.0
 
     @property
     def model(self) -> str:
@@ -186,6 +194,11 @@ class Services:
     learning: Learning
     clock: Callable[[], float] = time.monotonic
     tokenizer: GuardTokenizer | None = None  # the guard's local tokenizer (None: /tokenize for every turn)
+    retention: Retention | None = None  # releases the handles the gateway will not pull (None: none released)
+
+    def release(self, handle: dict[str, Any] | None, node: str | None, reason: ReleaseReason) -> None:
+        if self.retention is not None:
+            self.retention.release(handle, node, reason)
 
     def count_error(self, failure: UpstreamFailure) -> None:
         self.metrics.upstream_errors.labels(failure.node, failure.phase).inc()
@@ -208,6 +221,9 @@ class Services:
 
     def upstream_headers(self, ctx: TurnContext, span: trace.Span) -> dict[str, str]:
         out = {"authorization": ctx.upstream_auth} if ctx.upstream_auth else {}
+        if ctx.session_id is not None:
+            # vLLM ≥ 0.33 labels the KV events of the session's blocks with it (older versions ignore it).
+            out[VLLM_SESSION_HEADER] = ctx.session_id
         propagate.inject(out, context=trace.set_span_in_context(span))
         return out
 

@@ -47,6 +47,12 @@ MAX_CACHE_SALT = 1_024
 _MAX_N = 128  # choices per request (aggregated mode); vLLM's own default limit on best_of/n is of this order
 
 
+def check_session_id(value: str, param: str = "session_id") -> None:
+    if not _SESSION_ID.fullmatch(value):
+        raise bad("a session id is 1-256 characters of A-Z a-z 0-9 . _ : ~ / @ + = -", param=param,
+                  code="invalid_session_id")
+
+
 def bad(message: str, param: str | None = None, code: str = "invalid_request") -> GatewayError:
     return GatewayError(400, message, param=param, code=code)
 

@@ -226,6 +226,7 @@ class _StampingHooks(_ClientBase):
         """A copy (same connection pool) that stamps for another session."""
         new = self.with_options()
         new._kvt_session = session
+        session._clients.append(new)
         return new
 
     def copy(self, *args: Any, **kwargs: Any) -> Self:
@@ -317,4 +318,5 @@ def wrap_client(client: _C, session: AgentSession) -> _C:
     new: Any = object.__new__(cls)
     new.__dict__.update(fresh.__dict__)
     new._kvt_session = session
+    session._clients.append(new)
     return cast(_C, new)

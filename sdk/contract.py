@@ -30,6 +30,13 @@ TURN_HEADER = "x-kvtether-turn"
 PREFIX_HEADER = "x-kvtether-prefix"
 PREFIX_PARENT_HEADER = "x-kvtether-prefix-parent"
 TRACEPARENT_HEADER = "traceparent"
+# "true" on a session's last turn: the gateway releases the decode node's hold once the answer is out and
+# forgets the session. Dynamo's name for the same mark is accepted too.
+FINAL_HEADER = "x-kvtether-session-final"
+FOREIGN_FINAL_HEADERS: tuple[str, ...] = ("x-dynamo-session-final",)
+# DELETE {base_url}/sessions/{id} (base_url ends in /v1, as the openai clients' does) ends a session without a
+# turn: what AgentSession.close() sends.
+SESSION_END_PATH = "/sessions/{session_id}"
 
 # Session ids that existing tools already send (Dynamo, AIPerf), accepted by the gateway after
 # SESSION_HEADER, in this order, so third-party benchmark tools get pinning without the SDK.
@@ -216,6 +223,13 @@ def stamps_for_body(body: Mapping[str, Any], *, key: str | bytes | None = None) 
             parent = ids[i]
             break
     return Stamps(turn=turn_index(messages), prefix=ids[-1] if ids else None, parent=parent)
+
+
+def session_final_from_headers(headers: Mapping[str, str]) -> bool:
+    """Whether a request marks its session's last turn (FINAL_HEADER or a known third-party one)."""
+    lowered = {k.lower(): v for k, v in headers.items()}
+    return any((lowered.get(name) or "").strip().lower() in ("1", "true", "yes")
+               for name in (FINAL_HEADER, *FOREIGN_FINAL_HEADERS))
 
 
 def session_id_from_headers(headers: Mapping[str, str]) -> str | None:

@@ -1,12 +1,14 @@
 """``AgentSession``: one agent conversation, its per-turn client metrics and its optional recorder.
 
-The session is pure bookkeeping: it never talks HTTP. The stamped clients (``kvtether.sdk.client``)
-report each chat call's life to it (``_begin`` → chunks → ``_finish``), and it keeps the metrics,
-ends the tracing span and appends the turn to the session file.
+The session is bookkeeping: the stamped clients (``kvtether.sdk.client``) report each chat call's life to
+it (``_begin`` → chunks → ``_finish``), and it keeps the metrics, ends the tracing span and appends the turn
+to the session file. Its one request of its own is the session's end, sent through the clients it wrapped
+(``close``/``aclose``): the gateway then releases what the decode node holds for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
+
+import httpx
 
 from . import contract, tracing
 from .sessionfile import Recorded, TurnRecord, turn_line
@@ -30,6 +35,8 @@ _C = TypeVar("_C")
 # Crockford base32, lower case: URL- and header-safe, no ambiguous letters, sorts like the numbers.
 _CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
 _ID_RE = re.compile(r"^[A-Za-z0-9._~:@-]{1,200}$")
+# The end of a session is a courtesy to the gateway: bounded, never retried, never raised.
+_END_OPTIONS: Any = {"timeout": 2.0, "max_retries": 0}
 _id_lock = threading.Lock()
 _last_id: tuple[int, int] = (0, 0)
 
@@ -262,8 +269,13 @@ class AgentSession:
         tenant_key: str | bytes | None = None,
         record_to: str | os.PathLike[str] | None = None,
         tracer_provider: Any = None,
+        end_on_close: bool = True,
     ) -> None:
         self.id = _check_session_id(session_id) if session_id is not None else new_session_id()
+        # close() tells the gateway the session is over (DELETE {base_url}/sessions/{id}), so the decode node's
+        # hold of its history is released now rather than at the engine's TTL.
+        self.end_on_close = end_on_close
+        self._clients: list[Any] = []  # the clients wrap() made, to end the session through
         self.tenant = tenant
         self.tenant_key = tenant_key
         self.record_to = Path(record_to) if record_to is not None else None
@@ -311,12 +323,50 @@ class AgentSession:
         return wrap_client(client, self)
 
     def close(self) -> None:
-        """End the session: unfinished calls are closed as aborted (their spans end). Idempotent."""
+        """End the session: unfinished calls are closed as aborted (their spans end), and the gateway behind
+        each synchronous client this session wrapped is told the session is over (best effort: a backend that
+        does not know the call, or cannot be reached, is ignored). Idempotent. With ``AsyncOpenAI`` clients use
+        ``await session.aclose()`` or ``async with``."""
+        if self._end_locally():
+            for client in self._end_targets(asynchronous=False):
+                with contextlib.suppress(Exception):
+                    client.delete(self._end_path(), cast_to=httpx.Response, options=_END_OPTIONS)
+
+    async def aclose(self) -> None:
+        """``close()`` for asynchronous clients: ends the session on the gateway behind each client it wrapped."""
+        if self._end_locally():
+            for client in self._end_targets(asynchronous=True):
+                with contextlib.suppress(Exception):
+                    await client.delete(self._end_path(), cast_to=httpx.Response, options=_END_OPTIONS)
+            for client in self._end_targets(asynchronous=False):
+                with contextlib.suppress(Exception):
+                    client.delete(self._end_path(), cast_to=httpx.Response, options=_END_OPTIONS)
+
+    def _end_locally(self) -> bool:
+        """Close the session's own state; True the first time (the gateway is told once)."""
         with self._lock:
+            first = not self.closed
             self.closed = True
             pending = list(self._pending)
         for call in pending:
             self._finish(call, aborted=True)
+        return first and self.end_on_close
+
+    def _end_targets(self, *, asynchronous: bool) -> list[Any]:
+        import openai
+
+        seen: set[str] = set()
+        out = []
+        for client in self._clients:
+            base = str(getattr(client, "base_url", ""))
+            if base in seen or isinstance(client, openai.AsyncOpenAI) != asynchronous:
+                continue
+            seen.add(base)
+            out.append(client)
+        return out
+
+    def _end_path(self) -> str:
+        return contract.SESSION_END_PATH.format(session_id=quote(self.id, safe=""))
 
     def __enter__(self) -> Self:
         return self
@@ -332,7 +382,7 @@ class AgentSession:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        await self.aclose()
 
     # --- called by the stamped clients --------------------------------------------------------
 

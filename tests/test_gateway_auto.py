@@ -650,7 +650,7 @@ async def test_a_decode_node_that_drops_the_mark_is_no_longer_counted_on() -> No
     not use. A handle from a later marked turn would turn it back on."""
     from dataclasses import replace
 
-    async with rig(sim=_NO_P_CACHE, **_AUTO, max_local_suffix_tokens=256) as r:
+    async with rig(sim=_NO_P_CACHE, **_AUTO, max_local_suffix_tokens=256, local_turn_handles=True) as r:
         client, url = r.client, r.url
         d = r.cluster.decode_urls[0]
         engine = r.cluster.node(d).engine

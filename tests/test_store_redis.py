@@ -3,6 +3,7 @@ across clients, native TTLs, key namespaces), and what the gateway gets when the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -16,13 +17,14 @@ from kvtether.gateway.guard import HeldSequence
 from kvtether.gateway.policy.copies import DecodeCopy, PrefillCopy
 from kvtether.gateway.sessions import SessionState
 from kvtether.gateway.stores import FailSafeStore, codec, pin_by_hash
+from kvtether.gateway.stores.memory import MemorySessionStore
 from kvtether.gateway.stores.redis import RedisSessionStore, connect
 from redis_server import RedisServer, free_port, running_redis
 
 HANDLE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [[1, 2, 3]],
           "remote_engine_id": "d-engine", "remote_request_id": "req-1", "remote_host": "10.0.0.2",
           "remote_port": 5600, "remote_num_tokens": 41, "transfer_mode": "pull"}
-TIMES = ("handle_at", "expires_at", "created_at")
+TIMES = ("handle_at", "expires_at", "created_at", "last_turn_at")
 
 
 def full_state(now: float, **changes: Any) -> SessionState:
@@ -32,7 +34,8 @@ def full_state(now: float, **changes: Any) -> SessionState:
         held=HeldSequence.from_tokens(list(range(41)), 16), handle_at=now - 1.5, expires_at=now + 60.0, turns=7,
         created_at=now - 100.0, prefix_key="tenant-a/abc123", cached=HeldSequence.from_tokens(list(range(50)), 16),
         last_tokens=51, last_prefill="http://p1:8000", avg_output_tokens=37.25, avg_suffix_tokens=12.5,
-        elsewhere=(DecodeCopy("http://d2:8000", 32),), prefill_copies=(PrefillCopy("http://p1:8000", 48, 900),))
+        elsewhere=(DecodeCopy("http://d2:8000", 32),), prefill_copies=(PrefillCopy("http://p1:8000", 48, 900),),
+        last_turn_at=now - 2.0, mean_gap_s=3.25)
     return state.with_(**changes)
 
 
@@ -123,6 +126,35 @@ async def test_put_get_take_round_trip(store: RedisSessionStore) -> None:
     after = await store.get(state.session_id)
     assert after is not None and after.handle is None and after.held is None and after.cached == state.cached
     assert await store.get("nobody") is None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_conditional_take_gets_the_handle_only_while_it_is_still_that_one(
+        kind: str, tmp_path: Path) -> None:
+    """A release decided on an earlier read names the hold (D's remote_request_id): a newer handle stored
+    meanwhile is never taken by it."""
+    with contextlib.ExitStack() as stack:
+        if kind == "memory":
+            st: Any = MemorySessionStore()
+        else:
+            srv = stack.enter_context(running_redis(tmp_path / "redis"))
+            st = RedisSessionStore(connect(srv.url, timeout_s=2.0), key_prefix="kvt", handle_ttl_s=30.0)
+        try:
+            now = time.monotonic()
+            await st.put(full_state(now))
+            newer = {**HANDLE, "remote_request_id": "req-2"}
+            assert await st.take_handle("tenant-a/sess-1", "req-2") is None
+            await st.put(full_state(now, handle=newer))
+            assert await st.take_handle("tenant-a/sess-1", "req-1") is None  # the old one is gone
+            still = await st.get("tenant-a/sess-1")
+            assert still is not None and still.handle == newer
+            taken = await st.take_handle("tenant-a/sess-1", "req-2")
+            assert taken is not None and taken.handle == newer
+            assert await st.take_handle("tenant-a/sess-1") is None
+        finally:
+            if kind == "redis":
+                await st.aclose()
 
 
 @pytest.mark.anyio

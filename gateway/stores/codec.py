@@ -62,6 +62,8 @@ def encode_session(state: SessionState, offset: float) -> bytes:
         "as": state.avg_suffix_tokens,
         "el": [list(c) for c in state.elsewhere] or None,
         "pc": [list(c) for c in state.prefill_copies] or None,
+        "la": state.last_turn_at + offset if state.last_turn_at is not None else None,
+        "mg": state.mean_gap_s,
     }
     rec.update({k: v for k, v in optional.items() if v is not None})
     return orjson.dumps(rec)
@@ -108,4 +110,7 @@ def decode_session(session_id: str, data: bytes, prefix_key: str | None, handle:
         avg_suffix_tokens=rec.get("as"),
         elsewhere=tuple(DecodeCopy(str(u), int(t)) for u, t in rec.get("el") or ()),
         prefill_copies=tuple(PrefillCopy(str(u), int(t), int(w)) for u, t, w in rec.get("pc") or ()),
+        last_turn_at=float(rec["la"]) - offset if "la" in rec else None,
+        mean_gap_s=float(rec["mg"]) if "mg" in rec else None,
     )
+

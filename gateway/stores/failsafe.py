@@ -109,8 +109,8 @@ class FailSafeStore:
     async def put(self, state: SessionState) -> None:
         await self._call("put", lambda: self.inner.put(state), _none)
 
-    async def take_handle(self, session_id: str) -> TakenHandle | None:
-        return await self._call("take_handle", lambda: self.inner.take_handle(session_id), _none)
+    async def take_handle(self, session_id: str, request_id: str | None = None) -> TakenHandle | None:
+        return await self._call("take_handle", lambda: self.inner.take_handle(session_id, request_id), _none)
 
     async def find_by_prefix(self, prefix_key: str) -> str | None:
         return await self._call("find_by_prefix", lambda: self.inner.find_by_prefix(prefix_key), _none)

@@ -51,9 +51,11 @@ class MemorySessionStore:
             oldest = next(iter(self._sessions))
             self._drop(oldest)
 
-    async def take_handle(self, session_id: str) -> TakenHandle | None:
+    async def take_handle(self, session_id: str, request_id: str | None = None) -> TakenHandle | None:
         state = self._live(session_id)
         if state is None or state.handle is None:
+            return None
+        if request_id is not None and state.handle.get("remote_request_id") != request_id:
             return None
         self._sessions[session_id] = state.with_(handle=None, held=None, handle_at=None)
         return TakenHandle(state.handle, state.held, state.handle_at if state.handle_at is not None else 0.0)

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 from kvtether.gateway.sessions import SessionState, TakenHandle
 from kvtether.gateway.stores import codec
@@ -61,6 +62,18 @@ return redis.call('ZCARD', KEYS[3])
 """
 
 # KEYS: session hash, handle key, index. ARGV: session id, prefix-key namespace.
+# KEYS: handle key. ARGV: the handle's request id as its record spells it ('"remote_request_id":"…"').
+# A conditional GETDEL: the release of a handle decided on an earlier read takes it only while it is still that
+# handle (the record is orjson's compact JSON, so the field appears exactly so).
+_TAKE_IF = """
+local v = redis.call('GET', KEYS[1])
+if v and string.find(v, ARGV[1], 1, true) then
+  redis.call('DEL', KEYS[1])
+  return v
+end
+return false
+"""
+
 _DELETE = """
 local old = redis.call('HGET', KEYS[1], 'pk')
 if old and redis.call('GET', ARGV[2] .. old) == ARGV[1] then
@@ -96,6 +109,7 @@ class RedisSessionStore:
         self.list_limit = list_limit
         self._put = client.register_script(_PUT)
         self._delete = client.register_script(_DELETE)
+        self._take_if = client.register_script(_TAKE_IF)
         self._index = f"{key_prefix}:sessions"
         self._prefixes = f"{key_prefix}:p:"
         # The index size the last put saw, and when: the gateway reads the count after every put (its pinned
@@ -148,8 +162,13 @@ class RedisSessionStore:
                                       math.ceil((state.expires_at + offset) * 1000)])
         self._count = (int(count), now)
 
-    async def take_handle(self, session_id: str) -> TakenHandle | None:
-        data: bytes | None = await self.client.getdel(self._handle_key(session_id))  # type: ignore[assignment]
+    async def take_handle(self, session_id: str, request_id: str | None = None) -> TakenHandle | None:
+        data: bytes | None
+        if request_id is None:
+            data = await self.client.getdel(self._handle_key(session_id))  # type: ignore[assignment]
+        else:
+            field = orjson.dumps({"remote_request_id": request_id})[1:-1]
+            data = await self._take_if(keys=[self._handle_key(session_id)], args=[field]) or None
         if data is None:
             return None
         try:

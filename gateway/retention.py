@@ -1,0 +1,218 @@
+"""Decode memory: releasing the handles the gateway will not pull, and counting what the rest hold.
+
+A release is vLLM's own consume path used on purpose (docs/operations.md, "Decode memory"): a one-token
+completion on a bidirectional prefill node carrying the handle makes P compute that token locally (below
+``kv_recompute_threshold``) and notify D, which frees the hold at once. P answers with prefill params (dropped
+here) and keeps one block under its own 30 s lease. A release never carries the client's request: it goes out
+off the request path, from a bounded queue served by a few workers.
+
+Two ways in: the request path calls :meth:`Retention.release` when it knows a handle is done for (superseded,
+refused by the guard, left unused, the session's last); :meth:`Retention.review_forever` lists the session
+store's handles every ``retention_interval_s``, refreshes the held-KV gauges, and releases what the pure
+policy (``policy/retention.py``) says: idle sessions' handles and those over a decode node's budget. Each is
+taken from the store first (conditionally: only while it is still the handle the review saw), so with
+replicas sharing a store exactly one of them releases it, and a turn that took it first simply has it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from kvtether.gateway import telemetry as T
+from kvtether.gateway.cluster import Cluster
+from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.guard import handle_num_tokens, handle_request_id
+from kvtether.gateway.policy.retention import (
+    IDLE_MIN_S,
+    HeldHandle,
+    Release,
+    ReleaseReason,
+    RetentionKnobs,
+    held_by_node,
+    review,
+)
+from kvtether.gateway.sessions import SessionState, SessionStore
+
+log = logging.getLogger(__name__)
+
+QUEUE_SIZE = 1024  # releases waiting for a worker; past it one is dropped (counted) and the TTL frees its hold
+RELEASE_TIMEOUT_S = 10.0  # a one-token prefill; a node this slow is in trouble, and the TTL is the fallback
+SHUTDOWN_GRACE_S = 5.0  # how long shutdown waits for its releases to go out
+RELEASE_TOKEN = 0  # the one prompt token a release computes: any id works, P never reads D's blocks for it
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    handle: dict[str, Any]
+    node: str  # the decode node that holds it
+    reason: ReleaseReason
+
+
+def retention_knobs(config: GatewayConfig) -> RetentionKnobs:
+    return RetentionKnobs(idle_max_s=config.idle_release_s,
+                          idle_min_s=min(IDLE_MIN_S, config.idle_release_s),
+                          budget_share=config.held_kv_budget if config.held_kv_budget < 1.0 else None)
+
+
+class Retention:
+    def __init__(self, config: GatewayConfig, cluster: Cluster, store: SessionStore, metrics: T.Metrics,
+                 client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config, self.cluster, self.store, self.metrics, self.client, self.clock = (
+            config, cluster, store, metrics, client, clock)
+        # The reference policy models vLLM's reference proxy: it holds everything until the engine's TTL.
+        self.enabled = config.release_handles and config.mode == "pd" and config.policy != "reference"
+        self.knobs = retention_knobs(config)
+        send, receive = anyio.create_memory_object_stream[_Job](QUEUE_SIZE)
+        self._send: MemoryObjectSendStream[_Job] = send
+        self._receive: MemoryObjectReceiveStream[_Job] = receive
+        self._pending = 0  # queued or in flight
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._rr = 0
+
+    # ---- the request path's releases ---------------------------------------------------------------
+
+    def release(self, handle: dict[str, Any] | None, node: str | None, reason: ReleaseReason) -> None:
+        """Queue the release of a handle the gateway no longer holds (it is out of the store). Never blocks."""
+        if not self.enabled or handle is None or node is None:
+            return
+        try:
+            self._send.send_nowait(_Job(handle, node, reason))
+        except anyio.WouldBlock:
+            self.metrics.release_failures.labels("queue_full").inc()
+            return
+        self._queued()
+
+    async def release_session(self, session_id: str, reason: ReleaseReason) -> bool:
+        """Take a session's handle out of the store and release it; False when it had none."""
+        state = await self.store.get(session_id)
+        taken = await self.store.take_handle(session_id)
+        if taken is None:
+            return False
+        self.release(taken.handle, state.decode if state is not None else None, reason)
+        return True
+
+    def _queued(self) -> None:
+        self._pending += 1
+        if self._idle.is_set():
+            self._idle = anyio.Event()
+
+    def _done(self) -> None:
+        self._pending -= 1
+        if self._pending == 0:
+            self._idle.set()
+
+    # ---- the background side -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Release workers and the periodic review, until cancelled (the app's lifespan)."""
+        if self.config.mode != "pd":
+            return
+        async with anyio.create_task_group() as tg:
+            if self.enabled:
+                for _ in range(self.config.release_concurrency):
+                    tg.start_soon(self._worker, self._receive.clone())
+            tg.start_soon(self.review_forever)
+
+    async def _worker(self, jobs: MemoryObjectReceiveStream[_Job]) -> None:
+        async with jobs:
+            async for job in jobs:
+                try:
+                    await self._send_release(job)
+                except Exception:  # a release is best effort: the engine's TTL frees the hold anyway
+                    log.exception("handle release failed")
+                    self.metrics.release_failures.labels("upstream").inc()
+                finally:
+                    self._done()
+
+    async def _send_release(self, job: _Job) -> None:
+        prefills = [n for n in self.cluster.role("prefill") if n.healthy and self.config.is_bidirectional(n.url)]
+        models = self.cluster.served_models() or ([self.config.model] if self.config.model else [])
+        if not prefills or not models:
+            self.metrics.release_failures.labels("no_prefill").inc()
+            return
+        body = {"model": models[0], "prompt": [RELEASE_TOKEN], "max_tokens": 1, "stream": False,
+                "kv_transfer_params": job.handle}
+        headers = {"authorization": f"Bearer {self.config.upstream_api_key}"} if self.config.upstream_api_key else {}
+        # One more try on another prefill node after a connection failure or a 5xx; a 4xx is the request's fault.
+        for attempt in range(min(2, len(prefills))):
+            self._rr += 1
+            node = prefills[(self._rr + attempt) % len(prefills)]
+            try:
+                resp = await self.client.post(f"{node.url}/v1/completions", json=body, headers=headers,
+                                              timeout=RELEASE_TIMEOUT_S)
+            except httpx.HTTPError as exc:
+                log.info("release of a handle on %s via %s failed: %s", job.node, node.url, exc)
+                continue
+            if resp.status_code == 200:
+                self.metrics.handle_releases.labels(job.reason.value).inc()
+                log.debug("released a handle of %s tokens on %s (%s)", handle_num_tokens(job.handle), job.node,
+                          job.reason.value)
+                return
+            log.info("release of a handle on %s via %s: HTTP %s %s", job.node, node.url, resp.status_code,
+                     resp.text[:200])
+            if resp.status_code < 500:
+                break
+        self.metrics.release_failures.labels("upstream").inc()
+
+    async def review_forever(self) -> None:
+        while True:
+            try:
+                await self.review_once()
+            except Exception:  # a failed review must not stop the next one
+                log.exception("retention review failed")
+            await anyio.sleep(self.config.retention_interval_s)
+
+    async def review_once(self) -> list[Release]:
+        """Refresh the held-KV view and gauges; release what the policy says (when releasing is on)."""
+        now = self.clock()
+        handles = [h for s in await self.store.list() if (h := self._held(s)) is not None]
+        decodes = self.cluster.role("decode")
+        sizes = {n.url: self.cluster.block_size(n.url) for n in decodes}
+        capacity = {n.url: n.kv_capacity_tokens for n in decodes}
+        releases = review(handles, capacity, now, self.knobs, sizes) if self.enabled else []
+        gone: set[str] = set()
+        for r in releases:
+            taken = await self.store.take_handle(r.session_id, r.request_id)
+            if taken is not None:
+                self.release(taken.handle, r.node, r.reason)
+                gone.add(r.session_id)
+        held = held_by_node((h for h in handles if h.session_id not in gone), sizes)
+        for n in decodes:
+            n.held_kv_tokens = held.get(n.url, 0)
+            self.metrics.held_kv_tokens.labels(n.url).set(n.held_kv_tokens)
+            if n.kv_capacity_tokens:
+                self.metrics.held_kv_share.labels(n.url).set(n.held_kv_tokens / n.kv_capacity_tokens)
+        return releases
+
+    def _held(self, s: SessionState) -> HeldHandle | None:
+        if s.handle is None or s.decode is None:
+            return None
+        at = s.handle_at if s.handle_at is not None else self.clock()
+        return HeldHandle(session_id=s.session_id, node=s.decode, tokens=handle_num_tokens(s.handle) or 0,
+                          request_id=handle_request_id(s.handle), stored_at=at,
+                          expires_at=at + self.config.session_ttl_s,
+                          last_turn_at=s.last_turn_at if s.last_turn_at is not None else at,
+                          mean_gap_s=s.mean_gap_s)
+
+    async def shutdown(self) -> None:
+        """At gateway shutdown: with a store of its own (memory), nothing will pull its handles again, so they
+        are released; a shared store's handles stay for the other replicas. Waits for queued releases, bounded."""
+        with anyio.move_on_after(SHUTDOWN_GRACE_S):
+            if self.enabled and self.config.store == "memory":
+                for s in await self.store.list():
+                    if s.handle is None:
+                        continue
+                    taken = await self.store.take_handle(s.session_id)
+                    if taken is not None:
+                        await self._send.send(_Job(taken.handle, s.decode or "", ReleaseReason.SHUTDOWN))
+                        self._queued()
+            await self._idle.wait()
+
