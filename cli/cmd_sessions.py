@@ -1,4 +1,5 @@
-"""``kvtether sessions --gateway URL``: the gateway's pinned sessions (``GET /admin/sessions``).
+"""``kvtether sessions --gateway URL``: the gateway's pinned sessions (``GET /admin/sessions``), then what its
+handles hold on each decode node (``GET /ready``).
 
 Columns: session id, decode node, held tokens, handle age (s), turns, expiry (s left).
 
@@ -70,10 +71,33 @@ async def fetch_sessions(url: str, timeout_s: float = 10.0) -> list[dict[str, An
     return data
 
 
+async def fetch_held(url: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The decode nodes' held KV (``GET /ready``): url, held tokens, KV capacity. Empty when not to be had."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            data = (await client.get(url.rstrip("/") + "/ready")).json()
+    except (httpx.HTTPError, json.JSONDecodeError):
+        return []
+    nodes = data.get("nodes") if isinstance(data, dict) else None
+    return [n for n in nodes or () if isinstance(n, dict) and n.get("role") == "decode" and "held_kv_tokens" in n]
+
+
+def held_table(nodes: list[dict[str, Any]]) -> Table:
+    table = Table(title="held KV per decode node (the gateway's handles)", title_justify="left")
+    table.add_column("decode node", overflow="fold")
+    for name in ("held tokens", "KV capacity", "share"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for n in nodes:
+        held, cap = n.get("held_kv_tokens"), n.get("kv_capacity_tokens")
+        share = f"{held / cap:.1%}" if isinstance(held, int) and isinstance(cap, int) and cap else "–"
+        table.add_row(str(n.get("url")), _cell(held), _cell(cap), share)
+    return table
+
+
 def register(app: typer.Typer) -> None:
     @app.command("sessions")
     def sessions(
-        gateway: str = typer.Option(..., "--gateway", metavar="URL", help="The gateway to ask."),
+        gateway: str = typer.Option("http://127.0.0.1:8000", "--gateway", metavar="URL", help="The gateway to ask."),
         as_json: bool = typer.Option(False, "--json", help="Write the gateway's answer to stdout as JSON."),
         timeout: float = typer.Option(10.0, "--timeout", min=0.001, help="Seconds."),
     ) -> None:
@@ -96,3 +120,6 @@ def register(app: typer.Typer) -> None:
         for r in sorted(rows, key=lambda r: str(_field(r, COLUMNS[0][1]))):
             table.add_row(*[_cell(_field(r, names)) for _, names in COLUMNS])
         Console().print(table)
+        held = anyio.run(fetch_held, gateway, timeout)
+        if held:
+            Console().print(held_table(held))

@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvtether.sim.engine import EngineRequest, ErrorEvent, Event, FinishEvent, TokenEvent
@@ -342,6 +342,12 @@ async def _stream(c: Completion) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
+def _peer_version(body: Mapping[str, Any]) -> str | None:
+    """The reader's vLLM version, for the NIXL handshake's compatibility check (absent: not checked)."""
+    v = body.get("vllm_version")
+    return None if v is None else str(v)
+
+
 def build_app(node: SimNode) -> Starlette:
     async def completions(request: Request, *, chat: bool) -> Response:
         try:
@@ -420,7 +426,10 @@ def build_app(node: SimNode) -> Starlette:
         body = await request.json()
         try:
             blocks = node.engine.serve_read(
-                str(body.get("engine_id") or ""), str(body["request_id"]), [int(b) for b in body["block_ids"]]
+                str(body.get("engine_id") or ""),
+                str(body["request_id"]),
+                [int(b) for b in body["block_ids"]],
+                _peer_version(body),
             )
         except KVLoadError as e:
             return error_response(409, str(e), kind="KVTransferDeclined")
@@ -428,12 +437,14 @@ def build_app(node: SimNode) -> Starlette:
 
     async def nixl_notify(request: Request) -> Response:
         body = await request.json()
-        freed = node.engine.serve_notify(str(body.get("engine_id") or ""), str(body["request_id"]))
+        freed = node.engine.serve_notify(str(body.get("engine_id") or ""), str(body["request_id"]), _peer_version(body))
         return JSONResponse({"freed": freed})
 
     async def nixl_heartbeat(request: Request) -> Response:
         body = await request.json()
-        renewed = node.engine.serve_heartbeat(str(body.get("engine_id") or ""), str(body["request_id"]))
+        renewed = node.engine.serve_heartbeat(
+            str(body.get("engine_id") or ""), str(body["request_id"]), _peer_version(body)
+        )
         return JSONResponse({"renewed": renewed})
 
     async def admin_fault(request: Request) -> Response:

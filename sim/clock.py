@@ -19,6 +19,11 @@ class SimClock:
         """Simulated seconds since the node started (node-local, opaque to other nodes)."""
         return (time.monotonic() - self._t0) * self.speed
 
+    def advance(self, sim_seconds: float) -> None:
+        """Jump simulated time forward (tests: reach a TTL without waiting it out in real time). The engine
+        notices at its next wake-up, at most a second of real time later."""
+        self._t0 -= max(0.0, sim_seconds) / self.speed
+
     def real(self, sim_seconds: float) -> float:
         return sim_seconds / self.speed
 

@@ -43,6 +43,8 @@ class ClusterSpec:
     # KV-cache blocks of each prefill-role node (vLLM --num-gpu-blocks-override); None: the preset's. A
     # smaller P cache stands for one the rest of a large cluster's sessions share.
     prefill_num_gpu_blocks: int | None = None
+    # The same for each decode-role node: a small D cache shows what its holds cost (queued and preempted work).
+    decode_num_gpu_blocks: int | None = None
     tool_call_parser: str | None = None  # vLLM --tool-call-parser on every node; None: the preset's
 
     def node_configs(self) -> list[NodeConfig]:
@@ -63,7 +65,10 @@ class ClusterSpec:
                 side_channel_host=self.side_channel_host,
                 model_name=self.model_name,
                 enable_prefix_caching=self.prefill_prefix_caching if role == "prefill" else True,
-                num_gpu_blocks_override=self.prefill_num_gpu_blocks if role == "prefill" else None,
+                num_gpu_blocks_override={
+                    "prefill": self.prefill_num_gpu_blocks,
+                    "decode": self.decode_num_gpu_blocks,
+                }.get(role),
                 tool_call_parser=self.tool_call_parser,
             )
             for role in roles

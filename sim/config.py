@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from kvtether.sim.template import TOOL_FORMATS
 
 ROLES = ("prefill", "decode", "aggregated")
-EMULATED_VERSIONS = {"0.32": "0.32.0", "0.33": "0.33.0"}
+# The hold logic (TTL, tracking, release) is the same in all three; they differ in what the handle and the
+# stream carry (see `emulate`) and in the NIXL handshake, whose compatibility hash includes the version.
+EMULATED_VERSIONS = {"0.32": "0.32.0", "0.33": "0.33.0", "0.34": "0.34.0"}
 FAILURE_POLICIES = ("fail", "recompute")
 
 
@@ -17,7 +19,9 @@ class NodeConfig:
     role: str = "aggregated"  # prefill | decode | aggregated (kv_both)
     preset: str = "toy"
     speed: float = 1.0  # simulated seconds per real second
-    emulate: str = "0.33"  # "0.33": handle on the streamed finish chunk; "0.32": non-streamed bodies only
+    # "0.33" and "0.34": the handle also on the streamed finish chunk and with remote_registration_generation;
+    # "0.32": on non-streamed bodies only, without that key. Nodes of different versions cannot transfer KV.
+    emulate: str = "0.33"
     bidirectional: bool = True  # bidirectional_kv_xfer
     decoder_kv_blocks_ttl: float = 480.0  # simulated seconds a handle's blocks stay held (never renewed)
     kv_lease_duration: float = 30.0  # simulated seconds a prefill holds blocks for the decode's read

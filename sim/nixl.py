@@ -4,7 +4,11 @@ The reader contacts the holder at the ``remote_host:remote_port`` it was given (
 a proxy that forgets to rewrite an unroutable side-channel host makes the read fail, as with vLLM).
 ``POST /nixl/read`` returns the content of the requested blocks and frees the hold (single use);
 ``POST /nixl/notify`` only frees it (the reader decided to recompute); ``POST /nixl/heartbeat`` renews a
-prefill's lease while the decode request waits in its queue.
+prefill's lease while the decode request waits in its queue. A hold the holder's worker does not track
+(kv.Hold.tracked) is readable but neither single use nor freed by a notification.
+
+Each body carries the reader's vLLM version when the transport knows it: vLLM's NIXL handshake compares a
+compatibility hash that includes the version string, so nodes of different releases cannot transfer.
 """
 
 from __future__ import annotations
@@ -66,9 +70,16 @@ _CONNECTION_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, htt
 
 
 class HttpKVTransport:
-    def __init__(self, timeout: float = 30.0, *, keepalive_expiry: float = CLIENT_KEEPALIVE_EXPIRY_S) -> None:
+    def __init__(
+        self,
+        timeout: float = 30.0,
+        *,
+        keepalive_expiry: float = CLIENT_KEEPALIVE_EXPIRY_S,
+        vllm_version: str | None = None,
+    ) -> None:
         self._timeout = timeout
         self._keepalive_expiry = keepalive_expiry
+        self._vllm_version = vllm_version
         self._http: httpx.AsyncClient | None = None
         self.retries = 0  # white-box counter for tests
 
@@ -95,8 +106,14 @@ class HttpKVTransport:
             self.retries += 1
             return await self._client.post(url, json=body)
 
+    def _body(self, ref: RemoteRef, **extra: object) -> dict[str, object]:
+        body: dict[str, object] = {"engine_id": ref.engine_id, "request_id": ref.request_id, **extra}
+        if self._vllm_version is not None:
+            body["vllm_version"] = self._vllm_version  # what the handshake's compatibility hash compares
+        return body
+
     async def read(self, ref: RemoteRef, block_ids: list[int]) -> list[BlockData]:
-        body = {"engine_id": ref.engine_id, "request_id": ref.request_id, "block_ids": block_ids}
+        body = self._body(ref, block_ids=block_ids)
         try:
             resp = await self._post(_url(ref, "/nixl/read"), body)
         except httpx.HTTPError as e:
@@ -106,13 +123,13 @@ class HttpKVTransport:
         return [BlockData(content=list(b["content"]), parent=bytes.fromhex(b["parent"])) for b in resp.json()["blocks"]]
 
     async def notify(self, ref: RemoteRef) -> None:
-        body = {"engine_id": ref.engine_id, "request_id": ref.request_id}
+        body = self._body(ref)
         # Best effort: the holder frees at its TTL anyway.
         with contextlib.suppress(httpx.HTTPError):
             await self._post(_url(ref, "/nixl/notify"), body)
 
     async def heartbeat(self, ref: RemoteRef) -> None:
-        body = {"engine_id": ref.engine_id, "request_id": ref.request_id}
+        body = self._body(ref)
         with contextlib.suppress(httpx.HTTPError):
             await self._post(_url(ref, "/nixl/heartbeat"), body)
 

@@ -83,7 +83,7 @@ class SimNode:
             engine_id=cfg.engine_id,
             enable_prefix_caching=cfg.enable_prefix_caching,
         )
-        self.transport: KVTransport = transport or HttpKVTransport()
+        self.transport: KVTransport = transport or HttpKVTransport(vllm_version=cfg.version)
         self.engine = Engine(cfg, self.preset, self.tokenizer, self.transport, self.metrics, self.clock)
         self.faults = Faults()
         self.app = build_app(self)
@@ -164,7 +164,15 @@ class SimNode:
             "blocks_used": e.pool.num_used,
             "blocks_cached": e.pool.cached_blocks(),
             "held": [
-                {"request_id": h.request_id, "kind": h.kind, "num_tokens": h.num_tokens, "expires_at": h.expires_at}
+                {
+                    "request_id": h.request_id,
+                    "kind": h.kind,
+                    "num_tokens": h.num_tokens,
+                    "num_blocks": len(h.blocks),
+                    "expires_at": h.expires_at,
+                    # False: vLLM's worker does not know this hold; it never expires and no read frees it.
+                    "tracked": h.tracked,
+                }
                 for h in e.holds.all()
             ],
             "steps": e.steps,

@@ -1,0 +1,265 @@
+"""Decode memory through the gateway on the simulator: every handle the gateway will not pull is released on
+its decode node (superseded, refused, unused, final, idle, budget, shutdown), the held-KV gauges say what the
+rest hold, and answers still equal the aggregated oracle's.
+
+The simulator holds D's blocks as vLLM 0.32–0.34 does (tests/test_sim_retention.py): a P/D turn's hold until a
+pull, a one-token release or ``decoder_kv_blocks_ttl``. Its TTL is set far out here, so that every hold that
+goes away went because the gateway released it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import pytest
+from gateway_agent import chat, comparable, first_messages, next_messages, request_body
+from kvtether.gateway.app import create_app
+from kvtether.gateway.config import load_config
+from kvtether.gateway.server import serve_gateway
+from kvtether.sdk import AgentSession
+from kvtether.sdk.contract import FINAL_HEADER
+from kvtether.sim.cluster import ClusterSpec, SimCluster
+from test_gateway_sim import LIMITS, SPEED, Rig, metric, rig
+
+pytestmark = pytest.mark.anyio
+
+# Simulated seconds: at SPEED 50 a 480 s TTL would end in under 10 real seconds, inside a test.
+_NO_TTL = {"decoder_kv_blocks_ttl": 1e9}
+
+
+async def holds(r: Rig, node: str | None = None) -> list[dict[str, Any]]:
+    """The decode node's retained holds (the simulator's white-box view)."""
+    url = node or r.cluster.decode_urls[0]
+    state = (await r.client.get(f"{url}/admin/state")).json()
+    return [h for h in state["held"] if h["kind"] == "retained"]
+
+
+async def released(r: Rig, reason: str) -> float:
+    return await metric(r.client, r.url, "kvtether_handle_releases_total", reason=reason)
+
+
+async def eventually(check: Any, within_s: float = 10.0) -> None:
+    """Releases go out off the request path: wait for `check()` (async, truthy) or fail with its last value."""
+    last: Any = None
+    for _ in range(int(within_s / 0.05)):
+        if last := await check():
+            return
+        await anyio.sleep(0.05)
+    raise AssertionError(f"not reached in {within_s} s: {last!r}")
+
+
+async def turns(r: Rig, session: int, n: int, headers: dict[str, str], *, final: bool = False,
+                messages: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """`n` turns of one session, each checked against the oracle; the last one marked final when asked."""
+    messages = messages or first_messages(session)
+    for t in range(n):
+        h = {**headers, FINAL_HEADER: "true"} if final and t == n - 1 else headers
+        got = await chat(r.client, r.url, request_body(messages, stream=t % 2 == 1), h)
+        want = await chat(r.client, r.oracle, request_body(messages, stream=False), clean=False)
+        assert comparable(got) == comparable(want), f"session {session} turn {t} differs from the oracle"
+        messages = next_messages(messages, got, session, t, result_words=40)
+    return messages
+
+
+async def test_a_final_turn_releases_its_handle_and_ends_the_session() -> None:
+    async with rig(sim=_NO_TTL) as r:
+        h = {"x-session-id": "final-1"}
+        await turns(r, 1, 2, h)
+        # Each P/D turn's hold: the first was pulled (freed) by the second, which left one.
+        assert len(await holds(r)) == 1
+        await turns(r, 2, 3, {"x-session-id": "final-2"}, final=True)
+        await eventually(lambda: released(r, "final"))
+        await eventually(lambda: _count(holds(r), 1))
+        sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
+        assert [s["session_id"] for s in sessions] == ["final-1"]
+        assert await released(r, "final") == 1
+
+
+async def _count(coro: Any, n: int) -> bool:
+    return len(await coro) == n
+
+
+async def test_delete_ends_a_session_and_releases_its_handle() -> None:
+    async with rig(sim=_NO_TTL) as r:
+        await turns(r, 3, 2, {"x-session-id": "del/1"})
+        assert len(await holds(r)) == 1
+        resp = await r.client.delete(f"{r.url}/v1/sessions/del/1")
+        assert resp.status_code == 204, resp.text
+        await eventually(lambda: _count(holds(r), 0))
+        assert await released(r, "final") == 1
+        assert (await r.client.get(f"{r.url}/admin/sessions")).json() == []
+        again = await r.client.delete(f"{r.url}/v1/sessions/del/1")
+        assert again.status_code == 404 and again.json()["error"]["code"] == "session_not_found"
+        bad = await r.client.delete(f"{r.url}/v1/sessions/has space")
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_id"
+
+
+async def test_a_handle_the_guard_refuses_is_released_at_once() -> None:
+    async with rig(sim=_NO_TTL) as r:
+        h = {"x-session-id": "edit-1"}
+        messages = await turns(r, 4, 2, h)
+        [before] = await holds(r)
+        # An edited history (the system prompt rewritten): the guard refuses the handle, the turn goes cold.
+        edited = [{**messages[0], "content": "You are someone else entirely. " * 20}, *messages[1:]]
+        await turns(r, 4, 1, h, messages=edited)
+        assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="refused_by_guard") == 1
+        await eventually(lambda: released(r, "refused"))
+        await eventually(lambda: _count(holds(r), 1))
+        [after] = await holds(r)
+        assert after["request_id"] != before["request_id"]  # the new turn's hold is the one left
+
+
+async def test_idle_sessions_lose_their_handle_and_come_back_cold_but_right() -> None:
+    async with rig(sim=_NO_TTL, idle_release_s=1.0, retention_interval_s=0.1) as r:
+        h = {"x-session-id": "idle-1"}
+        messages = await turns(r, 5, 2, h)
+        await eventually(lambda: released(r, "idle"))
+        await eventually(lambda: _count(holds(r), 0))
+        [s] = (await r.client.get(f"{r.url}/admin/sessions")).json()
+        assert s["session_id"] == "idle-1" and not s["has_handle"]  # still pinned, nothing held
+        await turns(r, 5, 1, h, messages=messages)  # cold, equal to the oracle
+        assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == 1
+
+
+async def test_each_decode_node_stays_under_its_budget() -> None:
+    # 300 blocks of 16 tokens on D: 4,800 tokens; a budget of 30 % is 1,440 tokens, about three sessions' holds.
+    async with rig(sim={**_NO_TTL, "decode_num_gpu_blocks": 300}, held_kv_budget=0.3,
+                   retention_interval_s=0.1) as r:
+        d = r.cluster.decode_urls[0]
+        await eventually(lambda: _capacity_known(r, d))
+        for s in range(6):
+            await turns(r, 10 + s, 1, {"x-session-id": f"budget-{s}"})
+        await eventually(lambda: released(r, "budget"))
+
+        async def under() -> bool:
+            held = sum(math.ceil(x["num_tokens"] / 16) * 16 for x in await holds(r))
+            gauge = await metric(r.client, r.url, "kvtether_held_kv_tokens", node=d)
+            return held <= 0.3 * 4800 and gauge == held
+
+        await eventually(under)
+        share = await metric(r.client, r.url, "kvtether_held_kv_share", node=d)
+        assert 0 < share <= 0.3
+        # The oldest sessions (furthest past their expected return) went first; the newest keeps its handle.
+        sessions = {s["session_id"]: s for s in (await r.client.get(f"{r.url}/admin/sessions")).json()}
+        assert sessions["budget-5"]["has_handle"] and not sessions["budget-0"]["has_handle"]
+
+
+async def _capacity_known(r: Rig, d: str) -> bool:
+    return bool(r.gw.cluster.nodes[d].kv_capacity_tokens)
+
+
+async def test_no_pull_releases_every_handle_and_reference_keeps_them_all() -> None:
+    for policy, left in (("no-pull", 0), ("reference", 3)):
+        async with rig(sim=_NO_TTL, policy=policy) as r:
+            for s in range(3):
+                await turns(r, 20 + s, 1, {"x-session-id": f"{policy}-{s}"})
+            if policy == "no-pull":
+                await eventually(lambda r=r: released(r, "unused"))
+            await eventually(lambda r=r, left=left: _count(holds(r), left))
+            assert sum([await released(r, reason) for reason in ("unused", "final", "idle", "budget")]) == 3 - left
+
+
+async def test_shutdown_releases_what_the_gateway_holds() -> None:
+    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0,
+                       **_NO_TTL)
+    async with SimCluster(spec) as cluster, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="pull",
+                          metrics_poll_interval_s=0.5)
+        app = create_app(cfg)
+        d = cluster.decode_urls[0]
+        async with serve_gateway(cfg, app=app) as url:
+            for s in range(2):
+                await chat(client, url, request_body(first_messages(30 + s), stream=False), {"x-session-id": f"sd{s}"})
+            assert len([h for h in (await client.get(f"{d}/admin/state")).json()["held"]
+                        if h["kind"] == "retained"]) == 2
+        # The lifespan's end waited for the releases.
+        assert [h for h in (await client.get(f"{d}/admin/state")).json()["held"] if h["kind"] == "retained"] == []
+        assert sum(s.value for m in app.state.gateway.metrics.handle_releases.collect() for s in m.samples
+                   if s.name.endswith("_total") and s.labels.get("reason") == "shutdown") == 2
+
+
+async def test_concurrent_turns_of_one_session_leave_one_hold() -> None:
+    """Two turns of one session at once: one takes the handle, the other goes cold; each leaves a hold, and
+    the turn that stores last supersedes the other's, which is released rather than left to the TTL."""
+    async with rig(sim=_NO_TTL) as r:
+        h = {"x-session-id": "twice"}
+        messages = await turns(r, 40, 1, h)
+        body = request_body(next_messages(messages, {"role": "assistant", "content": "ok"}, 40, 1), stream=False)
+        async with anyio.create_task_group() as tg:
+            for _ in range(2):
+                tg.start_soon(chat, r.client, r.url, body, h)
+        await eventually(lambda: released(r, "superseded"))
+        await eventually(lambda: _count(holds(r), 1))
+        [s] = (await r.client.get(f"{r.url}/admin/sessions")).json()
+        [left] = await holds(r)
+        assert s["has_handle"] and left["num_tokens"] == s["held_tokens"]
+
+
+async def test_the_sdk_ends_its_session_on_close() -> None:
+    async with rig(sim=_NO_TTL) as r:
+        base = openai.OpenAI(base_url=f"{r.url}/v1", api_key="none", max_retries=0)
+        abase = openai.AsyncOpenAI(base_url=f"{r.url}/v1", api_key="none", max_retries=0)
+        with AgentSession("sdk-sync") as session:
+            client = session.wrap(base)
+            messages = first_messages(50)
+            for t in range(2):
+                body = request_body(messages, stream=False)
+                got = await anyio.to_thread.run_sync(lambda body=body: client.chat.completions.create(**body))
+                messages = next_messages(messages, got.choices[0].message.model_dump(exclude_none=True), 50, t)
+            assert len(await holds(r)) == 1
+            await anyio.to_thread.run_sync(session.close)
+        await eventually(lambda: _count(holds(r), 0))
+        async with AgentSession("sdk-async") as asession:
+            aclient = asession.wrap(abase)
+            await aclient.chat.completions.create(**request_body(first_messages(51), stream=False))
+            assert len(await holds(r)) == 1
+        await eventually(lambda: _count(holds(r), 0))
+        assert await released(r, "final") == 2
+        assert (await r.client.get(f"{r.url}/admin/sessions")).json() == []
+        base.close()
+        await abase.close()
+
+
+async def test_local_turn_handles_leak_on_the_decode_node_and_are_off_by_default() -> None:
+    """A marked decode-local turn (local_turn_handles) makes an untracked hold on vLLM 0.32–0.34, which the
+    simulator reproduces: once the session ends, the default leaves D holding nothing, the marked run leaves
+    the local turns' blocks pinned (no pull, release or TTL frees them)."""
+    settings = {"policy": "auto", "min_reuse_tokens": 4, "learn_estimates": False, "max_local_suffix_tokens": 256}
+    for marked in (False, True):
+        async with rig(sim={**_NO_TTL, "prefill_prefix_caching": False}, local_turn_handles=marked,
+                       **settings) as r:
+            await turns(r, 60, 4, {"x-session-id": f"local-{marked}"}, final=True)
+            assert await metric(r.client, r.url, "kvtether_ttft_seconds_count", reuse_source="decode_local") >= 1
+            await eventually(lambda r=r: released(r, "final"))
+            await anyio.sleep(0.3)
+            left = await holds(r)
+            if marked:
+                assert left and all(h.get("tracked") is False for h in left), left
+            else:
+                assert left == []
+
+
+async def test_held_kv_per_decode_node_in_ready_and_kvtether_sessions() -> None:
+    from kvtether.cli.main import app as cli_app
+    from typer.testing import CliRunner
+
+    async with rig(sim=_NO_TTL, retention_interval_s=0.1) as r:
+        d = r.cluster.decode_urls[0]
+        for s in range(2):
+            await turns(r, 70 + s, 1, {"x-session-id": f"view-{s}"})
+        want = sum(math.ceil(h["num_tokens"] / 16) * 16 for h in await holds(r))
+
+        async def gauge_caught_up() -> bool:
+            return await metric(r.client, r.url, "kvtether_held_kv_tokens", node=d) == want
+
+        await eventually(gauge_caught_up)
+        [node] = [n for n in (await r.client.get(f"{r.url}/ready")).json()["nodes"] if n["role"] == "decode"]
+        assert node["held_kv_tokens"] == want
+        out = await anyio.to_thread.run_sync(
+            lambda: CliRunner().invoke(cli_app, ["sessions", "--gateway", r.url], env={"COLUMNS": "200"}))
+        assert out.exit_code == 0, out.output
+        assert "held KV per decode node" in out.output and f"{want:,}" in out.output
