@@ -21,6 +21,7 @@ from kvtether.gateway import telemetry as T
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.guard import handle_num_tokens
 from kvtether.gateway.policy.placement import Plan, Turn
+from kvtether.gateway.policy.retention import ReleaseReason
 from kvtether.gateway.relay import read_preamble, relay
 from kvtether.gateway.remember import finish, read_body
 from kvtether.gateway.streaming import RelayResponse
@@ -126,6 +127,9 @@ async def prefill_with_recovery(sv: Services, ctx: TurnContext, the_plan: Plan, 
             if kv is not None:
                 sv.metrics.handle_outcomes.labels("retried_cold").inc()
                 ctx.span.set_attribute(T.ATTR_RETRIED, True)
+                # P may or may not have told D it is done with the handle: a release makes sure (a notify
+                # for a hold already freed is only a log line on D).
+                sv.release(kv, ctx.state.decode if ctx.state is not None else None, ReleaseReason.UNUSED)
                 kv = None
                 continue
             if not failure.node_fault:

@@ -444,3 +444,12 @@ async def test_a_hanging_prefill_with_a_handle_is_retried_without_it_within_the_
         assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == 1
         assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="retried_cold") == 1
         assert 1.0 <= took < 15.0, f"the hung pull was not cut at pull_timeout_s (turn took {took:.1f} s)"
+        # The abandoned handle is released on D (the hung P never read it): only the new turn's hold is left.
+        d = r.cluster.decode_urls[0]
+        for _ in range(100):
+            held = [h for h in (await r.client.get(f"{d}/admin/state")).json()["held"] if h["kind"] == "retained"]
+            if len(held) == 1:
+                break
+            await anyio.sleep(0.05)
+        assert len(held) == 1, held
+        assert await metric(r.client, r.url, "kvtether_handle_releases_total", reason="unused") == 1
