@@ -143,6 +143,9 @@ def _gauge_lines(text: str) -> str:
     return "\n".join(keep) + "\n"
 
 
+_KVTETHER_METRIC = "kvtether_requests_total"  # in every kvtether gateway's /metrics, in no vLLM's
+
+
 def parse_metrics(text: str) -> dict[str, float | int]:
     """The few vLLM gauges placement uses, summed over label sets (one engine per node here)."""
     out: dict[str, float | int] = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
@@ -320,6 +323,14 @@ class Cluster:
         try:
             resp = await self.client.get(f"{node.url}/metrics", timeout=timeout)
             resp.raise_for_status()
+            if _KVTETHER_METRIC in resp.text and "vllm:" not in resp.text:
+                # Another kvtether gateway (e.g. --prefill pointed at `kvtether up`'s gateway port): it would
+                # answer, and refuse every leg's kv_transfer_params.
+                why = (f"{node.url} is a kvtether gateway, not a vLLM server: give the gateway the vLLM "
+                       "servers' URLs (kvtether up --json prints them)")
+                node.last_error = why
+                self.take_out(node, why)
+                return
             parsed = parse_metrics(resp.text)
             node.running = float(parsed["running"])
             node.inflight_at_poll = node.inflight

@@ -214,11 +214,15 @@ class GatewayConfig:
         if self.aggregated and (self.prefill or self.decode):
             raise ConfigError("give either aggregated nodes or prefill + decode nodes, not both")
         if not self.aggregated and not (self.prefill and self.decode):
-            raise ConfigError("P/D mode needs at least one prefill and one decode URL (or use aggregated)")
+            raise ConfigError("P/D mode needs at least one prefill and one decode URL (--prefill URL --decode URL), "
+                              "or give aggregated nodes instead (--aggregated URL)")
         for name in ("prefill", "decode", "aggregated", "unidirectional_prefill"):
             for url in getattr(self, name):
                 if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
                     raise ConfigError(f"{name}: {url!r} is not an http(s) URL")
+                if url.rstrip("/").endswith("/v1"):
+                    raise ConfigError(f"{name}: {url!r} ends in /v1; give the vLLM server's root URL, e.g. "
+                                      f"{url.rstrip('/')[:-3]!r} (the gateway adds /v1/... itself)")
         if not 0 < self.session_ttl_s < self.engine_kv_ttl_s:
             raise ConfigError(
                 f"session_ttl_s ({self.session_ttl_s}) must be > 0 and below engine_kv_ttl_s "

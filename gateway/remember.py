@@ -57,6 +57,11 @@ async def finish(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResu
                                T.ATTR_PREFILL: the_plan.prefill, T.ATTR_DECODE: the_plan.decode})
         if result.ttft is not None:
             sv.metrics.observe_ttft(source, sv.config.mode, result.ttft, overhead)
+        if log.isEnabledFor(logging.INFO):
+            log.info("turn %s of %s: %s on %s, TTFT %s, %s%s", ctx.state.turns if ctx.state else 0,
+                     ctx.named_session or ctx.session_source, the_plan.action.value, the_plan.decode,
+                     f"{result.ttft:.3f} s" if result.ttft is not None else "-", source,
+                     "" if result.ok else " (failed)")
         await remember(sv, ctx, the_plan, result)
     except Exception:  # the client already has its answer; bookkeeping must not turn it into an error
         log.exception("failed to record the end of a turn")

@@ -75,6 +75,7 @@ def run_gateway(config: GatewayConfig, log_level: str = "info", *, workers: int 
     """
     common: dict[str, Any] = {"host": config.host, "port": config.port, "log_level": log_level, "access_log": False,
                               "timeout_keep_alive": int(config.client_keepalive_s), "loop": LOOP, "http": HTTP}
+    quiet_upstream_client(log_level)
     if workers <= 1:
         uvicorn.run(create_app(config), **common)
         return
@@ -88,4 +89,13 @@ def app_from_env() -> Starlette:
     level = os.environ.get(LOG_LEVEL_ENV)
     if level:
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        quiet_upstream_client(level)
     return create_app(load_config(None, **json.loads(os.environ[SETTINGS_ENV])))
+
+
+def quiet_upstream_client(log_level: str) -> None:
+    """httpx logs every request at info: the gateway's node polls (/metrics, /health every few seconds per
+    node) would drown its own lines. Kept at debug."""
+    if log_level.lower() != "debug":
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
