@@ -53,6 +53,7 @@ class Gateway:
         self.tracer = T.tracer(tracer_provider)
         self.metrics = T.Metrics()
         self.metrics.set_policy(config.policy)
+        self.metrics.held_kv_budget.set(config.held_kv_budget)
         # An explicit provider (tests, the demo's in-memory capture) is used as is; else the OTEL_* variables
         # pick the global one at startup.
         self.own_tracing = tracer_provider is not None
@@ -74,6 +75,9 @@ class Gateway:
             max_keepalive_connections=config.max_keepalive_connections, keepalive_expiry_s=config.keepalive_expiry_s))
         self.cluster = Cluster(config, self.client,
                                on_poll_failure=lambda url: self.metrics.upstream_errors.labels(url, "metrics").inc())
+        for node in self.cluster.nodes.values():  # every series from the start, so a rate() sees the first error
+            for phase in T.PHASES:
+                self.metrics.upstream_errors.labels(node.url, phase)
         # Releases go out on the polls' client: a one-token prefill each, off the request path.
         self.retention = Retention(config, self.cluster, self.store, self.metrics, self.client)
         self.orchestrator = Orchestrator(config, self.cluster, self.store, self.metrics, self.upstream,
@@ -192,6 +196,8 @@ async def ready(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gw = _gateway(request)
+    for node in gw.cluster.nodes.values():
+        gw.metrics.node_healthy.labels(node.url, node.role).set(1 if node.healthy else 0)
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

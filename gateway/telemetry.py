@@ -134,6 +134,11 @@ M_RELEASE_FAILURES = "kvtether_handle_release_failures_total"
 RELEASE_FAILURES = ("upstream", "no_prefill", "queue_full")
 M_HELD_KV_TOKENS = "kvtether_held_kv_tokens"
 M_HELD_KV_SHARE = "kvtether_held_kv_share"
+M_HELD_KV_BUDGET = "kvtether_held_kv_budget"  # the configured held_kv_budget (alerts and dashboards compare with it)
+# 1 while the gateway places turns on a node, 0 while it has taken it out of service (read at each scrape).
+M_NODE_HEALTHY = "kvtether_node_healthy"
+ROUTES = ("chat", "completions", "messages")
+STATUS_CLASSES = ("2xx", "4xx", "5xx")
 # The guard's local tokenizer: ids that differed from the engine's /tokenize (check = startup | turn; each
 # switches that model back to /tokenize), and guarded turns by which tokenizer gave their ids.
 M_TOKENIZER_MISMATCHES = "kvtether_tokenizer_mismatches_total"
@@ -201,6 +206,13 @@ class Metrics:
             self.release_failures.labels(cause)
         self.held_kv_tokens = Gauge(M_HELD_KV_TOKENS, "KV tokens the gateway's handles hold on a decode node "
                                     "(whole blocks)", ["node"], registry=r)
+        self.held_kv_budget = Gauge(M_HELD_KV_BUDGET, "The held KV budget: a share of each decode node's KV capacity",
+                                    registry=r)
+        self.node_healthy = Gauge(M_NODE_HEALTHY, "1 while the gateway places turns on the node, 0 while it is out",
+                                  ["node", "role"], registry=r)
+        for route in ROUTES:  # every series from the start, so a rate() sees the first error
+            for status in STATUS_CLASSES:
+                self.requests.labels(route, status)
         self.held_kv_share = Gauge(M_HELD_KV_SHARE, "Share of a decode node's KV capacity its held handles take",
                                    ["node"], registry=r)
         self.store_seconds = Histogram(M_STORE_SECONDS, "Latency of the shared session store's calls",
