@@ -15,6 +15,7 @@ simulator's own CPU work (HTTP hops, tokenizing, JSON) a small share of what it 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import statistics
 import time
@@ -26,6 +27,7 @@ from typing import Any, cast
 import anyio
 import typer
 from kvtether.cli.generate import GenParams, generate_sessions
+from kvtether.cli.supervisor import stop_signals_interrupt
 from kvtether.gateway import telemetry as T
 from kvtether.sdk.sessionfile import SessionRecord
 from rich.console import Console
@@ -122,8 +124,17 @@ async def demo_gateway(policy: str, speed: float, preset: str, tracer_provider: 
                                session_ttl_s=SESSION_TTL_SIM_S / speed, engine_kv_ttl_s=ENGINE_KV_TTL_SIM_S / speed,
                                sweep_interval_s=max(1.0, 10.0 / speed))
         app = create_app(config.validate(), tracer_provider=tracer_provider)
+        stopped: BaseException | None = None
         async with serve_gateway(config, app=app) as url:
-            yield str(url)
+            # Ctrl-C and SIGTERM stop the demo, which stops the gateway (serve_gateway leaves signals alone).
+            try:
+                yield str(url)
+            except (asyncio.CancelledError, KeyboardInterrupt) as e:
+                # A stop signal: the gateway stops as after a normal run. Handed the cancellation, serve_gateway
+                # would cancel the server mid-shutdown, and uvicorn would log its lifespan's traceback.
+                stopped = e
+        if stopped is not None:
+            raise stopped
 
 
 async def _run_session(url: str, record: SessionRecord, speed: float, emit: Callable[[DemoTurn], None]) -> None:
@@ -350,7 +361,10 @@ def register(app: typer.Typer) -> None:
             return runs
 
         t0 = time.perf_counter()
-        runs = anyio.run(run_all)
+        # Ctrl-C and SIGTERM abort the demo (exit code 130, typer's for KeyboardInterrupt), also when the process
+        # started with SIGINT ignored.
+        with stop_signals_interrupt():
+            runs = anyio.run(run_all)
         base, ours = runs[0], runs[-1]
         summary = render(console, base, ours, speed, preset, pulled=runs[1] if len(runs) == 3 else None)
         if trace:

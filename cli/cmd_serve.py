@@ -2,15 +2,19 @@
 
 Flags name the cluster; everything else comes from ``--config FILE`` (TOML, see docs/gateway.md).
 Flags win over the file; ``KVTETHER_STORE`` stands for ``--store``. ``--workers N`` runs N processes on one
-port, which share sessions through the store (so they need a Redis/Valkey URL). Exit codes: 0 normal stop,
-2 bad configuration.
+port, which share sessions through the store (so they need a Redis/Valkey URL). Exit codes: 0 normal stop
+(SIGINT or SIGTERM, whatever disposition the process inherited), 2 bad configuration.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from kvtether.gateway.config import GatewayConfig
 
 EXIT_USAGE = 2
 
@@ -42,7 +46,6 @@ def register(app: typer.Typer) -> None:
         """Start the OpenAI-compatible gateway (POST /v1/chat/completions, /v1/completions; GET /v1/models,
         /health, /ready, /metrics, /admin/sessions)."""
         from kvtether.gateway.config import ConfigError, load_config
-        from kvtether.gateway.server import run_gateway
 
         try:
             cfg = load_config(config, prefill=prefill or None, decode=decode or None, aggregated=aggregated or None,
@@ -61,7 +64,27 @@ def register(app: typer.Typer) -> None:
         shared = f", {workers} workers" if workers > 1 else ""
         typer.echo(f"kvtether gateway on http://{cfg.host}:{cfg.port} — {mode}, policy {cfg.policy}, store "
                    f"{_redacted(cfg.store)}{shared}", err=True)
-        run_gateway(cfg, log_level=log_level, workers=workers)
+        run_gateway_until_stopped(cfg, log_level=log_level, workers=workers)
+
+
+def run_gateway_until_stopped(cfg: GatewayConfig, *, log_level: str, workers: int = 1) -> None:
+    """`run_gateway` until SIGINT or SIGTERM, which both end it normally (the caller then exits 0).
+
+    uvicorn serves with its own handlers for both signals, installed over whatever the process inherited (an
+    ignored SIGINT included), and shuts down gracefully on either. Then it puts back the handlers it found and
+    raises the signal again, to end the process as that signal would have: SIGTERM's default action kills it
+    (status -15, where a normal stop is 0). Handlers that raise KeyboardInterrupt for both signals, which
+    `uvicorn.run` takes as the normal end, make either one a normal stop whatever the process inherited; they
+    also cover start-up (before uvicorn's handlers are in, and with several workers, before its supervisor's)."""
+    from kvtether.cli.supervisor import stop_signals_interrupt
+
+    try:
+        with stop_signals_interrupt():
+            from kvtether.gateway.server import run_gateway  # the app's imports take a while: stoppable too
+
+            run_gateway(cfg, log_level=log_level, workers=workers)
+    except KeyboardInterrupt:
+        pass
 
 
 def _redacted(url: str) -> str:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
 import sys
 
 import typer
+from kvtether.cli.supervisor import STOP_SIGNALS, stop_signals_interrupt
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from kvtether.sim.config import EMULATED_VERSIONS, FAILURE_POLICIES
 from kvtether.sim.presets import PRESETS, UnknownPreset, get_preset
@@ -35,20 +35,25 @@ def _table(cluster: SimCluster) -> Table:
 
 
 async def _serve(spec: ClusterSpec, as_json: bool) -> None:
+    """Serve until SIGINT or SIGTERM: either cancels this task, and the cluster closes its nodes on the way out.
+
+    The loop's handlers replace whatever disposition the process inherited (an ignored SIGINT included). A second
+    signal cancels again, which cuts a slow shutdown short."""
     main = asyncio.current_task()
     loop = asyncio.get_running_loop()
     if main is not None:
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signal.SIGTERM, main.cancel)
-    async with SimCluster(spec) as cluster:
-        if as_json:
-            sys.stdout.write(json.dumps(cluster.urls()) + "\n")
-            sys.stdout.flush()
-        else:
-            err = Console(stderr=True)
-            err.print(_table(cluster))
-            err.print("Ctrl-C to stop.")
-        with contextlib.suppress(asyncio.CancelledError):
+        for sig in STOP_SIGNALS:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, main.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        async with SimCluster(spec) as cluster:
+            if as_json:
+                sys.stdout.write(json.dumps(cluster.urls()) + "\n")
+                sys.stdout.flush()
+            else:
+                err = Console(stderr=True)
+                err.print(_table(cluster))
+                err.print("Ctrl-C to stop.")
             await asyncio.Event().wait()
 
 
@@ -118,8 +123,9 @@ def register(app: typer.Typer) -> None:
             tool_call_parser=tool_call_parser,
         )
         try:
-            asyncio.run(_serve(spec, as_json))
-        except KeyboardInterrupt:
+            with stop_signals_interrupt():  # until _serve takes them over
+                asyncio.run(_serve(spec, as_json))
+        except KeyboardInterrupt:  # a stop signal before _serve took them over: a normal stop all the same
             pass
         except OSError as e:
             err.print(f"error: cannot start the cluster: {e}", markup=False)

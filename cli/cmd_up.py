@@ -44,7 +44,7 @@ from kvtether.cli.gateway_child import (
     run_gateway_child,
 )
 from kvtether.cli.launcher import dry_run_text, plan_cluster
-from kvtether.cli.supervisor import ChildDied, Supervisor, tail
+from kvtether.cli.supervisor import STOP_SIGNALS, ChildDied, Supervisor, tail
 from rich.console import Console
 
 if TYPE_CHECKING:
@@ -85,18 +85,30 @@ class _Interrupted(Exception):
     pass
 
 
-def _raise_interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise _Interrupted(signal.Signals(signum).name)
+class _StopOnce:
+    """The stop-signal handler of `run_up`: the first signal raises _Interrupted, which stops the cluster; later
+    ones do nothing, so that they cannot break off the stop (the supervisor takes them over while it stops its
+    children: they then cut its wait short) or the report after it."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        if self.armed:
+            self.armed = False
+            raise _Interrupted(signal.Signals(signum).name)
 
 
 def run_up(plan: ClusterPlan, *, log_dir: Path, as_json: bool, console: Console) -> int:
     def log(msg: str) -> None:
         console.print(f"[bold cyan]kvtether up[/] {msg}", highlight=False)
 
-    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    # Installed over whatever the process inherited: a background job starts with SIGINT ignored.
+    stop = _StopOnce()
+    old = {s: signal.signal(s, stop) for s in (*STOP_SIGNALS, signal.SIGHUP)}
     t0 = time.monotonic()
     try:
-        with running_cluster(plan, log_dir=log_dir, log=log) as sup:
+        with _disarmed_after(stop), running_cluster(plan, log_dir=log_dir, log=log) as sup:
             log(f"cluster up in {time.monotonic() - t0:.0f} s; logs in {log_dir}")
             urls = plan.urls()
             if as_json:
@@ -126,6 +138,15 @@ def run_up(plan: ClusterPlan, *, log_dir: Path, as_json: bool, console: Console)
         for s, h in old.items():
             signal.signal(s, h)
     return 0  # pragma: no cover - the loop above only exits by exception
+
+
+@contextlib.contextmanager
+def _disarmed_after(stop: _StopOnce) -> Iterator[None]:
+    """Disarms `stop` once the cluster is stopped, however that came about (a child's death, a timeout)."""
+    try:
+        yield
+    finally:
+        stop.armed = False
 
 
 def default_vllm_python() -> str:

@@ -109,8 +109,8 @@ def check_gateway_config(plan: ClusterPlan) -> GatewayConfig | None:
 def run_gateway_child(args: Sequence[str]) -> None:
     """The gateway child of `kvtether up`: `python -m kvtether.cli.cmd_up gateway '<settings JSON>' [--config FILE]
     --log-level L`."""
+    from kvtether.cli.cmd_serve import run_gateway_until_stopped
     from kvtether.gateway.config import ConfigError
-    from kvtether.gateway.server import run_gateway
 
     try:
         cfg, log_level = gateway_child_config(args)
@@ -118,4 +118,5 @@ def run_gateway_child(args: Sequence[str]) -> None:
         sys.stderr.write(f"kvtether up gateway: {e}\n")
         raise SystemExit(EXIT_USAGE) from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_gateway(cfg, log_level=log_level)
+    # As `kvtether serve`: the supervisor's SIGTERM (or a Ctrl-C) is a normal stop, exit code 0.
+    run_gateway_until_stopped(cfg, log_level=log_level)

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import importlib
+import signal
+import threading
 
 import typer
+
+# A job started in the background by a non-interactive shell inherits SIGINT as ignored, and Python then never
+# turns it into KeyboardInterrupt: every command must stop on Ctrl-C (and on SIGINT from a test or a supervisor)
+# whatever it inherited, also while it is still starting up.
+if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 app = typer.Typer(
     name="kvtether",

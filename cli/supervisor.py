@@ -1,5 +1,7 @@
 """The processes of `kvtether up`: every child in its own process group (vLLM's engine-core processes
-included), one log file per child, and every group stopped (SIGTERM, then SIGKILL) together."""
+included), one log file per child, and every group stopped (SIGTERM, then SIGKILL) together.
+
+Also how every long-running command (`sim`, `serve`, `demo`, `up` and its gateway child) takes its stop signals."""
 
 from __future__ import annotations
 
@@ -7,14 +9,42 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 from kvtether.cli.cluster_spec import ChildCommand
+
+# What stops a long-running command: Ctrl-C, and `kill` (service managers, CI runners, `timeout`).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_signals_interrupt() -> Iterator[None]:
+    """While the context runs, SIGINT and SIGTERM raise KeyboardInterrupt, whatever the process inherited; the
+    previous handlers are restored after (the command may run in-process, under a test runner).
+
+    A background job of a non-interactive shell (`cmd &` in a script, nohup, a CI runner's step) starts with
+    SIGINT ignored, and Python keeps an inherited SIG_IGN: Ctrl-C or `kill -INT` would then not stop the command.
+    SIGTERM gets the same handler so that both stop it through its own clean-up (finally blocks, context
+    managers), where SIGTERM's default action would end it at once. `asyncio.run` sees Python's own SIGINT
+    handler and turns SIGINT into a cancellation of the main task. Outside the main thread (where no signal is
+    delivered) it changes nothing.
+    """
+    previous: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            previous[sig] = signal.signal(sig, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: not set from Python, nothing to put back
+                signal.signal(sig, handler)
 
 
 class ChildDied(RuntimeError):
@@ -105,25 +135,51 @@ class Supervisor:
                 time.sleep(interval_s)
 
     def stop_all(self) -> None:
-        """SIGTERM every process group (newest first), wait, then SIGKILL what is left. Idempotent."""
-        for c in reversed(self.children):
-            _signal_group(c.proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout_s
-        for c in reversed(self.children):
-            left = max(0.1, deadline - time.monotonic())
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                c.proc.wait(timeout=left)
-        for c in self.children:
-            # The leader may be gone while its group (engine core, NIXL workers) lingers: kill the group anyway.
-            _signal_group(c.proc, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                c.proc.wait(timeout=5)
-            if c.log_file is not None:
-                c.log_file.close()
-                c.log_file = None
-        if self.children:
-            self.log("stopped " + ", ".join(c.name for c in self.children))
-        self.children.clear()
+        """SIGTERM every process group (newest first), wait, then SIGKILL what is left. Idempotent.
+
+        A stop signal that arrives meanwhile (a second Ctrl-C) does not interrupt it, which would leave process
+        groups behind: it cuts the wait short and goes straight to SIGKILL."""
+        with _stop_signals_hurry() as hurried:
+            for c in reversed(self.children):
+                _signal_group(c.proc, signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout_s
+            for c in reversed(self.children):
+                while c.proc.poll() is None and not hurried.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            if hurried.is_set() and any(c.alive() for c in self.children):
+                self.log("stop signal while stopping: killing what is left")
+            for c in self.children:
+                # The leader may be gone while its group (engine core, NIXL workers) lingers: kill the group anyway.
+                _signal_group(c.proc, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    c.proc.wait(timeout=5)
+                if c.log_file is not None:
+                    c.log_file.close()
+                    c.log_file = None
+            if self.children:
+                self.log("stopped " + ", ".join(c.name for c in self.children))
+            self.children.clear()
+
+
+@contextlib.contextmanager
+def _stop_signals_hurry() -> Iterator[threading.Event]:
+    """While the context runs, a stop signal (or SIGHUP) sets the yielded event instead of running its handler
+    (which may raise, or end the process); the handlers are restored after. Handlers set to SIG_IGN, or not set
+    from Python, are left alone, and so is everything outside the main thread."""
+    hurried = threading.Event()
+    previous: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (*STOP_SIGNALS, signal.SIGHUP):
+            handler = signal.getsignal(sig)
+            if handler is None or handler == signal.SIG_IGN:
+                continue
+            previous[sig] = handler
+            signal.signal(sig, lambda _sig, _frame: hurried.set())
+    try:
+        yield hurried
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _die_with_parent() -> None:

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
@@ -32,6 +32,16 @@ LOOP = "uvloop" if _installed("uvloop") else "asyncio"
 HTTP = "httptools" if _installed("httptools") else "h11"
 
 
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn in someone else's process (tests, the demo, replay): Ctrl-C and SIGTERM are the embedding
+    program's to handle, not this one server's (uvicorn would otherwise take them over, stop only itself, and
+    leave the program carrying on against a stopped gateway)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 @contextlib.asynccontextmanager
 async def serve_gateway(config: GatewayConfig, *, store: SessionStore | None = None, app: Starlette | None = None,
                         log_level: str = "warning") -> AsyncIterator[str]:
@@ -45,9 +55,9 @@ async def serve_gateway(config: GatewayConfig, *, store: SessionStore | None = N
     sock.bind((config.host, 0))
     port = sock.getsockname()[1]
     # The caller's event loop runs it (so no `loop`); the HTTP parser is uvicorn's own choice.
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, http=HTTP,
-                                           timeout_graceful_shutdown=2,
-                                           timeout_keep_alive=int(config.client_keepalive_s)))
+    server = _EmbeddedServer(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, http=HTTP,
+                                            timeout_graceful_shutdown=2,
+                                            timeout_keep_alive=int(config.client_keepalive_s)))
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.serve, [sock])
         while not server.started:

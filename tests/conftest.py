@@ -1,15 +1,25 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from processes import Spawn, spawned
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     # The gateway and simulator run on asyncio (uvicorn); test on the same backend.
     return "asyncio"
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    """`spawn(argv, **popen_kwargs)`: a subprocess in a session of its own, killed on teardown with its whole
+    process tree (see processes.py), however the test ended."""
+    with spawned() as start:
+        yield start
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

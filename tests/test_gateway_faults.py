@@ -70,10 +70,11 @@ async def test_hostile_requests_get_a_4xx_and_never_take_a_node_out() -> None:
             assert resp.status_code == 400 and resp.json()["error"]["param"] == name, resp.text
         # A prompt far beyond the served model's context is refused without being tokenized anywhere.
         huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 2_500_000}]}
-        started = time.perf_counter()
+        tokenizer = r.cluster.nodes[0].tokenizer  # every simulated node's (and the only one in this process)
+        encodings = sum(tokenizer.cache_info()[k] for k in ("hits", "misses"))
         resp = await _post(r.client, r.url, huge)
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
-        assert time.perf_counter() - started < 5.0
+        assert sum(tokenizer.cache_info()[k] for k in ("hits", "misses")) == encodings, "the prompt was tokenized"
         nodes = r.gw.cluster.nodes.values()
         assert all(n.healthy and n.consecutive_errors == 0 for n in nodes)
         assert await metric(r.client, r.url, "kvtether_upstream_errors_total") == 0
@@ -103,11 +104,13 @@ async def test_a_5xx_storm_opens_the_breaker_with_retry_after_and_the_node_comes
         assert set(seen) <= {502, 503} and 503 in seen, seen
         assert not r.gw.cluster.nodes[d].healthy
         await r.client.post(f"{d}/admin/fault", json={"fail_next": 0})
-        started = time.perf_counter()
-        with anyio.fail_after(10):
-            while not r.gw.cluster.nodes[d].healthy:  # noqa: ASYNC110 - the gateway's own state, no event
+        node = r.gw.cluster.nodes[d]
+        # However long it has failed, its next /health probe is due within the backoff's bound (the gateway's
+        # schedule, not a measured time: a busy machine only makes the probe late, not the schedule).
+        assert node.backoff_s <= 0.5 and node.out_until - time.monotonic() <= 0.5, (node.backoff_s, node.out_until)
+        with anyio.fail_after(30):
+            while not node.healthy:  # noqa: ASYNC110 - the gateway's own state, no event
                 await anyio.sleep(0.05)
-        assert time.perf_counter() - started < 2.0, "the node was not probed back within its bounded backoff"
         got = await chat(r.client, r.url, body)
         want = await chat(r.client, r.oracle, body, clean=False)
         assert comparable(got) == comparable(want)
@@ -120,11 +123,15 @@ async def test_a_prefill_that_accepts_and_never_answers_is_retried_on_another_wi
         await r.client.post(f"{first}/admin/fault", json={"hang_next": 1})
         body = request_body(first_messages(4), stream=True)
         started = time.perf_counter()
-        got = await chat(r.client, r.url, body, {"x-session-id": "stuck-p"})
+        # The hung prefill never answers and no read timeout is set: only prefill_timeout_s ends it (never
+        # before it has passed), so any bound far below the test's own timeout tells the two apart, however
+        # busy the machine.
+        with anyio.fail_after(120):
+            got = await chat(r.client, r.url, body, {"x-session-id": "stuck-p"})
         took = time.perf_counter() - started
         want = await chat(r.client, r.oracle, {**body, "stream": False}, clean=False)
         assert comparable(got) == comparable(want)
-        assert 1.0 <= took < 10.0, took
+        assert took >= 1.0, took
         assert await metric(r.client, r.url, "kvtether_upstream_errors_total", phase="prefill") == 1
 
 

@@ -32,6 +32,7 @@ from kvtether.gateway.cluster import sample_sum
 from kvtether.gateway.config import load_config
 from kvtether.gateway.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
+from processes import kill_tree
 from redis_server import RedisServer, free_port, running_redis
 from typer.testing import CliRunner
 
@@ -105,11 +106,9 @@ class GatewayProcess:
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            self.proc.wait(timeout=5)
+        kill_tree(self.proc)  # what did not stop, uvicorn's workers included
 
 
 @contextlib.asynccontextmanager
@@ -366,3 +365,37 @@ def test_serve_refuses_workers_without_a_shared_store(monkeypatch: pytest.Monkey
     assert seen[0][0].store == "redis://127.0.0.1:6390/0" and seen[0][1]["workers"] == 2
     r = CliRunner().invoke(cli_app, [*base, "--store", "mysql://x"])
     assert r.exit_code == 2 and "store must be" in r.stderr
+
+
+async def test_replicas_release_each_idle_handle_once(tmp_path: Path) -> None:
+    """Two replicas review the same shared store for idle sessions: each handle is taken (conditionally) by
+    one of them and released once, never twice (counted on the decode nodes by request id)."""
+    with running_redis(tmp_path / "redis") as redis:
+        async with sim_and_oracle() as (cluster, _oracle, uses), contextlib.AsyncExitStack() as stack:
+            settings = {"prefill": cluster.prefill_urls, "decode": cluster.decode_urls, "policy": "pull",
+                        "store": redis.url, "store_timeout_s": 2.0, "metrics_poll_interval_s": 0.5,
+                        "idle_release_s": 1.5, "retention_interval_s": 0.05}
+            urls = [await stack.enter_async_context(serve_gateway(load_config(None, **settings)))
+                    for _ in range(2)]
+            client = await stack.enter_async_context(httpx.AsyncClient(timeout=60, limits=LIMITS))
+            for s in range(4):
+                messages = first_messages(90 + s)
+                for turn in range(2):  # the turns of a session alternate between the replicas
+                    got = await chat(client, urls[turn % 2], request_body(messages, stream=False),
+                                     {"x-session-id": f"idle-{s}"})
+                    messages = next_messages(messages, got, 90 + s, turn)
+
+            async def released() -> float:
+                return sum([sample_sum((await client.get(f"{u}/metrics")).text, "kvtether_handle_releases_total",
+                                       reason="idle") for u in urls])
+
+            for _ in range(200):
+                if await released() >= 4:
+                    break
+                await anyio.sleep(0.05)
+            await anyio.sleep(0.5)  # a second release, if there were one, would have gone out by now
+            assert await released() == 4
+            held = [h for u in cluster.decode_urls for h in (await client.get(f"{u}/admin/state")).json()["held"]
+                    if h["kind"] == "retained"]
+            assert held == []
+            assert uses and max(uses.values()) == 1, uses  # 4 pulls and 4 releases, each of its own handle

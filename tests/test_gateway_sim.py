@@ -437,13 +437,17 @@ async def test_a_hanging_prefill_with_a_handle_is_retried_without_it_within_the_
         msgs = next_messages(msgs, got, 41, 0)
         await r.client.post(f"{r.cluster.prefill_urls[0]}/admin/fault", json={"hang_next": 1})
         started = anyio.current_time()
-        got = await chat(r.client, r.url, request_body(msgs, stream=False), h)
+        # The hung P never answers and no read timeout is set: only pull_timeout_s ends the leg (never before it
+        # has passed), so any bound far below the test's own timeout tells the two apart, however busy the
+        # machine.
+        with anyio.fail_after(120):
+            got = await chat(r.client, r.url, request_body(msgs, stream=False), h)
         took = anyio.current_time() - started
         want = await chat(r.client, r.oracle, request_body(msgs, stream=False), clean=False)
         assert comparable(got) == comparable(want)
         assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == 1
         assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="retried_cold") == 1
-        assert 1.0 <= took < 15.0, f"the hung pull was not cut at pull_timeout_s (turn took {took:.1f} s)"
+        assert took >= 1.0, f"the pull was given up before pull_timeout_s (turn took {took:.1f} s)"
         # The abandoned handle is released on D (the hung P never read it): only the new turn's hold is left.
         d = r.cluster.decode_urls[0]
         for _ in range(100):

@@ -19,6 +19,7 @@ from kvtether.cli.cmd_up import running_cluster
 from kvtether.cli.launcher import dry_run_text, gateway_session_ttl, plan_cluster
 from kvtether.cli.supervisor import ChildDied, Supervisor
 from kvtether.cli.vllm_instance import cpu_binds_for, kv_transfer_config
+from processes import Spawn, read_line, start_with_sigint_default, start_with_sigint_ignored, wait_exit
 
 
 def _opts(**kw: object) -> ClusterOptions:
@@ -391,10 +392,56 @@ def test_one_child_dying_stops_the_others(tmp_path: Path) -> None:
     assert _wait_dead(_all_pids(pids)) == []
 
 
-@pytest.mark.parametrize(("sig", "with_gateway"), [(signal.SIGINT, True), (signal.SIGTERM, False)])
-def test_cli_up_stops_everything_on_signal(tmp_path: Path, sig: int, with_gateway: bool) -> None:
+def test_a_second_stop_signal_hurries_stop_all_instead_of_breaking_it_off(spawn: Spawn, tmp_path: Path) -> None:
+    """A child that ignores SIGTERM waits out the stop timeout before its SIGKILL; a stop signal meanwhile (a
+    second Ctrl-C) must cut that short, not raise out of stop_all and leave the child behind. In a process of
+    its own: the signal goes to the process that stops."""
+    code = textwrap.dedent(
+        """
+        import json, os, signal, sys, threading, time
+        from pathlib import Path
+        from kvtether.cli.cluster_spec import ChildCommand
+        from kvtether.cli.supervisor import Supervisor
+        log_dir = Path(sys.argv[1])
+        stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+        stubborn += "time.sleep(600)"
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as `up` has a handler of its own
+        sup = Supervisor(log_dir=log_dir, stop_timeout_s=120)
+        child = sup.start(ChildCommand(name="stubborn", argv=(sys.executable, "-c", stubborn), env={}, url=None))
+        while "ready" not in (log_dir / "stubborn.log").read_text():
+            time.sleep(0.05)
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            sup.stop_all()
+            error = None
+        except BaseException as e:
+            error = repr(e)
+        print(json.dumps({"took": time.monotonic() - t0, "error": error, "pid": child.proc.pid,
+                          "rc": child.proc.poll()}), flush=True)
+        """
+    )
+    proc = spawn([sys.executable, "-c", code, str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=180)
+    got = json.loads(out)
+    try:
+        assert got["error"] is None
+        assert got["took"] < 60, got  # cut short: not the 120 s stop timeout, however busy the machine
+        assert got["rc"] == -signal.SIGKILL
+        assert _wait_dead([got["pid"]]) == []
+    finally:  # a broken-off stop_all leaves the child in a session of its own, where no teardown finds it
+        if _alive(got["pid"]):
+            os.kill(got["pid"], signal.SIGKILL)
+
+
+@pytest.mark.parametrize(("sig", "with_gateway", "sigint_ignored"),
+                         [(signal.SIGINT, True, False), (signal.SIGTERM, False, False), (signal.SIGINT, False, True)],
+                         ids=["SIGINT-gateway", "SIGTERM", "SIGINT-background-job"])
+def test_cli_up_stops_everything_on_signal(spawn: Spawn, tmp_path: Path, sig: int, with_gateway: bool,
+                                           sigint_ignored: bool) -> None:
     """`kvtether up` end to end with a fake vLLM (and the real gateway in front): JSON on stdout once all are
-    healthy; Ctrl-C/SIGTERM leaves no process behind."""
+    healthy; Ctrl-C/SIGTERM leaves no process behind, also when `up` started with SIGINT ignored (a background
+    job of a non-interactive shell)."""
     pids = tmp_path / "pids"
     fake_py = tmp_path / "fake-python"
     script = tmp_path / "fake_server.py"
@@ -404,7 +451,7 @@ def test_cli_up_stops_everything_on_signal(tmp_path: Path, sig: int, with_gatewa
     fake_py.chmod(0o755)
     # P and D on base and base + 1, their NIXL side channels on base + 50 and base + 51, the gateway apart.
     base, (gw_port,) = _free_ports((0, 1, 50, 51))
-    proc = subprocess.Popen(
+    proc = spawn(
         [
             sys.executable, "-c", "from kvtether.cli.cmd_up import main; main()",
             "--model", "m", "--vllm-python", str(fake_py), "--json", "--decode-ttl", "30",
@@ -416,10 +463,10 @@ def test_cli_up_stops_everything_on_signal(tmp_path: Path, sig: int, with_gatewa
         stderr=subprocess.PIPE,
         env={**os.environ, "FAKE_PIDS": str(pids)},
         text=True,
+        preexec_fn=start_with_sigint_ignored if sigint_ignored else start_with_sigint_default,
     )  # fmt: skip
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
+        line = read_line(proc, 120)
         if not line:  # `up` exited before its JSON line: say why
             proc.wait(timeout=30)
             pytest.fail(f"kvtether up exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
@@ -434,7 +481,8 @@ def test_cli_up_stops_everything_on_signal(tmp_path: Path, sig: int, with_gatewa
         all_pids = _all_pids(pids)
         assert len(all_pids) == 4
         proc.send_signal(sig)
-        rc = proc.wait(timeout=30)
+        rc = wait_exit(proc, 30)
+        assert rc is not None, f"kvtether up still runs 30 s after {signal.Signals(sig).name}"
         assert rc == 0, proc.stderr.read() if proc.stderr else ""
         assert _wait_dead(all_pids) == []
         if with_gateway:
@@ -443,9 +491,12 @@ def test_cli_up_stops_everything_on_signal(tmp_path: Path, sig: int, with_gatewa
             with pytest.raises(httpx.ConnectError):
                 httpx.get(urls["gateway"] + "/health", trust_env=False)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        # The spawn fixture kills `up` and the tree below it while `up` lives; if `up` is gone, the fakes' own
+        # children (they have no death signal) are no longer below it.
+        for p in _all_pids(pids):
+            if _alive(p):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
 
 
 def test_children_get_sigterm_when_the_supervisor_is_killed(tmp_path: Path) -> None:

@@ -98,28 +98,84 @@ async def test_local_ids_equal_vllm_tokenize_and_the_completions_own(vllm_pair: 
             assert await local.encode(payload) == await _tokenize(client, vllm_pair, payload)
 
 
-async def test_gateway_verifies_the_tokenizer_and_guards_with_local_ids(vllm_pair: Backend) -> None:
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where two id lists differ (the shorter one's length when one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+async def _reuse_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    text = (await client.get(f"{url}/metrics")).text
+    out = {o: sample_sum(text, "kvtether_handle_outcomes_total", outcome=o) for o in ("attached", "truncated")}
+    out["reused"] = sample_sum(text, "kvtether_reused_tokens_total")
+    return out
+
+
+async def _held_tokens(client: httpx.AsyncClient, url: str, session_id: str) -> int:
+    """How many tokens the session's handle covers (D's remote_num_tokens), from the gateway's admin API."""
+    sessions = (await client.get(f"{url}/admin/sessions")).json()
+    return int(next(s["held_tokens"] for s in sessions if session_id in s["session_id"]))
+
+
+async def test_gateway_verifies_the_tokenizer_and_guards_with_local_ids(vllm_pair: Backend,
+                                                                        local: LocalTokenizer) -> None:
+    """A chat session through a gateway that tokenizes locally: its ids are vLLM's, and each turn reuses what D
+    holds, whole (`attached`) or cut (`truncated`) at the first token where the new prompt leaves the held
+    sequence. Which of the two depends on the tiny model's greedy answers on this machine: an answer's bytes do
+    not always re-tokenize to the ids the model produced (the re-rendered history then differs inside that
+    answer), so the test checks the guard's rule, not one machine's outcome."""
     cfg = load_config(None, prefill=[vllm_pair.prefill_url], decode=[vllm_pair.decode_url], policy="pull",
                       tokenizer=str(TINY_MODEL), tokenizer_check_share=0.0)
     app = create_app(cfg)
+    sid = "tok-1"
     async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=300) as client:
-        guard_tok = app.state.gateway.orchestrator.sv.tokenizer
+        gw = app.state.gateway
+        guard_tok = gw.orchestrator.sv.tokenizer
         for _ in range(1200):  # the start-up check runs in the background (it loads transformers)
             if guard_tok.trust(vllm_pair.model) is not Trust.UNCHECKED:
                 break
             await anyio.sleep(0.05)
         assert guard_tok.trust(vllm_pair.model) is Trust.VERIFIED
+        block = gw.cluster.block_size(vllm_pair.decode_url)
         messages: list[dict[str, Any]] = [{"role": "system", "content": "You are agent T. " + "alpha beta " * 150},
                                           {"role": "user", "content": [{"type": "text", "text": "Start."}]}]
+        held: list[int] | None = None  # the ids D holds for the session (its handle's), after the previous turn
+        reuses: list[str] = []
         for turn in range(3):
-            r = await client.post(f"{url}/v1/chat/completions", headers={"x-session-id": "tok-1"},
-                                  json={"model": vllm_pair.model, "messages": messages, "max_tokens": 12,
-                                        "temperature": 0, "tools": TOOLS, "tool_choice": "none"})
+            body = {"model": vllm_pair.model, "messages": messages, "max_tokens": 12, "temperature": 0,
+                    "tools": TOOLS, "tool_choice": "none", "return_token_ids": True}
+            payload = B.tokenize_body("chat", body)
+            assert payload is not None
+            ids = await local.encode(payload)
+            assert ids == await _tokenize(client, vllm_pair, payload), f"turn {turn}: local ids differ from vLLM's"
+            before = await _reuse_counters(client, url)
+            r = await client.post(f"{url}/v1/chat/completions", headers={"x-session-id": sid}, json=body)
             assert r.status_code == 200, r.text
-            answer = r.json()["choices"][0]["message"]
-            messages = [*messages, {"role": "assistant", "content": answer.get("content") or ""},
+            after = await _reuse_counters(client, url)
+            data = r.json()
+            assert data["prompt_token_ids"] == ids, f"turn {turn}: the completion's own prompt ids differ"
+            reused = int(after["reused"] - before["reused"])
+            if held is not None:
+                # The guard verifies whole blocks by their hashes, the partial last block token by token: the
+                # reuse is the held sequence up to the first differing token, down to a block boundary there.
+                first_diff = _first_difference(ids, held)
+                if after["attached"] > before["attached"]:
+                    assert first_diff == len(held), f"turn {turn}: attached, but the prompt leaves the held " \
+                        f"sequence at token {first_diff} of {len(held)}"
+                    assert reused == len(held), (turn, reused, len(held))
+                    reuses.append("attached")
+                elif after["truncated"] > before["truncated"]:
+                    assert first_diff < len(held), f"turn {turn}: truncated, but the prompt extends the held sequence"
+                    assert first_diff - block < reused <= first_diff, \
+                        f"turn {turn}: {reused} tokens reused, first difference at {first_diff} (block {block})"
+                    reuses.append("truncated")
+            answer = data["choices"][0]
+            held = [*ids, *answer["token_ids"]][: await _held_tokens(client, url, sid)]
+            messages = [*messages, {"role": "assistant", "content": answer["message"].get("content") or ""},
                         {"role": "user", "content": f"Turn {turn}: go on."}]
         text = (await client.get(f"{url}/metrics")).text
         assert sample_sum(text, "kvtether_tokenizer_mismatches_total") == 0
         assert sample_sum(text, "kvtether_guard_tokenize_total", source="local") >= 1
-        assert sample_sum(text, "kvtether_handle_outcomes_total", outcome="attached") >= 1
+        assert reuses, "no turn reused what D held (neither attached nor truncated)"
+        assert sample_sum(text, "kvtether_handle_outcomes_total", outcome="attached") \
+            + sample_sum(text, "kvtether_handle_outcomes_total", outcome="truncated") >= 1
+        assert sample_sum(text, "kvtether_reused_tokens_total") > 0

@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from processes import Spawn
 from vllm_fixtures import (
     TINY_MODEL,
     VLLM_PYTHON,
@@ -80,7 +81,7 @@ def _processes_with(marker: str) -> list[int]:
     return pids
 
 
-def test_kvtether_up_serves_sessions_with_the_pull_and_stops_cleanly(pytestconfig: pytest.Config,
+def test_kvtether_up_serves_sessions_with_the_pull_and_stops_cleanly(pytestconfig: pytest.Config, spawn: Spawn,
                                                                       tmp_path: Path) -> None:
     if not opted_in(pytestconfig):
         pytest.skip("real vLLM tests are opt-in: pytest -m vllm (or KVTETHER_VLLM_TESTS=1)")
@@ -94,7 +95,8 @@ def test_kvtether_up_serves_sessions_with_the_pull_and_stops_cleanly(pytestconfi
            "--device", "cpu", "--vllm-python", str(VLLM_PYTHON), "--decode-ttl", "60", "--port", str(gw_port),
            "--vllm-base-port", str(vllm_port), "--side-channel-base-port", str(side_port), "--json",
            "--log-dir", str(tmp_path / "logs"), "--", "--max-model-len", "2048", "--max-num-seqs", "4"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # Its own session; on teardown the fixture kills whatever of its tree is left (vLLM's children included).
+    proc = spawn(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         urls = _read_json_line(proc, 300)
         gw = f"http://127.0.0.1:{gw_port}"
@@ -132,11 +134,7 @@ def test_kvtether_up_serves_sessions_with_the_pull_and_stops_cleanly(pytestconfi
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # Ctrl-C
-        try:
-            rc = proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        rc = proc.wait(timeout=90)  # on a timeout the spawn fixture kills it, and vLLM's processes below it
         err = proc.stderr.read() if proc.stderr else ""
     assert rc in (0, 130), f"kvtether up exited {rc}: {err[-2000:]}"
     deadline = time.monotonic() + 30

@@ -1,0 +1,79 @@
+"""Stop signals of the long-running commands. `kvtether serve` stops on SIGINT and SIGTERM with exit code 0, also
+when it was started with SIGINT ignored (a background job of a non-interactive shell: `nohup kvtether serve ... &`,
+a CI runner's step); `kvtether demo`'s in-process gateway leaves both signals to the demo.
+
+`kvtether sim`'s are in test_sim_cli.py, `kvtether up`'s in test_launcher.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from kvtether.cli.cmd_demo import demo_gateway
+from kvtether.cli.supervisor import STOP_SIGNALS
+from processes import Spawn, start_with_sigint_default, start_with_sigint_ignored, wait_exit
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_serve(spawn: Spawn, *, sigint_ignored: bool) -> tuple[subprocess.Popen[str], str]:
+    """`kvtether serve` in front of a node nobody listens on (it serves /health all the same), once healthy."""
+    port = _free_port()
+    argv = [sys.executable, "-c", "from kvtether.cli.main import app; app()", "serve", "--aggregated",
+            f"http://127.0.0.1:{_free_port()}", "--port", str(port), "--log-level", "warning"]
+    preexec = start_with_sigint_ignored if sigint_ignored else start_with_sigint_default
+    proc: subprocess.Popen[str] = spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"kvtether serve exited {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", trust_env=False, timeout=2).status_code == 200:
+                return proc, url
+        assert time.monotonic() < deadline, "kvtether serve not healthy within 60 s"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["from-a-terminal", "as-a-background-job"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_serve_stops_on_signal_with_exit_code_0(spawn: Spawn, sig: signal.Signals, sigint_ignored: bool) -> None:
+    proc, url = _start_serve(spawn, sigint_ignored=sigint_ignored)
+    proc.send_signal(sig)
+    rc = wait_exit(proc, 15)
+    assert rc is not None, f"kvtether serve still runs 15 s after {sig.name}"
+    err = proc.stderr.read() if proc.stderr else ""
+    # uvicorn stops gracefully, then raises the signal again: that must end as a normal stop, not a
+    # KeyboardInterrupt ("Aborted!", exit 1) or SIGTERM's default action (killed, exit -15).
+    assert rc == 0, err
+    assert "Traceback" not in err and "Aborted" not in err, err
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", trust_env=False)
+
+
+def _stop_handlers() -> dict[int, object]:
+    return {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+
+@pytest.mark.anyio
+async def test_demo_gateway_leaves_the_stop_signals_to_the_demo() -> None:
+    """uvicorn takes SIGINT and SIGTERM for the server it runs; the demo's gateway gives them back, or Ctrl-C
+    would stop only the gateway and the demo would carry on against it."""
+    before = _stop_handlers()
+    async with demo_gateway("pull", 1.0, "toy") as url:
+        assert _stop_handlers() == before
+        async with httpx.AsyncClient(trust_env=False) as client:
+            assert (await client.get(f"{url}/health")).status_code == 200
+    assert _stop_handlers() == before
