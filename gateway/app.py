@@ -16,14 +16,17 @@ from typing import Any
 
 import anyio
 import httpx
+from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
 from kvtether.gateway import validate as V
+from kvtether.gateway.api import anthropic
+from kvtether.gateway.api.messages import MessagesError, count_tokens_body
 from kvtether.gateway.auth import Auth, scoped
 from kvtether.gateway.cluster import Cluster
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.health import probe_forever
-from kvtether.gateway.legs import start_local_tokenizer
+from kvtether.gateway.legs import start_local_tokenizer, tokenize_remote
 from kvtether.gateway.orchestrator import Orchestrator
 from kvtether.gateway.policy.retention import ReleaseReason
 from kvtether.gateway.retention import Retention
@@ -42,6 +45,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger(__name__)
+
+MESSAGES_PATH = "/v1/messages"
 
 
 class Gateway:
@@ -122,7 +127,11 @@ async def _validate(gw: Gateway, kind: str, body: dict[str, Any], headers: Mappi
     V.check_length(kind, body, gw.cluster.max_model_len(body["model"]))
 
 
-def _completion_route(kind: str) -> Callable[[Request], Awaitable[Response]]:
+def _completion_route(kind: str, api: str | None = None) -> Callable[[Request], Awaitable[Response]]:
+    """A route onto the chat (or completions) path; ``api`` = "messages": Anthropic Messages, lowered to a chat
+    turn at the edge and its answer raised back (``gateway/api/anthropic.py``)."""
+    route = api or kind
+
     async def endpoint(request: Request) -> Response:
         gw = _gateway(request)
         parent = propagate.extract(dict(request.headers))
@@ -131,11 +140,15 @@ def _completion_route(kind: str) -> Callable[[Request], Awaitable[Response]]:
         T.set_attrs(span, {T.HTTP_METHOD: "POST", T.HTTP_ROUTE: path, T.ATTR_MODE: gw.config.mode,
                            T.ATTR_POLICY: gw.config.policy})
         response: Response | None = None
+        model = ""
         try:
             try:
                 headers = {k.lower(): v for k, v in request.headers.items()}
                 tenant = gw.auth.tenant(headers)
                 body = await V.read_json(request, gw.config.max_body_bytes)
+                if api == "messages":
+                    model = str(body.get("model") or "")
+                    body, headers = anthropic.lower(body, headers)
                 await _validate(gw, kind, body, headers)
                 salt = gw.auth.cache_salt(tenant, body.get("cache_salt"))
                 if salt is not None:
@@ -150,11 +163,11 @@ def _completion_route(kind: str) -> Callable[[Request], Awaitable[Response]]:
                 log.exception("unhandled error")
                 response = GatewayError(500, f"internal gateway error: {type(exc).__name__}",
                                         type_="internal_error").response()
-            return response
+            return anthropic.raise_(response, model) if api == "messages" else response
         finally:
             status = response.status_code if response is not None else 500
             span.set_attribute(T.HTTP_STATUS, status)
-            gw.metrics.requests.labels(kind, f"{status // 100}xx").inc()
+            gw.metrics.requests.labels(route, f"{status // 100}xx").inc()
             if isinstance(response, RelayResponse):
                 response.on_close.append(span.end)
             else:
@@ -241,6 +254,26 @@ async def end_session(request: Request) -> Response:
     return Response(status_code=204)
 
 
+async def count_tokens(request: Request) -> Response:
+    """POST /v1/messages/count_tokens: the prompt's length as the served model renders it (P's /tokenize)."""
+    gw = _gateway(request)
+    try:
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        gw.auth.tenant(headers)
+        body = await V.read_json(request, gw.config.max_body_bytes)
+        try:
+            chat = count_tokens_body(body)
+        except MessagesError as err:
+            raise GatewayError(err.status, err.message) from None
+        payload = B.tokenize_body("chat", chat)
+        ids = await tokenize_remote(gw.orchestrator.sv, payload) if payload is not None else None
+        if ids is None:
+            raise GatewayError(503, "no prefill node could count the tokens", code="not_ready")
+        return JSONResponse({"input_tokens": len(ids)})
+    except GatewayError as err:
+        return anthropic.error(err)
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return GatewayError(exc.status_code, str(exc.detail)).response()
@@ -277,6 +310,7 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
             await gw.store.aclose()
 
     completions = {PATHS[kind]: _completion_route(kind) for kind in ("chat", "completions")}
+    completions[MESSAGES_PATH] = _completion_route("chat", api="messages")
     app = GatewayApp(
         completions,
         routes=[
@@ -287,6 +321,7 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
             Route("/metrics", metrics, methods=["GET"]),
             Route("/admin/sessions", admin_sessions, methods=["GET"]),
             Route("/v1/sessions/{session_id:path}", end_session, methods=["DELETE"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         ],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},

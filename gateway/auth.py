@@ -1,6 +1,6 @@
 """Who is calling: API keys bound to tenants, the admin key, and what the gateway tells vLLM.
 
-With API keys configured every request must carry one (``Authorization: Bearer <key>``); its tenant
+With API keys configured every request must carry one (``Authorization: Bearer <key>``, or ``x-api-key``); its tenant
 namespaces the caller's sessions (``scoped``), so one tenant can never name — and so never reuse the pin,
 handle or held KV of — another tenant's session, whatever session id it sends. Keys are compared by their
 SHA-256 digest, so the lookup's timing says nothing about a key's characters.
@@ -26,9 +26,12 @@ def _digest(key: str) -> bytes:
 
 
 def bearer(headers: Mapping[str, str]) -> str | None:
+    """The caller's key: ``Authorization: Bearer <key>``, or ``x-api-key`` (how Anthropic clients send it)."""
     value = headers.get("authorization") or ""
     scheme, _, token = value.partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return (headers.get("x-api-key") or "").strip() or None
 
 
 class Auth:
@@ -84,7 +87,10 @@ class Auth:
             return f"Bearer {self._upstream}"
         if self._tenants:
             return None
-        return headers.get("authorization")
+        if headers.get("authorization"):
+            return headers["authorization"]
+        key = (headers.get("x-api-key") or "").strip()
+        return f"Bearer {key}" if key else None
 
 
 def scoped(tenant: str | None, key: str) -> str:

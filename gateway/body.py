@@ -231,6 +231,15 @@ def tokenize_body(kind: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
                     "chat_template_kwargs", "documents", "mm_processor_kwargs"):
             if body.get(key) is not None:
                 out[key] = body[key]
+        effort = body.get("reasoning_effort")
+        if effort is not None:
+            # vLLM's chat request hands reasoning_effort to the template (ChatCompletionRequest.build_chat_params:
+            # it overrides a kwarg of that name, and sets enable_thinking where the client did not); /tokenize has
+            # no such field, so without this the guard would compare against a prompt rendered otherwise.
+            kwargs = dict(out.get("chat_template_kwargs") or {})
+            kwargs["reasoning_effort"] = effort
+            kwargs.setdefault("enable_thinking", effort != "none")
+            out["chat_template_kwargs"] = kwargs
         return out
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:

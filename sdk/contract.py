@@ -42,6 +42,7 @@ SESSION_END_PATH = "/sessions/{session_id}"
 # SESSION_HEADER, in this order, so third-party benchmark tools get pinning without the SDK.
 FOREIGN_SESSION_HEADERS: tuple[str, ...] = (
     "x-dynamo-session-id",
+    "x-claude-code-session-id",
     "x-session-affinity",
     "x-correlation-id",
 )
