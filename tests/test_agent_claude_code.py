@@ -26,7 +26,7 @@ async def test_claude_code_runs_a_multi_turn_session_with_later_turns_reusing() 
     assert main["turns"] >= len(claude_code.PROMPTS)
     assert all(sid == out["session"] or sid.startswith(out["session"] + ":agent:") for sid in sessions)
     total = sum(s["turns"] for s in sessions.values())
-    assert total == out["messages_requests"]
+    assert total == out["requests"]
     by_source = out["turns_by_source"]
     # Only each session's first turn computed its whole prompt; every later one reused the decode node's KV.
     assert by_source["none"] == len(sessions), by_source

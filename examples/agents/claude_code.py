@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -27,34 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
-from kvtether.gateway.app import create_app
-from kvtether.gateway.cluster import sample_sum
-from kvtether.gateway.config import load_config
-from kvtether.gateway.server import serve_gateway
-from kvtether.sim.cluster import ClusterSpec, SimCluster
+from common import agent_env, gateway_summary, npm_install, simulated_gateway
 
 PACKAGE = "@anthropic-ai/claude-code@2.1.197"  # the version these runs were checked with
-CACHE = Path(__file__).resolve().parents[2] / ".cache" / "agents" / "claude-code"
-SOURCES = ("decode_pull", "decode_local", "prefill_cache", "none")
 
 
-def install(cache: Path = CACHE) -> Path:
-    """The `claude` binary, installed from npm into `cache` the first time."""
-    binary = cache / "node_modules" / ".bin" / "claude"
-    if binary.exists():
-        return binary
-    npm = shutil.which("npm")
-    if npm is None:
-        raise RuntimeError("npm is needed to install Claude Code (Node.js ≥ 18)")
-    cache.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(cache), PACKAGE],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"npm install {PACKAGE} failed: {done.stderr[-2000:]}")
-    if not binary.exists():
-        raise RuntimeError(f"npm installed {PACKAGE} but {binary} is missing")
-    return binary
+def install() -> Path:
+    return npm_install(PACKAGE, "claude")
 
 
 PROMPTS = (
@@ -71,42 +48,29 @@ async def run(turns: int = 6, speed: float = 20.0, binary: Path | None = None, *
     and the gateway saw. ``learn_estimates=False``: the cost policy decides from its seeds alone (a test's choice,
     so that a busy machine's timings do not change which turns reuse)."""
     binary = binary or install()
-    spec = ClusterSpec(prefill=1, decode=1, speed=speed, prefill_prefix_caching=False)
     session = str(uuid.uuid4())
     runs: list[dict[str, Any]] = []
-    async with SimCluster(spec) as cluster:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
-                          metrics_poll_interval_s=0.5, learn_estimates=learn_estimates)
-        app = create_app(cfg)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=30) as client:
-            with tempfile.TemporaryDirectory(prefix="kvtether-claude-") as scratch:
-                work, home = Path(scratch, "work"), Path(scratch, "home")
-                await anyio.Path(work).mkdir()
-                await anyio.Path(home).mkdir()
-                await anyio.Path(work / "README.txt").write_text("A scratch project: one file, nothing to change.\n")
-                env = {**{k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE_"))},
-                       "HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_MODEL": "kvtether-sim",
-                       "ANTHROPIC_API_KEY": "sk-kvtether-local", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-                       "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1"}
-                for i, prompt in enumerate(PROMPTS):
-                    which = ["--session-id", session] if i == 0 else ["--resume", session]
-                    done = await anyio.run_process(
-                        [str(binary), "-p", prompt, *which, "--max-turns", str(turns), "--output-format", "json",
-                         "--allowedTools", "Read,Glob,Grep",
-                         "--disallowedTools", "Bash,Write,Edit,NotebookEdit,WebFetch,WebSearch"],
-                        cwd=work, env=env, check=False)
-                    runs.append({"exit_code": done.returncode, "result": _result(done.stdout),
-                                 "stderr": done.stderr.decode(errors="replace")[-2000:]})
-            text = (await client.get(f"{url}/metrics")).text
-            sessions = (await client.get(f"{url}/admin/sessions")).json()
-    return {
-        "session": session,
-        "runs": runs,
-        "sessions": sessions,
-        "turns_by_source": {s: sample_sum(text, "kvtether_ttft_seconds_count", reuse_source=s) for s in SOURCES},
-        "reused_tokens": sample_sum(text, "kvtether_reused_tokens_total"),
-        "messages_requests": sample_sum(text, "kvtether_requests_total", route="messages"),
-    }
+    async with simulated_gateway(speed, learn_estimates=learn_estimates) as (url, client):
+        with tempfile.TemporaryDirectory(prefix="kvtether-claude-") as scratch:
+            work, home = Path(scratch, "work"), Path(scratch, "home")
+            await anyio.Path(work).mkdir()
+            await anyio.Path(home).mkdir()
+            await anyio.Path(work / "README.txt").write_text("A scratch project: one file, nothing to change.\n")
+            env = agent_env(dict(os.environ), home, ("ANTHROPIC_", "CLAUDE_"), ANTHROPIC_BASE_URL=url,
+                            ANTHROPIC_MODEL="kvtether-sim", ANTHROPIC_API_KEY="sk-kvtether-local",
+                            CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_AUTOUPDATER="1",
+                            DISABLE_TELEMETRY="1")
+            for i, prompt in enumerate(PROMPTS):
+                which = ["--session-id", session] if i == 0 else ["--resume", session]
+                done = await anyio.run_process(
+                    [str(binary), "-p", prompt, *which, "--max-turns", str(turns), "--output-format", "json",
+                     "--allowedTools", "Read,Glob,Grep",
+                     "--disallowedTools", "Bash,Write,Edit,NotebookEdit,WebFetch,WebSearch"],
+                    cwd=work, env=env, check=False)
+                runs.append({"exit_code": done.returncode, "result": _result(done.stdout),
+                             "stderr": done.stderr.decode(errors="replace")[-2000:]})
+        seen = await gateway_summary(client, url, "messages")
+    return {"session": session, "runs": runs, **seen}
 
 
 def _result(stdout: bytes) -> dict[str, Any]:

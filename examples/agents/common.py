@@ -1,0 +1,69 @@
+"""What the agent runs share: an agent installed from npm once, a simulated P/D cluster with the gateway in front
+of it in this process, and what the gateway saw of the agent's turns."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from kvtether.gateway.app import create_app
+from kvtether.gateway.cluster import sample_sum
+from kvtether.gateway.config import load_config
+from kvtether.gateway.server import serve_gateway
+from kvtether.sim.cluster import ClusterSpec, SimCluster
+
+CACHE = Path(__file__).resolve().parents[2] / ".cache" / "agents"
+SOURCES = ("decode_pull", "decode_local", "prefill_cache", "none")
+
+
+def npm_install(package: str, binary: str) -> Path:
+    """`binary` of the npm `package` (name@version), installed into .cache/agents the first time."""
+    home = CACHE / package.rsplit("@", 1)[0].replace("/", "_").lstrip("@")
+    path = home / "node_modules" / ".bin" / binary
+    if path.exists():
+        return path
+    npm = shutil.which("npm")
+    if npm is None:
+        raise RuntimeError(f"npm is needed to install {package} (Node.js ≥ 18)")
+    home.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(home), package],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"npm install {package} failed: {done.stderr[-2000:]}")
+    if not path.exists():
+        raise RuntimeError(f"npm installed {package} but {path} is missing")
+    return path
+
+
+@contextlib.asynccontextmanager
+async def simulated_gateway(speed: float, *, learn_estimates: bool = True,
+                            ) -> AsyncIterator[tuple[str, httpx.AsyncClient]]:
+    """A gateway (policy auto) on a simulated 1P 1D cluster; its URL and a client. ``learn_estimates=False``: the
+    cost policy decides from its seeds alone, so a busy machine's timings do not change which turns reuse."""
+    spec = ClusterSpec(prefill=1, decode=1, speed=speed, prefill_prefix_caching=False)
+    async with SimCluster(spec) as cluster:
+        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
+                          metrics_poll_interval_s=0.5, learn_estimates=learn_estimates)
+        async with serve_gateway(cfg, app=create_app(cfg)) as url, httpx.AsyncClient(timeout=30) as client:
+            yield url, client
+
+
+async def gateway_summary(client: httpx.AsyncClient, url: str, route: str) -> dict[str, Any]:
+    """The gateway's sessions, its turns by where their KV came from, and its requests on `route`."""
+    text = (await client.get(f"{url}/metrics")).text
+    return {
+        "sessions": (await client.get(f"{url}/admin/sessions")).json(),
+        "turns_by_source": {s: sample_sum(text, "kvtether_ttft_seconds_count", reuse_source=s) for s in SOURCES},
+        "reused_tokens": sample_sum(text, "kvtether_reused_tokens_total"),
+        "requests": sample_sum(text, "kvtether_requests_total", route=route),
+    }
+
+
+def agent_env(environ: dict[str, str], home: Path, drop: tuple[str, ...], **extra: str) -> dict[str, str]:
+    """The agent's environment: this one without the variables that would point it elsewhere, a scratch home."""
+    return {**{k: v for k, v in environ.items() if not k.startswith(drop)}, "HOME": str(home), **extra}
