@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from kvtether.cli.generate import DEFAULT_NEW_TOKENS, DEFAULT_OUTPUT_TOKENS, GenParams, generate_sessions
 from kvtether.cli.importers import FORMATS, ImportFormatError, import_file
+from kvtether.cli.options import FLAG
 from kvtether.sdk.sessionfile import SessionRecord, write_sessions
 from rich.console import Console
 from rich.markup import escape
@@ -53,11 +54,14 @@ def register(app: typer.Typer) -> None:
         user_prob: float = typer.Option(
             0.15, "--user-prob", min=0.0, max=1.0, help="Chance that a turn also carries a new user message."
         ),
-        system_tokens: int = typer.Option(400, "--system-tokens", min=1, help="System prompt length (words)."),
+        system_tokens: int = typer.Option(
+            400, "--system-tokens", min=1,
+            help="System prompt length in tokens (written as that many common words, about one token each)."),
         model: str = typer.Option("kvtether-sim", "--model", help="Model name written into the sessions."),
         seed: int = typer.Option(0, "--seed", help="Same seed, same file."),
         pin_output: bool = typer.Option(
-            True, "--pin-output/--no-pin-output", help="Add vLLM's min_tokens + ignore_eos so answers have max_tokens."
+            True, "--pin-output/--no-pin-output", metavar=FLAG,
+            help="Add vLLM's min_tokens + ignore_eos so answers have max_tokens."
         ),
     ) -> None:
         """Generate synthetic agent sessions: system prompt + tools, tool-call loops with growing history."""

@@ -11,13 +11,13 @@ import json
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
 
 import anyio
 import typer
 from kvtether.cli.importers import FORMATS, ImportFormatError, import_file
+from kvtether.cli.options import FLAG, kvtether_version
 from kvtether.cli.replay import (
     ReplayOptions,
     ReplayRun,
@@ -98,8 +98,13 @@ def _split_args(args: list[str]) -> tuple[list[str], list[str]]:
 def register(app: typer.Typer) -> None:
     @app.command("replay")
     def replay(
-        args: list[str] = typer.Argument(
-            ..., metavar="FILE [POLICY ...]", help="Session file; with --compare, optionally the policies to compare."
+        # Two arguments, so that the usage line reads FILE [POLICY]...; _split_args then sorts the words as
+        # before (a policy may come first, or be a comma-separated list).
+        file: str = typer.Argument(..., metavar="FILE", help="Session file (or --format's input file)."),
+        policies_given: list[str] | None = typer.Argument(
+            None, metavar="POLICY",
+            help=f"With --compare: the policies to compare ({', '.join(KNOWN_POLICIES)}; default: "
+            f"{' '.join(DEFAULT_COMPARE)}).",
         ),
         gateway: str | None = typer.Option(None, "--gateway", metavar="URL", help="Replay against this gateway."),
         sim: str | None = typer.Option(
@@ -107,7 +112,8 @@ def register(app: typer.Typer) -> None:
         ),
         compare: bool = typer.Option(
             False,
-            "--compare",
+            "--compare/--no-compare",
+            metavar=FLAG,
             help="Run the sessions once per policy, each on a fresh cluster (needs --sim); policies follow "
             "FILE (default: no-pull reference auto).",
         ),
@@ -140,15 +146,19 @@ def register(app: typer.Typer) -> None:
             0.0, "--max-error-rate", min=0.0, max=1.0, help="Exit 1 when the error rate of a run is above this."
         ),
         keep_session_ids: bool = typer.Option(
-            False, "--keep-session-ids", help="Send the recorded session ids (default: add a per-run suffix)."
+            False, "--keep-session-ids/--no-keep-session-ids", metavar=FLAG,
+            help="Send the recorded session ids (default: add a per-run suffix)."
         ),
-        as_json: bool = typer.Option(False, "--json", help="Write the full result (incl. every request) to stdout."),
-        no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar."),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="No tables on stderr (errors only)."),
+        as_json: bool = typer.Option(False, "--json/--no-json", metavar=FLAG,
+                                     help="Write the full result (incl. every request) to stdout."),
+        progress: bool = typer.Option(True, "--progress/--no-progress", metavar=FLAG,
+                                      help="A progress bar on stderr (only when stderr is a terminal)."),
+        quiet: bool = typer.Option(False, "--quiet/--no-quiet", "-q", metavar=FLAG,
+                                   help="No tables on stderr (errors only)."),
     ) -> None:
         """Replay recorded agent sessions and report TTFT per turn index, TTFC, TPOT, E2E, reuse and errors."""
         err = Console(stderr=True)
-        files, policies = _split_args(args)
+        files, policies = _split_args([file, *(policies_given or [])])
         if len(files) != 1:
             _fail(err, EXIT_USAGE, f"give exactly one session file (got {', '.join(files) or 'none'})")
         if policies and not compare:
@@ -201,7 +211,7 @@ def register(app: typer.Typer) -> None:
             time_scale=time_scale,
         )
         n_turns = sum(len(s.turns) for s in sessions)
-        show_progress = not (no_progress or quiet) and err.is_terminal
+        show_progress = progress and not quiet and err.is_terminal
 
         async def run_all() -> list[tuple[str, ReplayRun]]:
             out: list[tuple[str, ReplayRun]] = []
@@ -276,7 +286,7 @@ def register(app: typer.Typer) -> None:
             )
             doc = {
                 "schema": f"kvtether.replay/{SCHEMA_VERSION}",
-                "kvtether_version": _version(),
+                "kvtether_version": kvtether_version(),
                 "command": sys.argv,
                 "started_at": started,
                 "file": str(path),
@@ -308,10 +318,3 @@ def register(app: typer.Typer) -> None:
             }
             typer.echo(json.dumps(doc, indent=2))
         raise typer.Exit(code)
-
-
-def _version() -> str:
-    try:
-        return metadata.version("kvtether")
-    except metadata.PackageNotFoundError:
-        return "unknown"

@@ -3,7 +3,8 @@
 Flags name the cluster; everything else comes from ``--config FILE`` (TOML, see docs/gateway.md).
 Flags win over the file; ``KVTETHER_STORE`` stands for ``--store``. ``--workers N`` runs N processes on one
 port, which share sessions through the store (so they need a Redis/Valkey URL). Exit codes: 0 normal stop
-(SIGINT or SIGTERM, whatever disposition the process inherited), 2 bad configuration.
+(SIGINT or SIGTERM, whatever disposition the process inherited), 1 cannot listen on its address (a busy port),
+2 bad configuration.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import logging
 from typing import TYPE_CHECKING
 
 import typer
+from kvtether.cli.options import LOG_LEVELS, checked_log_level
+from kvtether.cli.preflight import listen_fix, listen_problem
 
 if TYPE_CHECKING:
     from kvtether.gateway.config import GatewayConfig
 
-EXIT_USAGE = 2
+EXIT_FAILED, EXIT_USAGE = 1, 2
 
 
 def register(app: typer.Typer) -> None:
@@ -41,12 +44,13 @@ def register(app: typer.Typer) -> None:
             None, "--tokenizer",
             help="The served model's tokenizer (directory or name): the guard tokenizes locally, checked against "
             "/tokenize."),
-        log_level: str = typer.Option("info", "--log-level", help="debug | info | warning | error."),
+        log_level: str = typer.Option("info", "--log-level", help=f"{' | '.join(LOG_LEVELS)}."),
     ) -> None:
         """Start the OpenAI-compatible gateway (POST /v1/chat/completions, /v1/completions; GET /v1/models,
         /health, /ready, /metrics, /admin/sessions)."""
         from kvtether.gateway.config import ConfigError, load_config
 
+        log_level = checked_log_level("serve", "--log-level", log_level)
         try:
             cfg = load_config(config, prefill=prefill or None, decode=decode or None, aggregated=aggregated or None,
                               host=host, port=port, policy=policy, otlp_endpoint=otlp_endpoint, store=store,
@@ -59,6 +63,12 @@ def register(app: typer.Typer) -> None:
             typer.echo("kvtether serve: --workers > 1 needs a shared session store (--store redis://HOST:PORT, or "
                        "KVTETHER_STORE)", err=True)
             raise typer.Exit(EXIT_USAGE)
+        # Checked before the banner, which would otherwise announce an address that uvicorn then fails to bind.
+        problem = listen_problem(cfg.host, cfg.port) if cfg.port else None
+        if problem is not None:
+            typer.echo(f"kvtether serve: cannot listen on {cfg.host}:{cfg.port}: {problem}; {listen_fix(problem)}",
+                       err=True)
+            raise typer.Exit(EXIT_FAILED)
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         mode = "aggregated" if cfg.aggregated else f"P/D ({len(cfg.prefill)}P {len(cfg.decode)}D)"
         shared = f", {workers} workers" if workers > 1 else ""

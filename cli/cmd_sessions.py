@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import httpx
 import typer
+from kvtether.cli.options import FLAG
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -98,8 +99,9 @@ def register(app: typer.Typer) -> None:
     @app.command("sessions")
     def sessions(
         gateway: str = typer.Option("http://127.0.0.1:8000", "--gateway", metavar="URL", help="The gateway to ask."),
-        as_json: bool = typer.Option(False, "--json", help="Write the gateway's answer to stdout as JSON."),
-        timeout: float = typer.Option(10.0, "--timeout", min=0.001, help="Seconds."),
+        as_json: bool = typer.Option(False, "--json/--no-json", metavar=FLAG,
+                                     help="Write the gateway's answer to stdout as JSON."),
+        timeout: float = typer.Option(10.0, "--timeout", min=0.001, help="How long to wait for the gateway, seconds."),
     ) -> None:
         """The gateway's pinned sessions: decode node, held tokens, handle age, turns, expiry."""
         err = Console(stderr=True)

@@ -12,6 +12,8 @@ import json
 import sys
 
 import typer
+from kvtether.cli.options import FLAG
+from kvtether.cli.preflight import IN_USE, busy_ports, describe_bind_error, listen_fix
 from kvtether.cli.supervisor import STOP_SIGNALS, stop_signals_interrupt
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from kvtether.sim.config import EMULATED_VERSIONS, FAILURE_POLICIES
@@ -20,7 +22,7 @@ from kvtether.sim.template import TOOL_FORMATS
 from rich.console import Console
 from rich.table import Table
 
-EXIT_USAGE = 2
+EXIT_FAILED, EXIT_USAGE = 1, 2
 
 
 def _table(cluster: SimCluster) -> Table:
@@ -71,11 +73,15 @@ def register(app: typer.Typer) -> None:
         decode_ttl: float = typer.Option(480.0, "--decode-ttl", help="decoder_kv_blocks_ttl, simulated seconds."),
         threshold: int = typer.Option(64, "--recompute-threshold", help="kv_recompute_threshold, tokens."),
         failure_policy: str = typer.Option("fail", "--failure-policy", help="kv_load_failure_policy."),
-        no_bidirectional: bool = typer.Option(False, "--no-bidirectional", help="Turn bidirectional_kv_xfer off."),
-        no_prefill_prefix_caching: bool = typer.Option(
-            False,
-            "--no-prefill-prefix-caching",
-            help="Prefix caching off on the prefill nodes (vLLM --no-enable-prefix-caching), as in vLLM's P/D runs.",
+        bidirectional: bool = typer.Option(
+            True, "--bidirectional/--no-bidirectional", metavar=FLAG,
+            help="bidirectional_kv_xfer on the nodes (decode keeps KV and hands back a handle P can pull)."),
+        prefill_prefix_caching: bool = typer.Option(
+            True,
+            "--prefill-prefix-caching/--no-prefill-prefix-caching",
+            metavar=FLAG,
+            help="Prefix caching on the prefill nodes; off is vLLM's --no-enable-prefix-caching, as in vLLM's P/D "
+            "runs.",
         ),
         side_channel_host: str = typer.Option("localhost", "--side-channel-host", help="remote_host advertised."),
         tool_call_parser: str | None = typer.Option(
@@ -84,7 +90,8 @@ def register(app: typer.Typer) -> None:
             help=f"How the model writes tool calls ({', '.join(TOOL_FORMATS)}; default: the preset's model's, "
             "glm47 for GLM-5, else hermes).",
         ),
-        as_json: bool = typer.Option(False, "--json", help="Print the node URLs as one JSON line on stdout."),
+        as_json: bool = typer.Option(False, "--json/--no-json", metavar=FLAG,
+                                     help="Print the node URLs as one JSON line on stdout."),
     ) -> None:
         """Run a simulated vLLM P/D cluster (bidirectional KV transfer) until Ctrl-C."""
         err = Console(stderr=True)
@@ -105,6 +112,14 @@ def register(app: typer.Typer) -> None:
         if prefill + decode + aggregated == 0:
             err.print("error: no nodes to run (give --prefill, --decode or --aggregated)", markup=False)
             raise typer.Exit(EXIT_USAGE)
+        n_nodes = prefill + decode + aggregated
+        ports = [port + i for i in range(n_nodes)] if port else []
+        # Checked before any node starts: a node that cannot bind reports only "[Errno 98] Address already in
+        # use", with neither the port nor which --port chose it.
+        busy = busy_ports(host, ports)
+        if busy:
+            err.print(f"error: {_ports_message(host, port, ports, busy)}", markup=False, soft_wrap=True)
+            raise typer.Exit(EXIT_FAILED)
         spec = ClusterSpec(
             prefill=prefill,
             decode=decode,
@@ -113,8 +128,8 @@ def register(app: typer.Typer) -> None:
             speed=speed,
             host=host,
             emulate=emulate,
-            bidirectional=not no_bidirectional,
-            prefill_prefix_caching=not no_prefill_prefix_caching,
+            bidirectional=bidirectional,
+            prefill_prefix_caching=prefill_prefix_caching,
             decoder_kv_blocks_ttl=decode_ttl,
             kv_recompute_threshold=threshold,
             kv_load_failure_policy=failure_policy,
@@ -127,6 +142,21 @@ def register(app: typer.Typer) -> None:
                 asyncio.run(_serve(spec, as_json))
         except KeyboardInterrupt:  # a stop signal before _serve took them over: a normal stop all the same
             pass
-        except OSError as e:
-            err.print(f"error: cannot start the cluster: {e}", markup=False)
-            raise typer.Exit(1) from None
+        except OSError as e:  # taken between the check and the bind, or a failure the check does not see
+            busy = busy_ports(host, ports)
+            message = (_ports_message(host, port, ports, busy) if busy
+                       else f"cannot start the cluster on {host}: {describe_bind_error(e)}")
+            err.print(f"error: {message}", markup=False, soft_wrap=True)
+            raise typer.Exit(EXIT_FAILED) from None
+
+
+def _ports_message(host: str, port: int, ports: list[int], busy: list[tuple[int, str]]) -> str:
+    """One line: which ports failed, how --port chose them, and what to do."""
+    problem = busy[0][1]
+    names = ", ".join(str(p) for p, _ in busy)
+    where = (f"--port {port} puts the {len(ports)} nodes on ports {ports[0]}-{ports[-1]}" if len(ports) > 1
+             else f"--port {port}")
+    fix = listen_fix(problem)
+    if problem == IN_USE:
+        fix += ", or --port 0 for free ports"
+    return f"cannot listen on {host} port{'s' if len(busy) > 1 else ''} {names}: {problem} ({where}); {fix}"

@@ -37,18 +37,23 @@ from kvtether.cli.cluster_spec import (
 )
 from kvtether.cli.gateway_child import (
     EXIT_USAGE,
-    GATEWAY_LOG_LEVELS,
     GatewaySettingError,
     check_gateway_config,
     parse_gateway_set,
     run_gateway_child,
 )
 from kvtether.cli.launcher import dry_run_text, plan_cluster
+from kvtether.cli.options import FLAG, LOG_LEVELS, checked_log_level
+from kvtether.cli.preflight import check_vllm_env, listen_fix, listen_problem
 from kvtether.cli.supervisor import STOP_SIGNALS, ChildDied, Supervisor, tail
 from rich.console import Console
 
 if TYPE_CHECKING:
     pass
+
+# A child that cannot start (a port something else holds); a bad setting is EXIT_USAGE.
+EXIT_FAILED = 1
+
 
 @contextlib.contextmanager
 def running_cluster(
@@ -180,7 +185,11 @@ def register(app: typer.Typer) -> None:
             DEFAULT_GATEWAY_PORT
         ),
         host: Annotated[str, typer.Option("--host", help="Bind address for every server.")] = "127.0.0.1",
-        vllm_base_port: Annotated[int | None, typer.Option("--vllm-base-port")] = None,
+        vllm_base_port: Annotated[
+            int | None,
+            typer.Option("--vllm-base-port", help="First vLLM HTTP port; the instances take consecutive ports, "
+                         "prefill first (default: --port + 100)."),
+        ] = None,
         side_channel_base_port: Annotated[
             int, typer.Option("--side-channel-base-port", help="First NIXL side-channel port.")
         ] = DEFAULT_SIDE_CHANNEL_BASE_PORT,
@@ -192,12 +201,17 @@ def register(app: typer.Typer) -> None:
             str | None,
             typer.Option("--cpu-binds", help="VLLM_CPU_OMP_THREADS_BIND per instance, ';'-separated (P then D)."),
         ] = None,
-        no_prefill_cache: Annotated[
+        prefill_cache: Annotated[
             bool,
-            typer.Option("--no-prefill-prefix-caching", help="Prefill instances without prefix caching (as vLLM's "
-                         "published reverse-pull runs); decode keeps it."),
-        ] = False,
-        no_gateway: Annotated[bool, typer.Option("--no-gateway", help="Start only the vLLM instances.")] = False,
+            typer.Option("--prefill-prefix-caching/--no-prefill-prefix-caching", metavar=FLAG,
+                         help="Prefix caching on the prefill instances; off as in vLLM's published reverse-pull "
+                         "runs. Decode keeps it either way."),
+        ] = True,
+        with_gateway: Annotated[
+            bool,
+            typer.Option("--gateway/--no-gateway", metavar=FLAG,
+                         help="Start the kvtether gateway in front; --no-gateway starts only the vLLM instances."),
+        ] = True,
         gateways: Annotated[
             int, typer.Option("--gateways", min=1, help="Gateway replicas on consecutive ports from --port (more "
                               "than one needs --store).")
@@ -225,7 +239,7 @@ def register(app: typer.Typer) -> None:
         ] = None,
         gateway_log_level: Annotated[
             str | None,
-            typer.Option("--gateway-log-level", help=f"Gateway log level: {' | '.join(reversed(GATEWAY_LOG_LEVELS))} "
+            typer.Option("--gateway-log-level", help=f"Gateway log level: {' | '.join(LOG_LEVELS)} "
                          f"(default {DEFAULT_GATEWAY_LOG_LEVEL})."),
         ] = None,
         gateway_set: Annotated[
@@ -239,8 +253,13 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Per-child log files.")] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line with the URLs on stdout.")] = False,
-        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the commands and env; start nothing.")] = False,
+        as_json: Annotated[
+            bool, typer.Option("--json/--no-json", metavar=FLAG, help="Print one JSON line with the URLs on stdout.")
+        ] = False,
+        dry_run: Annotated[
+            bool,
+            typer.Option("--dry-run/--no-dry-run", metavar=FLAG, help="Print the commands and env; start nothing."),
+        ] = False,
     ) -> None:
         """Start vLLM prefill/decode instances (bidirectional KV pull) and the kvtether gateway in front.
 
@@ -258,10 +277,10 @@ def register(app: typer.Typer) -> None:
                          "--gateway-log-level": gateway_log_level, "--gateway-set": gateway_set, "--store": store,
                          "--gateways": gateways if gateways != 1 else None}
         given = [flag for flag, value in gateway_flags.items() if value is not None]
-        if no_gateway and given:
+        if not with_gateway and given:
             _usage_error(f"{', '.join(given)}: gateway options, but --no-gateway starts no gateway")
-        if gateway_log_level is not None and gateway_log_level.lower() not in GATEWAY_LOG_LEVELS:
-            _usage_error(f"--gateway-log-level must be one of {', '.join(GATEWAY_LOG_LEVELS)}")
+        if gateway_log_level is not None:
+            gateway_log_level = checked_log_level("up", "--gateway-log-level", gateway_log_level)
         try:
             settings = parse_gateway_set(gateway_set or [])
         except GatewaySettingError as e:
@@ -283,17 +302,17 @@ def register(app: typer.Typer) -> None:
             side_channel_base_port=side_channel_base_port,
             kv_load_failure_policy="fail" if failure_policy == "fail" else "recompute",
             kv_cache_space_gib=kv_cache_gib,
-            prefill_prefix_caching=not no_prefill_cache,
+            prefill_prefix_caching=prefill_cache,
             cpu_binds=cpu_binds.split(";") if cpu_binds else None,
             extra_vllm_args=extra,
-            gateway=not no_gateway,
+            gateway=with_gateway,
             gateways=gateways,
             gateway_python=sys.executable,
             gateway_policy=policy,
             # Absolute: the gateway child is told the path, and it must mean the same file wherever it runs.
             gateway_config_file=str(config.expanduser().absolute()) if config is not None else None,
             gateway_settings=settings,
-            gateway_log_level=(gateway_log_level or DEFAULT_GATEWAY_LOG_LEVEL).lower(),
+            gateway_log_level=gateway_log_level or DEFAULT_GATEWAY_LOG_LEVEL,
         )
         try:
             plan = plan_cluster(opts)
@@ -305,6 +324,7 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 sys.stdout.write(json.dumps(plan.urls()) + "\n")
             return
+        _preflight_or_exit(plan, host=host, vllm_python_given=vllm_python is not None)
         console = Console(stderr=True, soft_wrap=True)
         logs = log_dir or Path(tempfile.mkdtemp(prefix="kvtether-up-"))
         raise typer.Exit(run_up(plan, log_dir=logs, as_json=as_json, console=console))
@@ -313,6 +333,30 @@ def register(app: typer.Typer) -> None:
 def _usage_error(msg: str) -> NoReturn:
     typer.echo(f"kvtether up: {msg}", err=True)
     raise typer.Exit(EXIT_USAGE)
+
+
+def _preflight_or_exit(plan: ClusterPlan, *, host: str, vllm_python_given: bool) -> None:
+    """What would otherwise fail only once the cluster is starting: a vLLM environment without vLLM (or, on CPU,
+    without kvtether's plugin, when the engine dies at its first request), and ports something else holds."""
+    python = plan.instances[0].command.argv[0]
+    checked = check_vllm_env(python, plugin=plan.device == "cpu", defaulted=not vllm_python_given)
+    if checked.problem is not None:
+        _usage_error(checked.problem)
+    if checked.note is not None:
+        typer.echo(f"kvtether up: {checked.note}", err=True)
+    # (host, port, who listens there, the flag that chose the port)
+    listeners = [(host, g.port, g.command.name, "--port") for g in plan.gateways]
+    for i in plan.instances:
+        listeners.append((host, i.port, f"{i.command.name}'s HTTP server", "--vllm-base-port"))
+        side_host = i.command.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", host)
+        listeners.append((side_host, i.side_channel_port, f"{i.command.name}'s NIXL side channel",
+                          "--side-channel-base-port"))
+    for where, port, who, flag in listeners:
+        problem = listen_problem(where, port)
+        if problem is not None:
+            typer.echo(f"kvtether up: cannot listen on {where}:{port} ({who}, from {flag}): {problem}; "
+                       f"{listen_fix(problem, port_flag=flag)}", err=True)
+            raise typer.Exit(EXIT_FAILED)
 
 
 def _check_gateway_or_exit(plan: ClusterPlan) -> None:

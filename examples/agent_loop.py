@@ -1,10 +1,17 @@
 """A tool-calling agent on kvtether: the only kvtether lines are the session and the client.
 
-Start something that speaks the OpenAI API on port 8000 (the demo gateway: ``kvtether demo``, the
-simulator, or the test fake: ``python tests/fake_openai.py --port 8000``), then::
+It needs something that speaks the OpenAI API on port 8000: as in README's Quick start, a simulated
+cluster and the kvtether gateway in front of it, each in its own terminal (``kvtether demo`` runs its own
+cluster and gateway on free ports, and stops them when it ends)::
+
+    kvtether sim --prefill 1 --decode 2 --port 8100
+    kvtether serve --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8101 --decode http://127.0.0.1:8102
+
+or the test fake, ``python tests/fake_openai.py --port 8000``. Then::
 
     python examples/agent_loop.py                       # --base-url http://127.0.0.1:8000/v1
-    python examples/agent_loop.py --record session.jsonl && kvtether replay session.jsonl
+    python examples/agent_loop.py --record session.jsonl
+    kvtether replay session.jsonl --gateway http://127.0.0.1:8000   # replays the recorded session
 
 Every request carries the session id and the turn/prefix stamps, so the gateway keeps the
 conversation on the node that holds its KV cache; the session reports client-side TTFT per turn.
