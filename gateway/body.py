@@ -231,15 +231,8 @@ def tokenize_body(kind: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
                     "chat_template_kwargs", "documents", "mm_processor_kwargs"):
             if body.get(key) is not None:
                 out[key] = body[key]
-        effort = body.get("reasoning_effort")
-        if effort is not None:
-            # vLLM's chat request hands reasoning_effort to the template (ChatCompletionRequest.build_chat_params:
-            # it overrides a kwarg of that name, and sets enable_thinking where the client did not); /tokenize has
-            # no such field, so without this the guard would compare against a prompt rendered otherwise.
-            kwargs = dict(out.get("chat_template_kwargs") or {})
-            kwargs["reasoning_effort"] = effort
-            kwargs.setdefault("enable_thinking", effort != "none")
-            out["chat_template_kwargs"] = kwargs
+        # /tokenize has no reasoning_effort: without this the guard would compare against a prompt rendered otherwise.
+        effort_in_template_kwargs(out, body.get("reasoning_effort"))
         return out
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
@@ -250,6 +243,17 @@ def tokenize_body(kind: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
     if body.get("add_special_tokens") is not None:
         out["add_special_tokens"] = body["add_special_tokens"]
     return out
+
+
+def effort_in_template_kwargs(out: dict[str, Any], effort: Any) -> None:
+    """What vLLM's chat request does with ``reasoning_effort`` (``ChatCompletionRequest.build_chat_params``): hands
+    it to the template, overriding a kwarg of that name, and sets ``enable_thinking`` where the client did not."""
+    if effort is None:
+        return
+    kwargs = dict(out.get("chat_template_kwargs") or {})
+    kwargs["reasoning_effort"] = effort
+    kwargs.setdefault("enable_thinking", effort != "none")
+    out["chat_template_kwargs"] = kwargs
 
 
 def _reasoning_renamed(messages: Any) -> Any:

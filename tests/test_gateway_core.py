@@ -666,3 +666,18 @@ async def test_a_failed_poll_is_counted_and_takes_a_node_out_only_when_its_healt
         health["status"] = 503
         await c.refresh(node)
         assert failed == ["http://d:1"] * 2 and not node.healthy
+
+
+def test_the_guards_tokenize_body_renders_reasoning_effort_as_the_chat_request_does() -> None:
+    from kvtether.gateway import body as B
+
+    msgs = [{"role": "user", "content": "x"}]
+    got = B.tokenize_body("chat", {"model": "m", "messages": msgs, "reasoning_effort": "none",
+                                   "chat_template_kwargs": {"custom": 1}})
+    assert got is not None and got["chat_template_kwargs"] == {"custom": 1, "reasoning_effort": "none",
+                                                               "enable_thinking": False}
+    kept = B.tokenize_body("chat", {"model": "m", "messages": msgs, "reasoning_effort": "low",
+                                    "chat_template_kwargs": {"enable_thinking": True}})
+    assert kept is not None and kept["chat_template_kwargs"] == {"enable_thinking": True, "reasoning_effort": "low"}
+    plain = B.tokenize_body("chat", {"model": "m", "messages": msgs})
+    assert plain is not None and "chat_template_kwargs" not in plain

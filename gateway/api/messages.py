@@ -91,6 +91,8 @@ from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Any, Final
 
+from kvtether.gateway.body import effort_in_template_kwargs
+
 Event = tuple[str, dict[str, Any]]
 
 BILLING_HEADER_PREFIX: Final = "x-anthropic-billing-header"
@@ -215,14 +217,7 @@ def count_tokens_body(body: Mapping[str, Any], *, merge_inline_system: bool = Fa
     also folded into ``chat_template_kwargs`` here — the count is then the same through either endpoint."""
     out = _translate(body, count=True, merge_inline_system=merge_inline_system,
                      disabled_thinking_effort=disabled_thinking_effort)
-    effort = out.get("reasoning_effort")
-    if effort is not None:
-        # The same merge as vLLM's ChatCompletionRequest.build_chat_params: the request's effort overrides a
-        # kwarg of that name; enable_thinking only where the client did not set it.
-        kwargs = dict(out.get("chat_template_kwargs") or {})
-        kwargs["reasoning_effort"] = effort
-        kwargs.setdefault("enable_thinking", effort != "none")
-        out["chat_template_kwargs"] = kwargs
+    effort_in_template_kwargs(out, out.get("reasoning_effort"))
     return out
 
 
