@@ -138,7 +138,7 @@ async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRe
 
 
 async def _release_replaced(sv: Services, ctx: TurnContext, current: SessionState | None,
-                      handle: dict[str, Any] | None) -> None:
+                            handle: dict[str, Any] | None) -> None:
     """A handle the store holds that this turn's put would overwrite (a concurrent turn of the session stored
     it meanwhile) would never be pulled: taken, only while it is still that one, and released."""
     if current is None or current.handle is None:
