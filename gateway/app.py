@@ -19,7 +19,7 @@ import httpx
 from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
 from kvtether.gateway import validate as V
-from kvtether.gateway.api import anthropic
+from kvtether.gateway.api import anthropic, responses_http
 from kvtether.gateway.api.messages import MessagesError, count_tokens_body
 from kvtether.gateway.auth import Auth, scoped
 from kvtether.gateway.cluster import Cluster
@@ -47,6 +47,7 @@ from starlette.types import Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 MESSAGES_PATH = "/v1/messages"
+RESPONSES_PATH = "/v1/responses"
 
 
 class Gateway:
@@ -85,6 +86,8 @@ class Gateway:
                 self.metrics.upstream_errors.labels(node.url, phase)
         # Releases go out on the polls' client: a one-token prefill each, off the request path.
         self.retention = Retention(config, self.cluster, self.store, self.metrics, self.client)
+        self.responses = responses_http.ResponsesState(self.store, config.responses_ttl_s,
+                                                       responses_http.seal_for(config.reasoning_key))
         self.orchestrator = Orchestrator(config, self.cluster, self.store, self.metrics, self.upstream,
                                          self.tokenize_client, tracer=self.tracer, retention=self.retention)
 
@@ -129,7 +132,8 @@ async def _validate(gw: Gateway, kind: str, body: dict[str, Any], headers: Mappi
 
 def _completion_route(kind: str, api: str | None = None) -> Callable[[Request], Awaitable[Response]]:
     """A route onto the chat (or completions) path; ``api`` = "messages": Anthropic Messages, lowered to a chat
-    turn at the edge and its answer raised back (``gateway/api/anthropic.py``)."""
+    turn at the edge and its answer raised back (``gateway/api/anthropic.py``); "responses": OpenAI Responses,
+    the same way, its state kept by the gateway (``gateway/api/responses_http.py``)."""
     route = api or kind
 
     async def endpoint(request: Request) -> Response:
@@ -141,6 +145,7 @@ def _completion_route(kind: str, api: str | None = None) -> Callable[[Request], 
                            T.ATTR_POLICY: gw.config.policy})
         response: Response | None = None
         model = ""
+        pending: responses_http.Pending | None = None
         try:
             try:
                 headers = {k.lower(): v for k, v in request.headers.items()}
@@ -149,21 +154,26 @@ def _completion_route(kind: str, api: str | None = None) -> Callable[[Request], 
                 if api == "messages":
                     model = str(body.get("model") or "")
                     body, headers = anthropic.lower(body, headers)
+                elif api == "responses":
+                    body, headers, pending = await responses_http.lower(gw.responses, body, headers, tenant)
                 await _validate(gw, kind, body, headers)
                 salt = gw.auth.cache_salt(tenant, body.get("cache_salt"))
                 if salt is not None:
                     body["cache_salt"] = salt
                 T.set_attrs(span, {T.GEN_AI_REQUEST_MODEL: body.get("model"),
                                    T.GEN_AI_REQUEST_STREAM: body.get("stream") is True or None})
-                response = await gw.orchestrator.handle(kind, body, headers, span, tenant=tenant,
-                                                        upstream_auth=gw.auth.upstream_authorization(headers))
+                response = await gw.orchestrator.handle(
+                    kind, body, headers, span, tenant=tenant, upstream_auth=gw.auth.upstream_authorization(headers),
+                    on_identified=pending.identified if pending is not None else None)
             except GatewayError as err:
                 response = err.response()
             except Exception as exc:  # a bug must still answer in the API's shape, and be logged
                 log.exception("unhandled error")
                 response = GatewayError(500, f"internal gateway error: {type(exc).__name__}",
                                         type_="internal_error").response()
-            return anthropic.raise_(response, model) if api == "messages" else response
+            if api == "messages":
+                return anthropic.raise_(response, model)
+            return responses_http.raise_(response, pending) if pending is not None else response
         finally:
             status = response.status_code if response is not None else 500
             span.set_attribute(T.HTTP_STATUS, status)
@@ -176,6 +186,35 @@ def _completion_route(kind: str, api: str | None = None) -> Callable[[Request], 
                 span.end()
 
     return endpoint
+
+
+async def stored_response(request: Request) -> Response:
+    """GET or DELETE /v1/responses/{id}: a response the gateway stored (in the caller's tenant)."""
+    gw = _gateway(request)
+    try:
+        tenant = gw.auth.tenant({k.lower(): v for k, v in request.headers.items()})
+        rid = request.path_params["response_id"]
+        if request.method == "DELETE":
+            return await responses_http.delete(gw.responses, tenant, rid)
+        return await responses_http.retrieve(gw.responses, tenant, rid)
+    except GatewayError as err:
+        return err.response()
+
+
+async def response_input_items(request: Request) -> Response:
+    gw = _gateway(request)
+    try:
+        tenant = gw.auth.tenant({k.lower(): v for k, v in request.headers.items()})
+        order = request.query_params.get("order", "desc")
+        return await responses_http.input_items(gw.responses, tenant, request.path_params["response_id"], order)
+    except GatewayError as err:
+        return err.response()
+
+
+async def cancel_response(request: Request) -> Response:
+    """Only background responses can be cancelled, and the gateway serves none."""
+    return GatewayError(400, "only background responses can be cancelled; the gateway does not serve background "
+                             "responses", param="response_id").response()
 
 
 async def models(request: Request) -> Response:
@@ -311,6 +350,7 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
 
     completions = {PATHS[kind]: _completion_route(kind) for kind in ("chat", "completions")}
     completions[MESSAGES_PATH] = _completion_route("chat", api="messages")
+    completions[RESPONSES_PATH] = _completion_route("chat", api="responses")
     app = GatewayApp(
         completions,
         routes=[
@@ -322,6 +362,9 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
             Route("/admin/sessions", admin_sessions, methods=["GET"]),
             Route("/v1/sessions/{session_id:path}", end_session, methods=["DELETE"]),
             Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+            Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
+            Route("/v1/responses/{response_id}/input_items", response_input_items, methods=["GET"]),
+            Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
         ],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},

@@ -151,6 +151,14 @@ class GatewayConfig:
     store_timeout_s: float = 0.1
     # Prefix of every key the gateway writes in a shared store (several deployments may share one Redis).
     store_key_prefix: str = "kvtether"
+    # Responses API state (`store`, `previous_response_id`, `conversation`): kept in the session store this long
+    # after each response; a chain reaching past it gets a 404. Longer than a session's pin, since a client
+    # may chain from a response whose decode hold is long gone (that turn is then cold, never wrong).
+    responses_ttl_s: float = 3600.0
+    # Key that signs the `encrypted_content` of the reasoning items the gateway hands out, so a stateless
+    # client (Codex) can send them back (env KVTETHER_REASONING_KEY). Unset: a random key per process, fine
+    # for one gateway; replicas behind a load balancer must share one.
+    reasoning_key: str | None = None
 
     # The guard's tokenizer: the served model's tokenizer directory or name (its tokenizer.json and chat
     # template); None = P's /tokenize for every guarded turn. Checked against /tokenize at start-up and on
@@ -271,6 +279,10 @@ class GatewayConfig:
             raise ConfigError("max_body_bytes must be >= 1024")
         if self.max_sessions < 1:
             raise ConfigError("max_sessions must be >= 1")
+        if self.responses_ttl_s <= 0:
+            raise ConfigError("responses_ttl_s must be > 0")
+        if self.reasoning_key is not None and len(self.reasoning_key) < 16:
+            raise ConfigError("reasoning_key must be at least 16 characters")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port {self.port} out of range")
         return self
@@ -298,7 +310,8 @@ class GatewayConfig:
 
 _TENANT = re.compile(r"[A-Za-z0-9._\-]{1,64}")
 # Secrets an operator keeps out of files: read from the environment, below flags, above the file.
-_ENV = {"KVTETHER_ADMIN_KEY": "admin_key", "KVTETHER_UPSTREAM_API_KEY": "upstream_api_key"}
+_ENV = {"KVTETHER_ADMIN_KEY": "admin_key", "KVTETHER_UPSTREAM_API_KEY": "upstream_api_key",
+        "KVTETHER_REASONING_KEY": "reasoning_key"}
 
 
 def _env_settings(env: Mapping[str, str]) -> dict[str, Any]:

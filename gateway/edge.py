@@ -16,12 +16,15 @@ still runs exactly as for a chat client.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
 
 
 class StreamConverter(Protocol):
@@ -37,13 +40,22 @@ class StreamConverter(Protocol):
         """The client's bytes for a chat stream that ended in an error event."""
         ...
 
+    @property
+    def ended(self) -> bool:
+        """Whether the answer is whole: the bytes just converted end it."""
+        ...
+
 
 class EdgeResponse(Response):
     def __init__(self, inner: Response, *, whole: Callable[[int, Any], tuple[int, Any]],
-                 stream: Callable[[], StreamConverter]) -> None:
+                 stream: Callable[[], StreamConverter],
+                 finished: Callable[[], Awaitable[None]] | None = None) -> None:
         """``whole(status, json)`` converts a whole answer or an error (its new status and JSON body);
-        ``stream()`` makes the converter of one streamed answer."""
+        ``stream()`` makes the converter of one streamed answer; ``finished()`` runs once the answer is whole,
+        *before* its last bytes go out (what it records is there when the client's next request comes)."""
         self.inner = inner
+        self._finished = finished
+        self._ran_finished = False
         self.status_code = inner.status_code
         self.background = None
         self._whole = whole
@@ -77,6 +89,8 @@ class EdgeResponse(Response):
                 assert converter is not None
                 pending += message.get("body", b"")
                 out, pending = _convert_events(pending, converter, final=not more)
+                if converter.ended:
+                    await self._finish()
                 if out or not more:
                     await send({"type": "http.response.body", "body": out, "more_body": more})
                 return
@@ -85,6 +99,7 @@ class EdgeResponse(Response):
                 return
             assert start is not None
             status, payload = self._whole(start["status"], _json_or_text(b"".join(body)))
+            await self._finish()
             data = orjson.dumps(payload)
             headers = [(k, v) for k, v in start.get("headers") or [] if k.lower() not in (b"content-length",
                                                                                            b"content-type")]
@@ -93,6 +108,15 @@ class EdgeResponse(Response):
             await send({"type": "http.response.body", "body": data, "more_body": False})
 
         await self.inner(scope, receive, edge_send)
+
+    async def _finish(self) -> None:
+        if self._finished is None or self._ran_finished:
+            return
+        self._ran_finished = True
+        try:
+            await self._finished()
+        except Exception:  # what it records is a convenience for later requests: never the answer's failure
+            log.exception("recording a finished answer failed")
 
 
 def _json_or_text(raw: bytes) -> Any:

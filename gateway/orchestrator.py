@@ -65,8 +65,13 @@ class Orchestrator:
         return self.sv.learning
 
     async def handle(self, kind: str, body: dict[str, Any], headers: Mapping[str, str], span: trace.Span, *,
-                     tenant: str | None = None, upstream_auth: str | None = None) -> Response:
+                     tenant: str | None = None, upstream_auth: str | None = None,
+                     on_identified: Callable[[str], None] | None = None) -> Response:
+        """The turn's answer. ``on_identified(session_id)``: told which session the turn is served in (an API
+        edge that records state per session, e.g. Responses)."""
         ctx = await identify(self.sv.store, kind, body, headers, span, tenant)
+        if on_identified is not None and ctx.session_id is not None:
+            on_identified(ctx.session_id)
         ctx.upstream_auth = upstream_auth
         ctx.arrived_at = self.sv.clock()
         ctx.final = session_final_from_headers(headers)

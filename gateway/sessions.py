@@ -89,6 +89,17 @@ class SessionStore(Protocol):
 
     async def count(self) -> int: ...
 
+    # Records: opaque values the gateway keeps beside the sessions, each with its own lifetime (the Responses
+    # API's stored responses and conversations). ``key`` is already in the caller's tenant namespace.
+
+    async def put_record(self, key: str, data: bytes, ttl_s: float) -> None: ...
+
+    async def get_record(self, key: str) -> bytes | None: ...
+
+    async def delete_record(self, key: str) -> bool:
+        """Whether there was a live record to delete."""
+        ...
+
     async def aclose(self) -> None:
         """Release connections (a shared store); the gateway calls it once, at shutdown."""
         ...

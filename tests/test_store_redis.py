@@ -334,3 +334,39 @@ async def test_a_restarted_store_is_used_again_without_a_wedged_pool(server: Red
     assert taken is not None and taken.handle == HANDLE and await store.take_handle("fresh") is None
     assert failures(metrics, "get", "error") + failures(metrics, "get", "skipped") >= 1
     await store.aclose()
+
+
+@pytest.mark.anyio
+async def test_records_round_trip_expire_and_delete_on_redis_and_in_memory(server: RedisServer) -> None:
+    """The Responses API's state: opaque records with their own lifetime, the same on both stores."""
+    clock = [1000.0]
+    memory = MemorySessionStore(clock=lambda: clock[0])
+    redis = RedisSessionStore(connect(server.url, timeout_s=1.0), key_prefix="kvt-rec", handle_ttl_s=30.0)
+    try:
+        for store in (memory, redis):
+            await store.put_record("team/resp:1", b'{"a": 1}', 0.4)
+            await store.put_record("other/resp:1", b"x", 60.0)
+            assert await store.get_record("team/resp:1") == b'{"a": 1}'
+            assert await store.get_record("team/resp:2") is None
+            assert await store.delete_record("other/resp:1") is True
+            assert await store.delete_record("other/resp:1") is False
+            assert await store.get_record("other/resp:1") is None
+        clock[0] += 0.5
+        await anyio.sleep(0.5)
+        for store in (memory, redis):
+            assert await store.get_record("team/resp:1") is None  # past its TTL
+    finally:
+        await redis.aclose()
+
+
+@pytest.mark.anyio
+async def test_records_have_no_cold_stand_in_when_the_store_is_down() -> None:
+    from kvtether.gateway.stores.failsafe import StoreUnavailable
+
+    metrics = T.Metrics()
+    store = failsafe(f"redis://127.0.0.1:{free_port()}", metrics)
+    await store.put_record("k", b"v", 10.0)  # dropped, never raised: the answer already went out
+    with pytest.raises(StoreUnavailable):
+        await store.get_record("k")
+    assert failures(metrics, "put_record", "error") + failures(metrics, "get_record", "error") >= 1
+    await store.aclose()

@@ -62,6 +62,7 @@ class _Stream:
 
     def __init__(self, model: str) -> None:
         self._t = M.StreamTranslator(model)
+        self.ended = False  # nothing to record when a Messages answer ends
 
     def feed(self, chunk: dict[str, Any]) -> bytes:
         return b"".join(M.sse(e, d) for e, d in self._t.feed(chunk))

@@ -2,10 +2,11 @@
 
 Every call is bounded by ``timeout_s``; an error or a timeout is counted and answered with the safe value:
 no handle (the turn goes cold: a handle whose take may not have happened, or happened unseen, is never used,
-so none is used twice), no session found by prefix, a dropped put. ``get`` answers a session *pinned by
-hash*: its decode node chosen by rendezvous hashing of the session id over the configured nodes, so every
-replica sends the session's turns to the same node while the store is away, and that node's prefix cache
-keeps serving its history. Nothing raises into the request path.
+so none is used twice), no session found by prefix, a dropped put. A stored record (the Responses API's
+state) has no safe stand-in: reading one raises :class:`StoreUnavailable`, which its caller answers with a
+503. ``get`` answers a session *pinned by hash*: its decode node chosen by rendezvous hashing of the session
+id over the configured nodes, so every replica sends the session's turns to the same node while the store is
+away, and that node's prefix cache keeps serving its history. Nothing else raises into the request path.
 
 After a failure the store is not asked again for a short, growing pause (``cooldown_s`` doubling up to
 ``max_cooldown_s``): a store that hangs costs one timeout per pause, not one per call. The first call after the
@@ -18,7 +19,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import anyio
 from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
@@ -33,6 +34,14 @@ R = TypeVar("R")
 
 def _none() -> None:
     return None
+
+
+class StoreUnavailable(Exception):
+    """A call whose answer has no safe stand-in (a stored record) found the store away."""
+
+
+def _unavailable() -> NoReturn:
+    raise StoreUnavailable("the session store does not answer")
 
 
 def pin_by_hash(session_id: str, nodes: Sequence[str]) -> str | None:
@@ -128,6 +137,16 @@ class FailSafeStore:
         # On a failure the last count stands (the pinned-sessions gauge should not drop to 0 in an outage).
         self._last_count = await self._call("count", self.inner.count, lambda: self._last_count)
         return self._last_count
+
+    async def put_record(self, key: str, data: bytes, ttl_s: float) -> None:
+        await self._call("put_record", lambda: self.inner.put_record(key, data, ttl_s), _none)
+
+    async def get_record(self, key: str) -> bytes | None:
+        # No safe value stands in for a stored record: the caller answers 503, not "not found".
+        return await self._call("get_record", lambda: self.inner.get_record(key), _unavailable)
+
+    async def delete_record(self, key: str) -> bool:
+        return await self._call("delete_record", lambda: self.inner.delete_record(key), _unavailable)
 
     async def aclose(self) -> None:
         try:

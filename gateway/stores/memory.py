@@ -19,6 +19,7 @@ class MemorySessionStore:
         self._by_prefix: dict[str, str] = {}
         self._max = max_sessions
         self.clock = clock
+        self._records: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
 
     def _live(self, session_id: str) -> SessionState | None:
         state = self._sessions.get(session_id)
@@ -76,6 +77,8 @@ class MemorySessionStore:
         dead = [sid for sid, s in self._sessions.items() if s.expires_at <= now]
         for sid in dead:
             self._drop(sid)
+        for key in [k for k, (expires_at, _) in self._records.items() if expires_at <= now]:
+            del self._records[key]
         return len(dead)
 
     async def list(self) -> list[SessionState]:
@@ -84,6 +87,26 @@ class MemorySessionStore:
 
     async def count(self) -> int:
         return len(self._sessions)
+
+    async def put_record(self, key: str, data: bytes, ttl_s: float) -> None:
+        self._records[key] = (self.clock() + ttl_s, data)
+        self._records.move_to_end(key)
+        # Bounded like the sessions: the least recently written go first.
+        while len(self._records) > self._max:
+            self._records.popitem(last=False)
+
+    async def get_record(self, key: str) -> bytes | None:
+        entry = self._records.get(key)
+        if entry is None:
+            return None
+        if entry[0] <= self.clock():
+            del self._records[key]
+            return None
+        return entry[1]
+
+    async def delete_record(self, key: str) -> bool:
+        entry = self._records.pop(key, None)
+        return entry is not None and entry[0] > self.clock()
 
     async def aclose(self) -> None:
         return None

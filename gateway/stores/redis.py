@@ -220,5 +220,19 @@ class RedisSessionStore:
                 out.append(state)
         return out
 
+    def _record_key(self, key: str) -> str:
+        return f"{self.prefix}:r:{key}"
+
+    async def put_record(self, key: str, data: bytes, ttl_s: float) -> None:
+        await self.client.set(self._record_key(key), data, px=max(1, math.ceil(ttl_s * 1000)))
+
+    async def get_record(self, key: str) -> bytes | None:
+        data: bytes | None = await self.client.get(self._record_key(key))  # type: ignore[assignment]
+        return data
+
+    async def delete_record(self, key: str) -> bool:
+        removed: int = await self.client.delete(self._record_key(key))
+        return removed > 0
+
     async def aclose(self) -> None:
         await self.client.aclose()
