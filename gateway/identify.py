@@ -1,6 +1,7 @@
 """Which session a request belongs to: the first step of a turn.
 
-The id comes from the SDK's or another router's session header; a chat request without one is matched to
+The id comes from the SDK's or another router's session header, else the body's ``prompt_cache_key`` (OpenAI's
+own cache-routing hint, which OpenCode and Codex set to their session id); a chat request without one is matched to
 its session by the message-chain hash of its history (what the previous turn stored as *prompt + its
 answer*), and otherwise starts an anonymous session that its next turn will find the same way. With API
 keys, both live in the caller's tenant namespace (``auth.scoped``).
@@ -25,7 +26,7 @@ from opentelemetry import trace
 async def identify(store: SessionStore, kind: str, body: dict[str, Any], headers: Mapping[str, str],
                    span: trace.Span, tenant: str | None = None) -> TurnContext:
     """The turn's context: its session (in the tenant's namespace: `scoped`) and that session's state."""
-    named = session_id_from_headers(headers)
+    named = session_id_from_headers(headers) or _cache_key(body)
     sid = scoped(tenant, named) if named else None
     source = "header" if sid else "none"
     chain = None
@@ -44,3 +45,8 @@ async def identify(store: SessionStore, kind: str, body: dict[str, Any], headers
                       body.get("return_token_ids") is True, sid, source, state, time.perf_counter(), span)
     ctx.tenant, ctx.named_session, ctx.chain = tenant, named, chain
     return ctx
+
+
+def _cache_key(body: Mapping[str, Any]) -> str | None:
+    key = body.get("prompt_cache_key")
+    return key.strip()[:256] if isinstance(key, str) and key.strip() else None

@@ -217,11 +217,15 @@ async def test_conversations_prompt_cache_key_and_codex_headers_name_sessions() 
             got, _ = await send(r, {**base, "conversation": "conv_1", "input": f"turn {turn}"})
             assert got["conversation"] == {"id": "conv_1"}
         await send(r, {**base, "prompt_cache_key": "pck-1"})
+        chat = await r.client.post(f"{r.url}/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 5, "prompt_cache_key": "pck-1",
+            "messages": [{"role": "user", "content": "a chat turn of the same session"}]})
+        assert chat.status_code == 200
         await send(r, base, {"x-codex-turn-metadata": json.dumps({"thread_id": "meta-thread"})})
         await send(r, base, {"thread-id": "codex-t", "session-id": "codex-s"})
         await send(r, base, {"x-session-id": "explicit", "thread-id": "codex-t2"})
         sessions = {s["session_id"]: s["turns"] for s in (await r.client.get(f"{r.url}/admin/sessions")).json()}
-        assert sessions == {"conv-conv_1": 2, "pck-1": 1, "meta-thread": 1, "codex-t": 1, "explicit": 1}
+        assert sessions == {"conv-conv_1": 2, "pck-1": 2, "meta-thread": 1, "codex-t": 1, "explicit": 1}
         # A conversation's second turn saw its first: the stored messages were prepended.
         conv = await r.gw.responses.get(None, "conv", "conv_1")
         assert [m["role"] for m in conv["messages"]] == ["user", "assistant", "user", "assistant"]
