@@ -395,7 +395,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
 
 # Settings whose default is None (unset): the type a set value must have.
 _OPTIONAL_TYPES: dict[str, type] = {"model": str, "block_size": int, "read_timeout_s": float, "otlp_endpoint": str,
-                                    "tokenizer": str, "admin_key": str, "upstream_api_key": str}
+                                    "tokenizer": str, "admin_key": str, "upstream_api_key": str, "reasoning_key": str}
 
 
 def _check_types(cfg: GatewayConfig) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -89,6 +90,9 @@ def run_gateway(config: GatewayConfig, log_level: str = "info", *, workers: int 
     if workers <= 1:
         uvicorn.run(create_app(config), **common)
         return
+    if config.reasoning_key is None:
+        # One key for every worker: a client's reasoning sealed by one is read back by another.
+        config = dataclasses.replace(config, reasoning_key=secrets.token_hex(32))
     os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(config))
     os.environ[LOG_LEVEL_ENV] = log_level
     uvicorn.run(f"{__name__}:app_from_env", factory=True, workers=workers, **common)

@@ -270,6 +270,12 @@ def test_config_load_and_validate(tmp_path: Path) -> None:
     for over in bad:
         with pytest.raises(ConfigError):
             load_config(None, **over)
+    keyed = load_config(None, prefill=["http://p:1"], decode=["http://d:1"], reasoning_key="k" * 16,
+                        responses_ttl_s=60)
+    assert keyed.reasoning_key == "k" * 16 and keyed.responses_ttl_s == 60
+    for over in ({"reasoning_key": "short"}, {"reasoning_key": 5}, {"responses_ttl_s": 0}):
+        with pytest.raises(ConfigError, match=next(iter(over))):
+            load_config(None, prefill=["http://p:1"], decode=["http://d:1"], **over)
     f.write_text("prefil = 1\n")
     with pytest.raises(ConfigError, match="unknown setting"):
         load_config(f)

@@ -346,10 +346,34 @@ async def test_serve_workers_share_one_store(tmp_path: Path) -> None:
                 # Each worker counts its own requests: two different counts that add up to all turns say both
                 # workers served turns (and the sessions' reuse above says they shared them).
                 counts = {await metric(http, gws[0].url, "kvtether_requests_total", route="chat") for _ in range(30)}
+                responses = await responses_across_workers(http, gws[0].url)
+    assert responses == {"chained": 8, "resent": 8}
     assert out.wrong == []
     assert any(a > 0 and b > 0 and a + b == 12 for a in counts for b in counts), counts
     assert all(out.source[k] == "decode_pull" for k in out.source if k[1] > 0), out.source
     assert [u for u, n in uses.items() if n > 1] == []
+
+
+async def responses_across_workers(http: httpx.AsyncClient, url: str) -> dict[str, int]:
+    """Responses state (a stored answer in Redis) and sealed reasoning (one key for the workers), each read by
+    whichever worker the next connection lands on: every chained or resent turn is answered."""
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Look around."}]}
+    body = {"model": "kvtether-sim", "input": [user], "reasoning": {"effort": "low"}, "max_output_tokens": 40,
+            "include": ["reasoning.encrypted_content"]}
+    first = await http.post(f"{url}/v1/responses", json=body)
+    assert first.status_code == 200, first.text
+    answer = first.json()
+    assert any(i["type"] == "reasoning" and i.get("encrypted_content") for i in answer["output"]), answer
+    more = {"type": "message", "role": "user", "content": "More."}
+    done = {"chained": 0, "resent": 0}
+    for _ in range(8):
+        chained = await http.post(f"{url}/v1/responses", json={
+            "model": "kvtether-sim", "input": [more], "previous_response_id": answer["id"], "max_output_tokens": 5})
+        done["chained"] += chained.status_code == 200
+        resent = await http.post(f"{url}/v1/responses", json={
+            **body, "store": False, "input": [user, *answer["output"], more], "max_output_tokens": 5})
+        done["resent"] += resent.status_code == 200
+    return done
 
 
 def test_serve_refuses_workers_without_a_shared_store(monkeypatch: pytest.MonkeyPatch) -> None:
