@@ -1,4 +1,4 @@
-"""kvtether SDK: session stamping for openai clients, the wire contract, client-side TTFT, recording.
+"""kvtether SDK: session stamping for openai and anthropic clients, the wire contract, client-side TTFT, recording.
 
     from kvtether.sdk import AgentSession, StampedAsyncOpenAI
 
@@ -8,8 +8,12 @@
     ...
     print(session.last_turn.ttft_ms)
 
+Chat completions and Responses calls are stamped alike (so an OpenAI Agents SDK agent given a
+``StampedAsyncOpenAI`` is stamped on every call); ``StampedAsyncAnthropic``/``StampedAnthropic`` (the
+``anthropic`` extra) stamp Anthropic Messages calls.
+
 The names below are imported lazily: the gateway imports ``kvtether.sdk.contract`` and must not
-pay for (or depend on) importing openai.
+pay for (or depend on) importing openai, and the anthropic names need the optional ``anthropic`` package.
 """
 
 from __future__ import annotations
@@ -21,15 +25,19 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "AgentSession": "session",
-    "TurnMetrics": "session",
+    "TurnMetrics": "turns",
     "new_session_id": "session",
     "StampedAsyncOpenAI": "client",
     "StampedOpenAI": "client",
     "wrap_client": "client",
+    "StampedAsyncAnthropic": "anthropic",
+    "StampedAnthropic": "anthropic",
 }
 
 __all__ = [
     "AgentSession",
+    "StampedAnthropic",
+    "StampedAsyncAnthropic",
     "StampedAsyncOpenAI",
     "StampedOpenAI",
     "TurnMetrics",
@@ -39,8 +47,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from .anthropic import StampedAnthropic, StampedAsyncAnthropic
     from .client import StampedAsyncOpenAI, StampedOpenAI, wrap_client
-    from .session import AgentSession, TurnMetrics, new_session_id
+    from .session import AgentSession, new_session_id
+    from .turns import TurnMetrics
 
 
 def __getattr__(name: str) -> Any:

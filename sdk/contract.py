@@ -13,6 +13,25 @@ Prefix hash (version ``v1``)::
 ``canon`` is compact, key-sorted JSON of only the fields a chat template can see. Whitespace and
 JSON inside ``tool_calls[].function.arguments`` are kept verbatim: the server renders what it
 receives, so normalising them would claim a match the engine will not see.
+
+The same chain covers the agents' other APIs (``stamps_for_responses_body``, ``stamps_for_messages_body``), with
+the API's name in the seed so that a Responses or Messages chain never equals a chat chain:
+
+- **OpenAI Responses**: seed ``{"api": "responses", model, tools, rendering}`` (rendering: the chat fields above
+  and ``reasoning.effort``, which vLLM passes to the template). Chain: ``instructions`` (when given) as
+  ``{"type": "instructions", "content": ...}``, then each ``input`` item (a string ``input`` is one user
+  message item). An item is hashed as sent, minus what the server never renders and clients resend
+  inconsistently: item ``id`` and ``status``, content parts' ``annotations`` and ``logprobs``, and ``None``
+  values; a ``{"role", "content"}`` item without ``type`` is a ``"message"``. The turn index counts the model's
+  answers in ``input``: runs of consecutive model items (assistant messages, ``reasoning``, ``*_call``), so a
+  reasoning item + parallel function calls is one answer, as one assistant message is in chat.
+- **Anthropic Messages**: seed ``{"api": "messages", model, tools, rendering}`` (rendering: the chat fields
+  and ``thinking.type``). Chain: ``system`` (when given) as ``{"role": "system", "content": ...}``, then each
+  message's ``role`` and ``content`` (a string as the one text block it stands for). ``cache_control`` is
+  dropped everywhere (clients move the marker to the newest message every turn, and it is never rendered),
+  and so are system blocks that start with ``x-anthropic-billing-header`` (a per-request hash that vLLM
+  strips before rendering). The turn index counts assistant messages, as in chat (consecutive ones, which
+  the API merges, count once).
 """
 
 from __future__ import annotations
@@ -131,13 +150,16 @@ def chain_seed(
     rendering: Mapping[str, Any] | None = None,
     *,
     key: str | bytes | None = None,
+    api: str | None = None,
 ) -> bytes:
     fields = dict(rendering or {})
-    seed_obj = {
+    seed_obj: dict[str, Any] = {
         "model": model or "",
         "tools": [_plain(t) for t in tools] if tools else [],
         "rendering": {k: fields[k] for k in sorted(fields) if fields[k] is not None},
     }
+    if api is not None:  # chat seeds stay as they were: no "api" key
+        seed_obj["api"] = api
     return _b(_key_bytes(key), _SEED_TAG + canonical_json(seed_obj))
 
 
@@ -151,12 +173,16 @@ class Chain:
 
     @classmethod
     def start(cls, model: str | None, tools: Sequence[Any] | None = None,
-              rendering: Mapping[str, Any] | None = None, *, key: str | bytes | None = None) -> Chain:
-        return cls(_key_bytes(key), chain_seed(model, tools, rendering, key=key))
+              rendering: Mapping[str, Any] | None = None, *, key: str | bytes | None = None,
+              api: str | None = None) -> Chain:
+        return cls(_key_bytes(key), chain_seed(model, tools, rendering, key=key, api=api))
 
     def extend(self, message: Any, *, keep_reasoning: bool = True) -> Chain:
-        step = canonical_json(canonical_message(message, keep_reasoning=keep_reasoning))
-        return Chain(self.key, _b(self.key, self.tip + step))
+        return self.extend_canonical(canonical_message(message, keep_reasoning=keep_reasoning))
+
+    def extend_canonical(self, canonical: Any) -> Chain:
+        """One step with an element already in its canonical form (plain JSON data)."""
+        return Chain(self.key, _b(self.key, self.tip + canonical_json(canonical)))
 
     @property
     def id(self) -> str:
@@ -224,6 +250,137 @@ def stamps_for_body(body: Mapping[str, Any], *, key: str | bytes | None = None) 
             parent = ids[i]
             break
     return Stamps(turn=turn_index(messages), prefix=ids[-1] if ids else None, parent=parent)
+
+
+def _stamps_for_chain(
+    steps: Sequence[Any], answers: Sequence[bool], chain: Chain
+) -> Stamps:
+    """Stamps from canonical steps; ``answers[i]`` says whether step i is (part of) a model answer. The turn
+    index is the number of answer runs and the parent is the tip at the end of the last one."""
+    turn, parent, tip = 0, None, None
+    for i, step in enumerate(steps):
+        chain = chain.extend_canonical(step)
+        tip = chain.id
+        if answers[i]:
+            if i == 0 or not answers[i - 1]:
+                turn += 1
+            parent = tip
+    return Stamps(turn=turn, prefix=tip, parent=parent)
+
+
+def _without_none(obj: Mapping[str, Any], drop: Iterable[str] = ()) -> dict[str, Any]:
+    dropped = set(drop)
+    return {k: v for k, v in obj.items() if v is not None and k not in dropped}
+
+
+_RESPONSES_ITEM_DROP = ("id", "status")
+_RESPONSES_PART_DROP = ("annotations", "logprobs")
+
+
+def canonical_response_item(item: Any) -> dict[str, Any]:
+    """A Responses ``input`` item as the prefix hash sees it (see the module docstring)."""
+    plain = _plain(item)
+    if not isinstance(plain, Mapping):
+        raise TypeError(f"expected a Responses input item, got {type(plain).__name__}")
+    out = _without_none(plain, _RESPONSES_ITEM_DROP)
+    if "type" not in out and "role" in out:
+        out["type"] = "message"
+    content = out.get("content")
+    if isinstance(content, list):
+        parts = [_plain(part) for part in content]
+        out["content"] = [_without_none(p, _RESPONSES_PART_DROP) if isinstance(p, Mapping) else p for p in parts]
+    return out
+
+
+def is_model_item(item: Mapping[str, Any]) -> bool:
+    """Whether a Responses item is model output (answer) rather than input the client wrote."""
+    kind = item.get("type")
+    if kind == "message":
+        return item.get("role") == "assistant"
+    return isinstance(kind, str) and (kind == "reasoning" or kind.endswith("_call") or kind.startswith("mcp_list"))
+
+
+def responses_rendering(body: Mapping[str, Any]) -> dict[str, Any]:
+    out = rendering_fields(body)
+    reasoning = _plain(body.get("reasoning"))
+    if isinstance(reasoning, Mapping) and reasoning.get("effort") is not None:
+        out["reasoning_effort"] = reasoning["effort"]
+    return out
+
+
+def stamps_for_responses_body(body: Mapping[str, Any], *, key: str | bytes | None = None) -> Stamps:
+    """Stamps for an OpenAI Responses body (``input``, ``instructions``, ``model``, ``tools`` …)."""
+    raw_input = body.get("input")
+    items: list[Any] = (
+        [{"type": "message", "role": "user", "content": raw_input}] if isinstance(raw_input, str)
+        else list(raw_input or [])
+    )
+    steps: list[Any] = []
+    answers: list[bool] = []
+    if body.get("instructions") is not None:
+        steps.append({"type": "instructions", "content": _plain(body["instructions"])})
+        answers.append(False)
+    for item in items:
+        canon = canonical_response_item(item)
+        steps.append(canon)
+        answers.append(is_model_item(canon))
+    chain = Chain.start(body.get("model"), body.get("tools"), responses_rendering(body), key=key, api="responses")
+    return _stamps_for_chain(steps, answers, chain)
+
+
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
+
+
+def _without_cache_control(block: Any) -> Any:
+    plain = _plain(block)
+    return _without_none(plain, ("cache_control",)) if isinstance(plain, Mapping) else plain
+
+
+def canonical_anthropic_content(content: Any) -> Any:
+    """Message or system content as a list of blocks without ``cache_control`` markers. A string is the API's
+    shorthand for one text block, and clients switch between the two forms (to place a marker, for one)."""
+    content = _plain(content)
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if isinstance(content, list):
+        return [_without_cache_control(block) for block in content]
+    return content
+
+
+def _anthropic_system(system: Any) -> Any:
+    system = canonical_anthropic_content(system)
+    if isinstance(system, list):
+        system = [
+            b for b in system
+            if not (isinstance(b, Mapping) and str(b.get("text", "")).startswith(BILLING_HEADER_PREFIX))
+        ]
+    return system
+
+
+def messages_rendering(body: Mapping[str, Any]) -> dict[str, Any]:
+    out = rendering_fields(body)
+    thinking = _plain(body.get("thinking"))
+    if isinstance(thinking, Mapping) and thinking.get("type") is not None:
+        out["thinking"] = thinking["type"]
+    return out
+
+
+def stamps_for_messages_body(body: Mapping[str, Any], *, key: str | bytes | None = None) -> Stamps:
+    """Stamps for an Anthropic Messages body (``system``, ``messages``, ``model``, ``tools`` …)."""
+    steps: list[Any] = []
+    answers: list[bool] = []
+    if body.get("system") is not None:
+        steps.append({"role": "system", "content": _anthropic_system(body["system"])})
+        answers.append(False)
+    for message in body.get("messages") or []:
+        picked = _pick(message, ("role", "content"))
+        if "content" in picked:
+            picked["content"] = canonical_anthropic_content(picked["content"])
+        steps.append(picked)
+        answers.append(picked.get("role") == "assistant")
+    tools = [_without_cache_control(t) for t in body.get("tools") or []]
+    chain = Chain.start(body.get("model"), tools, messages_rendering(body), key=key, api="messages")
+    return _stamps_for_chain(steps, answers, chain)
 
 
 def session_final_from_headers(headers: Mapping[str, str]) -> bool:

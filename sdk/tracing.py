@@ -1,10 +1,13 @@
-"""Optional OpenTelemetry hook: one CLIENT span per chat call, and ``traceparent`` on the request.
+"""Optional OpenTelemetry hook: one CLIENT span per model call, and ``traceparent`` on the request.
 
 Only ``opentelemetry-api`` is used, and only when it is importable. With no tracer provider
 configured (the API's default proxy/no-op provider) nothing is created and nothing is injected, so
 the cost is one ``isinstance`` per call. Attribute names follow the OTel GenAI conventions (chat
 inference span); kvtether's own fields use the ``kvtether.`` namespace. The session id goes in
 ``gen_ai.conversation.id`` (a caller-meaningful id, as the conventions ask); prefix hashes never do.
+
+It knows turns (``TurnMetrics``) but not sessions: the session passes what the span needs, so the
+session depends on tracing and never the other way round.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .session import AgentSession, TurnMetrics
+    from .turns import TurnMetrics
 
 try:
     from opentelemetry import propagate as _propagate
@@ -27,6 +30,16 @@ except ImportError:  # pragma: no cover - opentelemetry-api is a declared depend
 
 _SCOPE = "kvtether.sdk"
 _tracer_cache: tuple[Any, Any] | None = None  # (provider, tracer): providers rarely change
+
+
+@dataclass(frozen=True, slots=True)
+class SpanContext:
+    """What a span says about the session a call belongs to."""
+
+    conversation_id: str
+    tenant: str | None = None
+    provider: Any = None  # a TracerProvider overriding the global one
+    system: str = "openai"  # gen_ai.provider.name: the client library's vendor
 
 
 @dataclass(slots=True)
@@ -48,18 +61,18 @@ def _tracer(provider: Any) -> Any:
 
 
 def start_span(
-    session: AgentSession, metrics: TurnMetrics, body: Mapping[str, Any], server: tuple[str | None, int | None]
+    where: SpanContext, metrics: TurnMetrics, body: Mapping[str, Any], server: tuple[str | None, int | None]
 ) -> CallSpan | None:
     if not _HAVE_OTEL:
         return None
-    provider = session.tracer_provider or _trace.get_tracer_provider()
+    provider = where.provider or _trace.get_tracer_provider()
     if isinstance(provider, ProxyTracerProvider | NoOpTracerProvider):
         return None
     model = metrics.model or ""
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": "chat",
-        "gen_ai.provider.name": "openai",
-        "gen_ai.conversation.id": session.id,
+        "gen_ai.provider.name": where.system,
+        "gen_ai.conversation.id": where.conversation_id,
         "kvtether.turn.index": metrics.turn,
         "kvtether.call.seq": metrics.seq,
     }
@@ -71,11 +84,14 @@ def start_span(
         attrs["kvtether.prefix"] = metrics.prefix
     if metrics.parent:
         attrs["kvtether.prefix_parent"] = metrics.parent
-    if session.tenant:
-        attrs["kvtether.tenant"] = session.tenant
+    if metrics.api != "chat":
+        attrs["kvtether.api"] = metrics.api
+    if where.tenant:
+        attrs["kvtether.tenant"] = where.tenant
     for field, attr in (
         ("max_tokens", "gen_ai.request.max_tokens"),
         ("max_completion_tokens", "gen_ai.request.max_tokens"),
+        ("max_output_tokens", "gen_ai.request.max_tokens"),
         ("temperature", "gen_ai.request.temperature"),
         ("top_p", "gen_ai.request.top_p"),
         ("seed", "gen_ai.request.seed"),

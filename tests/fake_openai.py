@@ -74,12 +74,17 @@ class FakeOpenAI:
     def chat_requests(self) -> list[Seen]:
         return [s for s in self.seen if s.path.endswith("/chat/completions")]
 
+    def responses_requests(self) -> list[Seen]:
+        return [s for s in self.seen if s.path.endswith("/responses")]
+
     # --- server -------------------------------------------------------------------------------
 
     def app(self) -> Starlette:
         return Starlette(
             routes=[
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/responses", self._responses, methods=["POST"]),
+                Route("/v1/sessions/{session_id}", self._end_session, methods=["DELETE"]),
                 Route("/v1/models", self._models, methods=["GET"]),
             ]
         )
@@ -134,6 +139,136 @@ class FakeOpenAI:
                 _sse(reply, n, model, usage, body), media_type="text/event-stream", headers=rid
             )
         return JSONResponse(_completion(reply, n, model, body), headers=rid)
+
+
+    async def _end_session(self, request: Request) -> Response:
+        """The gateway's DELETE /v1/sessions/{id} (AgentSession.close()): recorded, nothing else."""
+        self.seen.append(Seen({k.lower(): v for k, v in request.headers.items()}, b"", 204, request.url.path))
+        return Response(status_code=204)
+
+    async def _responses(self, request: Request) -> Response:
+        """OpenAI Responses, streamed (the full event sequence) or not, from the same scripted replies."""
+        raw = await request.body()
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        reply = self.replies[0] if self.replies else None
+        if reply is not None and reply.fail_first > 0:
+            reply.fail_first -= 1
+            self.seen.append(Seen(headers, raw, 500, request.url.path))
+            return JSONResponse(
+                {"error": {"message": "scripted failure", "type": "server_error"}},
+                status_code=500,
+                headers={"retry-after-ms": "5", "x-should-retry": "true"},
+            )
+        if reply is not None:
+            self.replies.popleft()
+        self.seen.append(Seen(headers, raw, 200, request.url.path))
+        body = json.loads(raw)
+        reply = reply or _auto_response_reply(body)
+        n = next(self._ids)
+        rid = {"x-request-id": f"req-{n}"}
+        if body.get("stream"):
+            return StreamingResponse(_response_events(reply, n, body), media_type="text/event-stream", headers=rid)
+        return JSONResponse(_response(reply, n, body, "completed"), headers=rid)
+
+
+def _auto_response_reply(body: dict[str, Any]) -> Reply:
+    """Like _auto_reply, for Responses input items: call the first tool after a user turn, then answer."""
+    raw = body.get("input")
+    items = [{"type": "message", "role": "user", "content": raw}] if isinstance(raw, str) else list(raw or [])
+    last = items[-1] if items else {}
+    tools = [t for t in body.get("tools") or [] if t.get("type") == "function"]
+    if tools and last.get("role") == "user":
+        props = (tools[0].get("parameters") or {}).get("properties") or {}
+        args = {k: (1 if v.get("type") in ("integer", "number") else "x") for k, v in props.items()}
+        return Reply(tool_calls=[(tools[0].get("name", "tool"), json.dumps(args))])
+    if last.get("type") == "function_call_output":
+        return Reply(content=f"Done: {last.get('output')}")
+    content = last.get("content")
+    text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content or [])
+    return Reply(content=f"echo {text}")
+
+
+def _response_output(reply: Reply, n: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if reply.reasoning:
+        out.append({"id": f"rs_{n}", "type": "reasoning", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": reply.reasoning}]})
+    if reply.content is not None:
+        out.append({"id": f"msg_{n}", "type": "message", "role": "assistant", "status": "completed",
+                    "content": [{"type": "output_text", "text": reply.content, "annotations": [], "logprobs": []}]})
+    for i, (name, args) in enumerate(reply.tool_calls or []):
+        out.append({"id": f"fc_{n}_{i}", "type": "function_call", "call_id": f"call_{n}_{i}", "name": name,
+                    "arguments": args, "status": "completed"})
+    return out
+
+
+def _response(reply: Reply, n: int, body: dict[str, Any], status: str) -> dict[str, Any]:
+    done = status != "in_progress"
+    prompt = len(json.dumps(body.get("input"))) // 4
+    out = len((reply.content or "").split()) + len(reply.tool_calls or []) * 8
+    return {
+        "id": f"resp_{n}",
+        "object": "response",
+        "created_at": 1_700_000_000,
+        "model": body.get("model", "fake-model"),
+        "status": status,
+        "output": _response_output(reply, n) if done else [],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": body.get("tools") or [],
+        "usage": {"input_tokens": prompt, "output_tokens": out, "total_tokens": prompt + out,
+                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+        if done else None,
+    }
+
+
+def _item_started(item: dict[str, Any]) -> dict[str, Any]:
+    """An output item as ``response.output_item.added`` announces it: no content yet."""
+    if item["type"] == "message":
+        return {**item, "status": "in_progress", "content": []}
+    if item["type"] == "function_call":
+        return {**item, "status": "in_progress", "arguments": ""}
+    return item
+
+
+async def _response_events(reply: Reply, n: int, body: dict[str, Any]) -> AsyncIterator[bytes]:
+    seq = itertools.count()
+
+    def event(kind: str, **fields: Any) -> bytes:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(seq), **fields})}\n\n".encode()
+
+    yield event("response.created", response=_response(reply, n, body, "in_progress"))
+    yield event("response.in_progress", response=_response(reply, n, body, "in_progress"))
+    if reply.first_token_delay_s:
+        await asyncio.sleep(reply.first_token_delay_s)
+    for index, item in enumerate(_response_output(reply, n)):
+        yield event("response.output_item.added", output_index=index, item=_item_started(item))
+        if item["type"] == "reasoning":
+            for word in (reply.reasoning or "").split():
+                yield event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                            content_index=0, delta=word + " ")
+        elif item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            yield event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                        part=part)
+            words = (reply.content or "").split(" ")
+            for i, word in enumerate(words):
+                yield event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
+                            delta=word if i == 0 else " " + word, logprobs=[])
+                await asyncio.sleep(0)
+            yield event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                        text=reply.content, logprobs=[])
+            yield event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                        part={**part, "text": reply.content})
+        else:
+            args = item["arguments"]
+            for j in range(0, len(args), 5):
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=args[j : j + 5])
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        arguments=args, name=item["name"])
+        yield event("response.output_item.done", output_index=index, item=item)
+    yield event("response.completed", response=_response(reply, n, body, "completed"))
 
 
 def _auto_reply(body: dict[str, Any]) -> Reply:
