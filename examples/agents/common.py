@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kvtether.gateway import telemetry as T
 from kvtether.gateway.app import create_app
 from kvtether.gateway.cluster import sample_sum
 from kvtether.gateway.config import load_config
 from kvtether.gateway.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
+from opentelemetry import trace
 
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "agents"
 SOURCES = ("decode_pull", "decode_local", "prefill_cache", "none")
@@ -42,14 +44,17 @@ def npm_install(package: str, binary: str) -> Path:
 
 @contextlib.asynccontextmanager
 async def simulated_gateway(speed: float, *, learn_estimates: bool = True,
+                            tracer_provider: trace.TracerProvider | None = None,
                             ) -> AsyncIterator[tuple[str, httpx.AsyncClient]]:
     """A gateway (policy auto) on a simulated 1P 1D cluster; its URL and a client. ``learn_estimates=False``: the
-    cost policy decides from its seeds alone, so a busy machine's timings do not change which turns reuse."""
+    cost policy decides from its seeds alone, so a busy machine's timings do not change which turns reuse.
+    ``tracer_provider``: where the gateway's spans go (``traced_turns`` reads the turns back from them)."""
     spec = ClusterSpec(prefill=1, decode=1, speed=speed, prefill_prefix_caching=False)
     async with SimCluster(spec) as cluster:
         cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
                           metrics_poll_interval_s=0.5, learn_estimates=learn_estimates)
-        async with serve_gateway(cfg, app=create_app(cfg)) as url, httpx.AsyncClient(timeout=30) as client:
+        app = create_app(cfg, tracer_provider=tracer_provider)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=30) as client:
             yield url, client
 
 
@@ -62,6 +67,30 @@ async def gateway_summary(client: httpx.AsyncClient, url: str, route: str) -> di
         "reused_tokens": sample_sum(text, "kvtether_reused_tokens_total"),
         "requests": sample_sum(text, "kvtether_requests_total", route=route),
     }
+
+
+def traced_turns(exporter: Any, path: str) -> list[dict[str, Any]]:
+    """The gateway's turns on `path` in the order they arrived, from its request spans (an
+    ``InMemorySpanExporter`` of ``telemetry.in_memory_provider``): the session id the client named (None when the
+    gateway made one up or found it by the history's hash), how the gateway found the session, where the turn's
+    KV came from and how many of its prompt tokens that KV covered. The metrics have the totals only."""
+    spans = [s for s in exporter.get_finished_spans()
+             if s.kind == trace.SpanKind.SERVER and (s.attributes or {}).get(T.HTTP_ROUTE) == path]
+    turns = []
+    for s in sorted(spans, key=lambda s: s.start_time or 0):
+        a = s.attributes or {}
+        turns.append({"session": a.get(T.GEN_AI_CONVERSATION_ID), "session_source": a.get(T.ATTR_SESSION_SOURCE),
+                      "reuse_source": a.get(T.ATTR_REUSE_SOURCE), "reused_tokens": a.get(T.ATTR_REUSE_TOKENS),
+                      "plan": a.get(T.ATTR_PLAN_ACTION)})
+    return turns
+
+
+def print_turns(turns: list[dict[str, Any]]) -> None:
+    """``traced_turns`` as a table: one line a turn."""
+    print(f"{'turn':>4}  {'session (as the gateway saw it)':<44} {'found by':<8} {'reuse source':<13} {'reused':>7}")
+    for i, t in enumerate(turns, 1):
+        print(f"{i:>4}  {t['session'] or '-':<44} {t['session_source'] or '-':<8} {t['reuse_source'] or '-':<13} "
+              f"{t['reused_tokens'] if t['reused_tokens'] is not None else '-':>7}")
 
 
 def agent_env(environ: dict[str, str], home: Path, drop: tuple[str, ...], **extra: str) -> dict[str, str]:
