@@ -9,8 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import sys
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -19,13 +18,19 @@ import typer
 from kvtether.cli.importers import FORMATS, ImportFormatError, import_file
 from kvtether.cli.options import FLAG, kvtether_version
 from kvtether.cli.replay import (
+    DEFAULT_HISTORY,
+    DEFAULT_PREFILL_PREFIX_CACHING,
+    HISTORY_MODES,
+    HISTORY_NOTES,
     ReplayOptions,
     ReplayRun,
+    SimTarget,
     TurnResult,
     Unreachable,
     check_reachable,
     new_session_suffix,
     parse_think_time,
+    replay_sim,
     run_replay,
 )
 from kvtether.cli.report import (
@@ -39,7 +44,7 @@ from kvtether.cli.report import (
     render_slos,
     summarize_run,
 )
-from kvtether.sdk.sessionfile import SessionFileError, SessionRecord, read_sessions
+from kvtether.sdk.sessionfile import History, SessionFileError, SessionRecord, read_sessions
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -64,23 +69,24 @@ def load_sessions(path: Path, fmt: str, model: str | None) -> list[SessionRecord
     return import_file(path, fmt, model=model or "default")
 
 
-@asynccontextmanager
-async def sim_gateway(
-    preset: str, policy: str, prefill: int, decode: int, speed: float
-) -> AsyncIterator[tuple[str, str]]:
-    """A fresh simulated cluster and an in-process gateway in front of it; yields (gateway URL, model name)."""
-    # Imported here: the replay against --gateway must not pay for (or depend on) the simulator.
-    from kvtether.gateway.config import GatewayConfig
-    from kvtether.gateway.server import serve_gateway
-    from kvtether.sim.cluster import ClusterSpec, SimCluster
+def _share(part: float, whole: float) -> str:
+    return f"{part / whole:.0%}" if whole else "–"
 
-    spec = ClusterSpec(prefill=prefill, decode=decode, preset=preset, speed=speed)
-    async with SimCluster(spec) as cluster:
-        config = GatewayConfig(
-            prefill=list(cluster.prefill_urls), decode=list(cluster.decode_urls), policy=policy
-        )
-        async with serve_gateway(config) as url:
-            yield str(url), spec.model_name
+
+def render_counters(console: Console, label: str, counters: dict[str, Any]) -> None:
+    """One line per simulated run: what became of the handles, and where P's prompt tokens came from."""
+    outcomes = counters["handle_outcomes"]
+    handles = ", ".join(f"{k} {v}" for k, v in outcomes.items()) or "none"
+    p = counters["prompt_tokens_by_source"].get("prefill", {})
+    total = sum(p.values())
+    computed, cached, pulled = (p.get(k, 0) for k in ("local_compute", "local_cache_hit", "external_kv_transfer"))
+    console.print(
+        f"  [bold]{escape(label)}[/] cluster: handles: {escape(handles)}; prefill prompt tokens {total:,}: "
+        f"computed {_share(computed, total)}, from P's prefix cache {_share(cached, total)}, "
+        f"pulled from D {_share(pulled, total)}",
+        soft_wrap=True,
+        highlight=False,
+    )
 
 
 def _split_args(args: list[str]) -> tuple[list[str], list[str]]:
@@ -134,7 +140,17 @@ def register(app: typer.Typer) -> None:
         ),
         max_think_ms: float | None = typer.Option(None, "--max-think-ms", min=0, help="Cap on one think time."),
         history: str = typer.Option(
-            "recorded", "--history", help="recorded: resend recorded answers; live: thread the answers received."
+            DEFAULT_HISTORY,
+            "--history",
+            help="live: each turn resends the answers received in this replay, as the agent would; recorded: the "
+            "file's answers (identical prompts across runs, e.g. to replay the cluster that recorded them).",
+        ),
+        prefill_prefix_caching: bool = typer.Option(
+            DEFAULT_PREFILL_PREFIX_CACHING,
+            "--prefill-prefix-caching/--no-prefill-prefix-caching",
+            metavar=FLAG,
+            help="--sim: prefix caching on the prefill nodes (default off, as in vLLM's P/D benchmarks: a P shared "
+            "by a whole cluster's sessions rarely still holds one's history).",
         ),
         model: str | None = typer.Option(None, "--model", help="Override the sessions' model name."),
         limit: int | None = typer.Option(None, "--limit", min=1, help="Replay only the first N sessions."),
@@ -169,8 +185,8 @@ def register(app: typer.Typer) -> None:
             _fail(err, EXIT_USAGE, "--compare needs --sim: an external gateway runs one policy, fixed at its start")
         if policy not in KNOWN_POLICIES:
             _fail(err, EXIT_USAGE, f"unknown policy {policy!r}; known: {', '.join(KNOWN_POLICIES)}")
-        if history not in ("recorded", "live"):
-            _fail(err, EXIT_USAGE, f"--history must be recorded or live, not {history!r}")
+        if history not in HISTORY_MODES:
+            _fail(err, EXIT_USAGE, f"--history must be live or recorded, not {history!r}")
         if input_format not in ("session", *FORMATS):
             _fail(err, EXIT_USAGE, f"--format must be one of session, {', '.join(FORMATS)}")
         try:
@@ -201,10 +217,18 @@ def register(app: typer.Typer) -> None:
         run_policies = (policies or list(DEFAULT_COMPARE)) if compare else [policy]
         time_scale = speed if sim is not None else 1.0
         time_note = f"simulated time = real × {speed:g}" if sim is not None else "real time"
+        history_mode: History = "live" if history == "live" else "recorded"
+        target = (
+            SimTarget(
+                preset=sim, prefill=prefill, decode=decode, speed=speed, prefill_prefix_caching=prefill_prefix_caching
+            )
+            if sim is not None
+            else None
+        )
         opts = ReplayOptions(
             concurrency=concurrency,
             think_time=think,
-            history="live" if history == "live" else "recorded",
+            history=history_mode,
             max_think_ms=max_think_ms,
             timeout_s=timeout,
             model=model,
@@ -212,6 +236,21 @@ def register(app: typer.Typer) -> None:
         )
         n_turns = sum(len(s.turns) for s in sessions)
         show_progress = progress and not quiet and err.is_terminal
+        announced = quiet
+
+        def announce() -> None:
+            """Said before the first run (once the gateway answers): both change the numbers more than any policy."""
+            nonlocal announced
+            if announced:
+                return
+            announced = True
+            err.print(
+                f"replaying {len(sessions)} sessions, {n_turns} turns, on "
+                + (target.describe() if target is not None else f"the gateway at {gateway}"),
+                highlight=False,
+                soft_wrap=True,
+            )
+            err.print(f"history: {HISTORY_NOTES[history_mode]}", highlight=False, soft_wrap=True)
 
         async def run_all() -> list[tuple[str, ReplayRun]]:
             out: list[tuple[str, ReplayRun]] = []
@@ -241,12 +280,11 @@ def register(app: typer.Typer) -> None:
         async def _run_one(label: str, tick: Callable[[TurnResult], None]) -> ReplayRun:
             if gateway is not None:
                 await check_reachable(gateway)
+                announce()
                 return await run_replay(sessions, gateway, opts, tick)
-            assert sim is not None
-            async with sim_gateway(sim, label, prefill, decode, speed) as (url, sim_model):
-                # The simulator serves one model name; a file recorded elsewhere names another.
-                opts.model = model or sim_model
-                return await run_replay(sessions, url, opts, tick)
+            assert target is not None
+            announce()
+            return await replay_sim(sessions, target, label, opts, tick)
 
         started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         try:
@@ -269,6 +307,12 @@ def register(app: typer.Typer) -> None:
                 render_run(err, summaries[0], time_note)
             else:
                 render_compare(err, summaries, time_note)
+            for label, run in runs:
+                if run.counters is not None:
+                    render_counters(err, label, run.counters)
+            err.print(f"history: {HISTORY_NOTES[history_mode]}", highlight=False, soft_wrap=True)
+            if target is not None:
+                err.print(f"cluster: {target.describe()}", highlight=False, soft_wrap=True)
             for label, checks in slo_checks.items():
                 render_slos(err, label, checks)
         if failed_runs:
@@ -279,11 +323,7 @@ def register(app: typer.Typer) -> None:
             err.print("[red]SLO missed[/]")
 
         if as_json:
-            target: dict[str, Any] = (
-                {"kind": "gateway", "url": gateway}
-                if gateway is not None
-                else {"kind": "sim", "preset": sim, "prefill": prefill, "decode": decode, "speed": speed}
-            )
+            target_doc: dict[str, Any] = target.to_json() if target is not None else {"kind": "gateway", "url": gateway}
             doc = {
                 "schema": f"kvtether.replay/{SCHEMA_VERSION}",
                 "kvtether_version": kvtether_version(),
@@ -292,13 +332,13 @@ def register(app: typer.Typer) -> None:
                 "file": str(path),
                 "sessions": len(sessions),
                 "turns": n_turns,
-                "target": target,
+                "target": target_doc,
                 "time": time_note,
                 "options": {
                     "concurrency": concurrency,
                     "think_time": str(think),
                     "max_think_ms": max_think_ms,
-                    "history": history,
+                    "history": history_mode,
                     "model": model,
                     "timeout_s": timeout,
                     "max_error_rate": max_error_rate,
@@ -309,6 +349,7 @@ def register(app: typer.Typer) -> None:
                     {
                         **s,
                         "policy": label if sim is not None else None,
+                        **({"cluster": run.counters} if run.counters is not None else {}),
                         "turn_results": [r.to_json() for r in run.results],
                     }
                     for s, (label, run) in zip(summaries, runs, strict=True)

@@ -28,11 +28,11 @@ EXIT_FAILED, EXIT_USAGE = 1, 2
 def _table(cluster: SimCluster) -> Table:
     spec = cluster.spec
     table = Table(title=f"kvtether sim — preset {spec.preset}, speed ×{spec.speed:g}, vLLM {spec.emulate}")
-    for col in ("role", "url", "engine id", "bidirectional", "tool calls"):
+    for col in ("role", "url", "engine id", "bidirectional", "prefix cache", "tool calls"):
         table.add_column(col)
     for node in cluster.nodes:
         table.add_row(node.cfg.role, node.url, node.cfg.engine_id[:8], "on" if node.cfg.bidirectional else "off",
-                      node.tool_format)
+                      "on" if node.cfg.enable_prefix_caching else "off", node.tool_format)
     return table
 
 
@@ -80,8 +80,8 @@ def register(app: typer.Typer) -> None:
             True,
             "--prefill-prefix-caching/--no-prefill-prefix-caching",
             metavar=FLAG,
-            help="Prefix caching on the prefill nodes; off is vLLM's --no-enable-prefix-caching, as in vLLM's P/D "
-            "runs.",
+            help="Prefix caching on the prefill nodes (default on, vLLM's default); off is vLLM's "
+            "--no-enable-prefix-caching, as in vLLM's P/D runs. Shown in the nodes' table.",
         ),
         side_channel_host: str = typer.Option("localhost", "--side-channel-host", help="remote_host advertised."),
         tool_call_parser: str | None = typer.Option(

@@ -179,16 +179,16 @@ def test_replay_json_result(fake: tuple[FakeOpenAI, str], session_file: Path) ->
 def test_recorded_vs_live_history(fake: tuple[FakeOpenAI, str], session_file: Path) -> None:
     server, url = fake
     app = make_app()
-    r = runner.invoke(
-        app, ["replay", str(session_file), "--gateway", url, "--history", "live", "--limit", "1", "--keep-session-ids"]
-    )
+    # Live history is the default against a gateway too.
+    r = runner.invoke(app, ["replay", str(session_file), "--gateway", url, "--limit", "1", "--keep-session-ids"])
     assert r.exit_code == 0, r.stderr
+    assert "history: live" in r.stderr
     last = next(q for q in server.requests if q["headers"][TURN_HEADER] == "3")["body"]["messages"]
     answers = [m["content"] for m in last if m["role"] == "assistant"]
     assert answers == ["w0_0 w0_1 w0_2 ", "w1_0 w1_1 w1_2 ", "w2_0 w2_1 w2_2 "]  # what the server streamed
     assert [q["headers"][SESSION_HEADER] for q in server.requests] == ["gen-0-0000"] * 4
     server.requests.clear()
-    r = runner.invoke(app, ["replay", str(session_file), "--gateway", url, "--limit", "1"])
+    r = runner.invoke(app, ["replay", str(session_file), "--gateway", url, "--limit", "1", "--history", "recorded"])
     assert r.exit_code == 0, r.stderr
     last = next(q for q in server.requests if q["headers"][TURN_HEADER] == "3")["body"]["messages"]
     assert not any(str(m.get("content")).startswith("w0_0") for m in last)  # recorded answers instead
@@ -350,7 +350,8 @@ def test_replay_imports_vllm_on_the_fly(fake: tuple[FakeOpenAI, str], tmp_path: 
     convs = [{"id": "c1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                                        {"role": "user", "content": "more"}]}]
     src.write_text(json.dumps(convs))
-    r = runner.invoke(make_app(), ["replay", str(src), "--format", "vllm", "--gateway", url, "--model", "fake"])
+    argv = ["replay", str(src), "--format", "vllm", "--gateway", url, "--model", "fake", "--history", "recorded"]
+    r = runner.invoke(make_app(), argv)
     assert r.exit_code == 0, r.stderr
     assert [q["body"]["messages"] for q in server.requests][1] == [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]
