@@ -49,6 +49,7 @@ app = typer.Typer(
 # Filled in as the command modules land; every name here must import.
 _COMMAND_MODULES: tuple[str, ...] = (
     "cmd_serve", "cmd_sim", "cmd_replay", "cmd_sessions", "cmd_gen", "cmd_up", "cmd_demo",
+    "assess_cmd",
 )
 
 for _name in _COMMAND_MODULES:
@@ -69,4 +70,4 @@ def _root(
     version: bool = typer.Option(False, "--version", metavar=FLAG, is_eager=True, callback=_print_version,
                                  help="Print kvtether's version and exit."),
 ) -> None:
-    """kvtether: sim, serve, demo, replay, up, sessions."""
+    """kvtether: sim, serve, demo, replay, assess, up, sessions."""
