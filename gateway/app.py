@@ -211,6 +211,13 @@ async def response_input_items(request: Request) -> Response:
         return err.response()
 
 
+async def responses_websocket(request: Request) -> Response:
+    """GET /v1/responses: Codex's WebSocket transport (an upgrade request). The gateway serves Responses over
+    HTTP only; 426 is the answer that makes Codex fall back to HTTP at once (other statuses make it retry)."""
+    return GatewayError(426, "the Responses API is served over HTTP (POST /v1/responses), not WebSocket",
+                        code="upgrade_not_supported").response()
+
+
 async def cancel_response(request: Request) -> Response:
     """Only background responses can be cancelled, and the gateway serves none."""
     return GatewayError(400, "only background responses can be cancelled; the gateway does not serve background "
@@ -362,6 +369,7 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
             Route("/admin/sessions", admin_sessions, methods=["GET"]),
             Route("/v1/sessions/{session_id:path}", end_session, methods=["DELETE"]),
             Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+            Route(RESPONSES_PATH, responses_websocket, methods=["GET"]),
             Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
             Route("/v1/responses/{response_id}/input_items", response_input_items, methods=["GET"]),
             Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),

@@ -31,6 +31,9 @@ def _installed(module: str) -> bool:
 # both), with the pure-Python ones where they are missing (uvloop has no Windows build).
 LOOP = "uvloop" if _installed("uvloop") else "asyncio"
 HTTP = "httptools" if _installed("httptools") else "h11"
+# The gateway serves no WebSocket: an upgrade request (Codex's Responses transport) is answered as plain HTTP,
+# where GET /v1/responses says 426 and the client falls back to HTTP at once.
+WS = "none"
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -56,7 +59,7 @@ async def serve_gateway(config: GatewayConfig, *, store: SessionStore | None = N
     sock.bind((config.host, 0))
     port = sock.getsockname()[1]
     # The caller's event loop runs it (so no `loop`); the HTTP parser is uvicorn's own choice.
-    server = _EmbeddedServer(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, http=HTTP,
+    server = _EmbeddedServer(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, http=HTTP, ws=WS,
                                             timeout_graceful_shutdown=2,
                                             timeout_keep_alive=int(config.client_keepalive_s)))
     async with anyio.create_task_group() as tg:
@@ -85,7 +88,8 @@ def run_gateway(config: GatewayConfig, log_level: str = "info", *, workers: int 
     refuses the memory store with several workers.
     """
     common: dict[str, Any] = {"host": config.host, "port": config.port, "log_level": log_level, "access_log": False,
-                              "timeout_keep_alive": int(config.client_keepalive_s), "loop": LOOP, "http": HTTP}
+                              "timeout_keep_alive": int(config.client_keepalive_s), "loop": LOOP, "http": HTTP,
+                              "ws": WS}
     quiet_upstream_client(log_level)
     if workers <= 1:
         uvicorn.run(create_app(config), **common)

@@ -262,6 +262,11 @@ async def test_errors_come_in_openais_shape_and_tenants_do_not_share_state() -> 
         assert not_json.status_code == 400 and "error" in not_json.json()
         cancel = await r.client.post(f"{r.url}/v1/responses/{got['id']}/cancel", headers=a)
         assert cancel.status_code == 400
+        # Codex's WebSocket transport: 426 sends it to HTTP at once.
+        upgrade = await r.client.get(f"{r.url}/v1/responses", headers={
+            **a, "connection": "Upgrade", "upgrade": "websocket", "sec-websocket-version": "13",
+            "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ=="})
+        assert upgrade.status_code == 426 and "HTTP" in upgrade.json()["error"]["message"]
         assert await metric(r.client, r.url, "kvtether_requests_total", route="responses", status="4xx") >= 10
         # Nothing any refusal touched became a session.
         assert len((await r.client.get(f"{r.url}/admin/sessions", headers=a)).json()) <= 1
