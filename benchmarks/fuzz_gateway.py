@@ -26,9 +26,9 @@ import time
 from typing import Any
 
 import httpx
-from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 
 MODEL = "kvtether-sim"

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from placement_policies import calibrated_seeds  # benchmarks/ is on sys.path when run as a script
 

@@ -33,7 +33,7 @@ _ids = itertools.count()
 
 class Backend:
     def __init__(self, tokenizer: Any = None) -> None:
-        self.tokenizer = tokenizer  # kvtether.gateway.tokenizer.LocalTokenizer, or None
+        self.tokenizer = tokenizer  # kvtether.gateway.guard.tokenizer.LocalTokenizer, or None
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -73,7 +73,7 @@ class Backend:
         """The prompt's ids: of a /tokenize body, or of a completion request (rendered as /tokenize would)."""
         if self.tokenizer is None:
             return list(range(100, 116))
-        from kvtether.gateway.body import tokenize_body
+        from kvtether.gateway.turn.body import tokenize_body
 
         payload = req if tokenize else tokenize_body("chat" if "messages" in req else "completions", req)
         return list(await self.tokenizer.encode(payload or {}))
@@ -274,7 +274,7 @@ def main() -> None:
         return
     tokenizer = None
     if args.tokenizer:
-        from kvtether.gateway.tokenizer import LocalTokenizer
+        from kvtether.gateway.guard.tokenizer import LocalTokenizer
 
         tokenizer = LocalTokenizer.load(args.tokenizer)
 

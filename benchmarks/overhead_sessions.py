@@ -67,7 +67,7 @@ class Histories:
     """Sessions of TURNS turns each, one after another; every session has its own document."""
 
     def __init__(self, tokenizer_dir: Path) -> None:
-        from kvtether.gateway.tokenizer import LocalTokenizer
+        from kvtether.gateway.guard.tokenizer import LocalTokenizer
 
         self.text = corpus()
         local = LocalTokenizer.load(str(tokenizer_dir))

@@ -16,9 +16,9 @@ import statistics
 from typing import Any
 
 import httpx
-from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 
 PRESET, SPEED = "glm-5-fp8-h200-tp8", 0.25

@@ -54,10 +54,10 @@ from typing import Any
 
 import httpx
 from kvtether.cli.generate import WORDS, parse_mix
-from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import TUNING_FIELDS, PolicyKnobs
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from kvtether.sim.presets import get_preset
 from kvtether.sim.template import TOOL_FORMATS
@@ -708,7 +708,7 @@ def main() -> None:
     if args.plan_log:
         handler = logging.FileHandler(args.plan_log)
         handler.setFormatter(logging.Formatter("%(message)s"))
-        plan_log = logging.getLogger("kvtether.gateway.orchestrator")
+        plan_log = logging.getLogger("kvtether.gateway.turn.orchestrator")
         plan_log.setLevel(logging.DEBUG)
         plan_log.addHandler(handler)
     presets = ["glm-5-fp8-h200-tp8", "qwen3-32b-h200-tp8"] if args.preset == "both" else [args.preset]

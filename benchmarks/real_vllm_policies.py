@@ -52,10 +52,10 @@ import httpx
 from kvtether.cli.cluster_spec import ClusterOptions
 from kvtether.cli.cmd_up import running_cluster
 from kvtether.cli.launcher import gateway_session_ttl, plan_cluster
-from kvtether.gateway.app import create_app
-from kvtether.gateway.cluster import sample_sum
 from kvtether.gateway.config import load_config
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.nodes.cluster import sample_sum
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("no-pull", "reference", "pull", "auto")
@@ -285,7 +285,7 @@ def main() -> None:
     args = ap.parse_args()
     lo, _, hi = args.suffix.partition("-")
     args.suffix = (int(lo), int(hi or lo))
-    gw_log = logging.getLogger("kvtether.gateway.orchestrator")
+    gw_log = logging.getLogger("kvtether.gateway.turn.orchestrator")
     gw_log.setLevel(logging.DEBUG)
     gw_log.addHandler(REASONS)
     t0 = time.perf_counter()

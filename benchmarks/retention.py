@@ -76,11 +76,11 @@ from typing import Any
 
 import httpx
 from kvtether.cli.generate import parse_mix
-from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import PolicyKnobs
 from kvtether.gateway.policy.retention import IDLE_MIN_S, RELEASE_REASONS
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
 from kvtether.gateway.telemetry import HANDLE_OUTCOMES, RELEASE_FAILURES
 from kvtether.sdk.contract import FINAL_HEADER
 from kvtether.sim.cluster import ClusterSpec, SimCluster

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import httpx
 import redis.asyncio as aioredis
-from kvtether.gateway.guard import HeldSequence
-from kvtether.gateway.sessions import SessionState, SessionStore
+from kvtether.gateway.guard.verify import HeldSequence
 from kvtether.gateway.stores import FailSafeStore, MemorySessionStore
 from kvtether.gateway.stores.redis import RedisSessionStore, connect
+from kvtether.gateway.stores.sessions import SessionState, SessionStore
 
 CLI = [sys.executable, "-c", "from kvtether.cli.main import app; app()"]
 

@@ -103,7 +103,7 @@ async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_e
                          ) -> AsyncIterator[tuple[str, str]]:
     """A fresh simulated cluster for `option` and an in-process gateway in front; yields (URL, model name)."""
     from kvtether.gateway.config import load_config
-    from kvtether.gateway.server import serve_gateway
+    from kvtether.gateway.shell.server import serve_gateway
     from kvtether.sim.cluster import ClusterSpec, SimCluster
 
     preset = register_preset(shape)

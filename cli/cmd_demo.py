@@ -113,9 +113,9 @@ class DemoRun:
 async def demo_gateway(policy: str, speed: float, preset: str, tracer_provider: Any = None,
                        prefill_cache: bool = False) -> AsyncIterator[str]:
     """A fresh simulated 1P+2D cluster and an in-process gateway; yields the gateway URL."""
-    from kvtether.gateway.app import create_app
     from kvtether.gateway.config import GatewayConfig
-    from kvtether.gateway.server import serve_gateway
+    from kvtether.gateway.shell.app import create_app
+    from kvtether.gateway.shell.server import serve_gateway
     from kvtether.sim.cluster import ClusterSpec, SimCluster
 
     spec = ClusterSpec(prefill=1, decode=2, preset=preset, speed=speed, decoder_kv_blocks_ttl=ENGINE_KV_TTL_SIM_S,

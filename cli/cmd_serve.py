@@ -90,7 +90,7 @@ def run_gateway_until_stopped(cfg: GatewayConfig, *, log_level: str, workers: in
 
     try:
         with stop_signals_interrupt():
-            from kvtether.gateway.server import run_gateway  # the app's imports take a while: stoppable too
+            from kvtether.gateway.shell.server import run_gateway  # the app's imports take a while: stoppable too
 
             run_gateway(cfg, log_level=log_level, workers=workers)
     except KeyboardInterrupt:

@@ -36,7 +36,7 @@ from kvtether.sdk.contract import SESSION_HEADER, canonical_json, canonical_mess
 from kvtether.sdk.sessionfile import History, SessionRecord, TurnRecord
 
 if TYPE_CHECKING:
-    from kvtether.gateway.app import GatewayApp
+    from kvtether.gateway.shell.app import GatewayApp
     from kvtether.sim.cluster import SimCluster
 
 # Request fields the engine owns; a recorded value would break streaming or the measurement.
@@ -643,9 +643,9 @@ class SimGateway:
 async def sim_gateway(target: SimTarget, policy: str) -> AsyncIterator[SimGateway]:
     """A fresh simulated cluster and an in-process gateway (with `policy`) in front of it."""
     # Imported here: a replay against a running gateway must not pay for (or depend on) the simulator.
-    from kvtether.gateway.app import create_app
     from kvtether.gateway.config import GatewayConfig
-    from kvtether.gateway.server import serve_gateway
+    from kvtether.gateway.shell.app import create_app
+    from kvtether.gateway.shell.server import serve_gateway
     from kvtether.sim.cluster import ClusterSpec, SimCluster
 
     spec = ClusterSpec(

@@ -37,9 +37,9 @@ def test_colocated_wins_a_coding_agent_on_a_slow_link(tmp_path: Path) -> None:
 
 @pytest.mark.anyio
 async def test_assess_reads_a_running_gateway(tmp_path: Path) -> None:
-    from kvtether.gateway.app import create_app
     from kvtether.gateway.config import load_config
-    from kvtether.gateway.server import serve_gateway
+    from kvtether.gateway.shell.app import create_app
+    from kvtether.gateway.shell.server import serve_gateway
     from kvtether.sim.cluster import ClusterSpec, SimCluster
 
     sessions = read_sessions(SMALL)[:2]

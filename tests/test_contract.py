@@ -10,7 +10,7 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvtether.gateway import body as B
+from kvtether.gateway.turn import body as B
 from kvtether.sdk import contract
 
 MESSAGES: list[dict[str, Any]] = [

@@ -35,9 +35,9 @@ import pytest
 import yaml
 from gateway_agent import chat, first_messages, next_messages, request_body
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
 from kvtether.sdk.contract import FINAL_HEADER
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from redis_server import free_port, running_redis, server_binary

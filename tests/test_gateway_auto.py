@@ -13,11 +13,11 @@ import anyio
 import httpx
 import pytest
 from gateway_agent import chat, comparable, first_messages, next_messages, request_body, tool_result
-from kvtether.gateway import orchestrator as orchestrator_room
-from kvtether.gateway import remember as remember_room
-from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
+from kvtether.gateway.turn import orchestrator as orchestrator_room
+from kvtether.gateway.turn import remember as remember_room
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from test_gateway_sim import LIMITS, SPEED, Rig, metric, p2p_tokens, rig
 from upstream_hooks import on_send
@@ -481,7 +481,7 @@ async def test_clients_that_leave_mid_answer_free_their_decode_slots() -> None:
     import json
 
     import anyio
-    from kvtether.gateway.body import has_first_token
+    from kvtether.gateway.turn.body import has_first_token
 
     spec = ClusterSpec(prefill=1, decode=1, speed=1.0, kv_recompute_threshold=4, kv_lease_duration=3600.0)
     async with SimCluster(spec) as cluster:

@@ -6,9 +6,8 @@ import itertools
 from pathlib import Path
 
 import pytest
-from kvtether.gateway import body as B
 from kvtether.gateway.config import ConfigError, GatewayConfig, load_config
-from kvtether.gateway.guard import HeldSequence, is_exact_extension, truncate_handle, verified_reuse
+from kvtether.gateway.guard.verify import HeldSequence, is_exact_extension, truncate_handle, verified_reuse
 from kvtether.gateway.policy import PolicyKnobs
 from kvtether.gateway.policy.placement import (
     ClusterView,
@@ -20,8 +19,9 @@ from kvtether.gateway.policy.placement import (
     plan,
     plan_aggregated,
 )
-from kvtether.gateway.sessions import SessionState
 from kvtether.gateway.stores import MemorySessionStore
+from kvtether.gateway.stores.sessions import SessionState
+from kvtether.gateway.turn import body as B
 
 # ---- guard ----------------------------------------------------------------------------------
 
@@ -287,7 +287,7 @@ def test_config_load_and_validate(tmp_path: Path) -> None:
 def test_tuning_overrides_reach_the_cost_model_and_are_checked(tmp_path: Path) -> None:
     """The cost model's constants are not settings, but [gateway.tuning] overrides them for experiments: the
     values reach PolicyKnobs and the estimator; unknown names and wrong types are refused by name."""
-    from kvtether.gateway.orchestrator import learning_params, policy_knobs
+    from kvtether.gateway.turn.orchestrator import learning_params, policy_knobs
 
     f = tmp_path / "gw.toml"
     f.write_text('[gateway]\nprefill = ["http://p:1"]\ndecode = ["http://d:1"]\nmax_local_suffix_tokens = 512\n'
@@ -384,7 +384,7 @@ def test_tokenize_body_and_literal_ids() -> None:
 
 
 def test_a_turns_sequence_is_built_once_and_its_slices_hold_what_lists_would() -> None:
-    from kvtether.gateway.turn import LegResult
+    from kvtether.gateway.turn.context import LegResult
 
     prompt, output = list(range(100, 140)), [7, 8, 9]
     result = LegResult(prompt_ids=prompt, output_ids=output)
@@ -397,7 +397,7 @@ def test_a_turns_sequence_is_built_once_and_its_slices_hold_what_lists_would() -
 
 
 def test_parse_vllm_metrics() -> None:
-    from kvtether.gateway.cluster import Node, parse_metrics, parse_version
+    from kvtether.gateway.nodes.cluster import Node, parse_metrics, parse_version
 
     text = """# HELP vllm:num_requests_running Running
 # TYPE vllm:num_requests_running gauge
@@ -421,7 +421,7 @@ vllm:cache_config_info{block_size="128",enable_prefix_caching="True"} 1.0
 def test_parse_metrics_reads_only_the_placement_gauges() -> None:
     """The line filter before the parser keeps the gauges' samples with or without labels (braces and spaces
     inside label values too) and drops the rest: histograms, series whose name only starts with a gauge's."""
-    from kvtether.gateway.cluster import parse_metrics
+    from kvtether.gateway.nodes.cluster import parse_metrics
 
     hist = "".join(f'vllm:time_to_first_token_seconds_bucket{{le="{b}",model_name="m"}} {i}\n'
                    for i, b in enumerate((0.001, 0.01, 0.1, 1.0, "+Inf")))
@@ -439,7 +439,7 @@ vllm:kv_cache_usage_perc{{model_name="a {{b}} c"}} 0.5
 def test_a_nodes_load_carries_each_count_under_its_own_name() -> None:
     """What the cost model reads of a node (prefix caching, arrivals, hold-back) comes from the field of the
     same name: a swapped pair here silently misplaces turns, with no error anywhere."""
-    from kvtether.gateway.cluster import Node
+    from kvtether.gateway.nodes.cluster import Node
 
     node = Node("http://d1", "decode", running=2.0, waiting=1.0, kv_usage=0.5, prefix_caching=True,
                 arriving=3, holding_back=1, arrivals={7: (10.0, 0.5)})
@@ -452,7 +452,7 @@ def test_a_nodes_load_carries_each_count_under_its_own_name() -> None:
 
 def test_parse_metrics_reads_the_kv_cache_config() -> None:
     # vLLM's cache_config_info carries every CacheConfig field as a label (None ones as "None").
-    from kvtether.gateway.cluster import parse_metrics
+    from kvtether.gateway.nodes.cluster import parse_metrics
 
     info = ('vllm:cache_config_info{block_size="64",cache_dtype="auto",enable_prefix_caching="%s",'
             'num_cpu_blocks="None",num_gpu_blocks="%s",engine="0"} 1.0\n')
@@ -464,7 +464,7 @@ def test_parse_metrics_reads_the_kv_cache_config() -> None:
 
 def test_own_requests_that_end_after_a_poll_leave_the_polled_running_gauge() -> None:
     import httpx
-    from kvtether.gateway.cluster import Cluster
+    from kvtether.gateway.nodes.cluster import Cluster
 
     c = Cluster(GatewayConfig(prefill=["http://p:1"], decode=["http://d:1"]), httpx.AsyncClient())
     node = c.nodes["http://d:1"]
@@ -483,7 +483,7 @@ def test_a_pd_turns_arrival_on_its_decode_node_is_kept_until_its_read_should_be_
     to now. Once the prefill leg is done the arrival is when it went, until the read is over; a failed leg
     leaves nothing behind."""
     import httpx
-    from kvtether.gateway.cluster import Cluster
+    from kvtether.gateway.nodes.cluster import Cluster
 
     t = [100.0]
     c = Cluster(GatewayConfig(prefill=["http://p:1"], decode=["http://d:1"]), httpx.AsyncClient())
@@ -604,7 +604,7 @@ def test_decode_nodes_the_pin_left_are_cut_to_the_prompts_overlap() -> None:
 
 
 def test_tenant_cache_salts_are_stable_across_replicas_distinct_per_tenant_and_unguessable() -> None:
-    from kvtether.gateway.auth import Auth
+    from kvtether.gateway.shell.auth import Auth
 
     keys = {"key-a-000001": "A", "key-a-000002": "A", "key-b-000003": "B"}
     one, two = Auth(GatewayConfig(api_keys=keys)), Auth(GatewayConfig(api_keys=dict(reversed(keys.items()))))
@@ -624,8 +624,8 @@ def test_tenant_cache_salts_are_stable_across_replicas_distinct_per_tenant_and_u
 def test_a_pull_is_learned_as_what_p_lacked_of_the_handle_not_the_whole_handle() -> None:
     from types import SimpleNamespace
 
-    from kvtether.gateway.legs import _prefill_learned
-    from kvtether.gateway.turn import TurnContext
+    from kvtether.gateway.turn.context import TurnContext
+    from kvtether.gateway.turn.legs import _prefill_learned
 
     seen: list[dict[str, object]] = []
 
@@ -653,7 +653,7 @@ def test_a_pull_is_learned_as_what_p_lacked_of_the_handle_not_the_whole_handle()
 @pytest.mark.anyio
 async def test_a_failed_poll_is_counted_and_takes_a_node_out_only_when_its_health_fails_too() -> None:
     import httpx
-    from kvtether.gateway.cluster import Cluster
+    from kvtether.gateway.nodes.cluster import Cluster
 
     health = {"status": 200}
 
@@ -675,7 +675,7 @@ async def test_a_failed_poll_is_counted_and_takes_a_node_out_only_when_its_healt
 
 
 def test_the_guards_tokenize_body_renders_reasoning_effort_as_the_chat_request_does() -> None:
-    from kvtether.gateway import body as B
+    from kvtether.gateway.turn import body as B
 
     msgs = [{"role": "user", "content": "x"}]
     got = B.tokenize_body("chat", {"model": "m", "messages": msgs, "reasoning_effort": "none",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from kvtether.gateway.app import create_app
 from kvtether.gateway.config import ConfigError, load_config
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from test_gateway_sim import LIMITS, SPEED
 
@@ -45,7 +45,7 @@ async def test_each_turn_logs_one_info_line_and_node_polls_stay_quiet(caplog: py
     import logging
 
     from gateway_agent import chat, first_messages, request_body
-    from kvtether.gateway.server import quiet_upstream_client
+    from kvtether.gateway.shell.server import quiet_upstream_client
     from test_gateway_sim import rig
 
     quiet_upstream_client("info")
@@ -53,6 +53,6 @@ async def test_each_turn_logs_one_info_line_and_node_polls_stay_quiet(caplog: py
     caplog.set_level(logging.INFO)
     async with rig() as r:
         await chat(r.client, r.url, request_body(first_messages(80), stream=False), {"x-session-id": "logged"})
-    turns = [rec.getMessage() for rec in caplog.records if rec.name == "kvtether.gateway.remember"]
+    turns = [rec.getMessage() for rec in caplog.records if rec.name == "kvtether.gateway.turn.remember"]
     assert turns == [next(t for t in turns if t.startswith("turn 0 of logged: none on "))]
     assert not [rec for rec in caplog.records if rec.name.startswith("httpx") and rec.levelno < logging.WARNING]

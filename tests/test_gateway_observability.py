@@ -16,9 +16,9 @@ import httpx
 import pytest
 from gateway_agent import MODEL, chat, first_messages, next_messages, request_body
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families

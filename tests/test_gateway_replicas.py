@@ -28,9 +28,9 @@ import httpx
 import pytest
 from gateway_agent import chat, comparable, first_messages, next_messages, request_body
 from kvtether.cli.main import app as cli_app
-from kvtether.gateway.cluster import sample_sum
 from kvtether.gateway.config import load_config
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.nodes.cluster import sample_sum
+from kvtether.gateway.shell.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from processes import kill_tree
 from redis_server import RedisServer, free_port, running_redis
@@ -377,7 +377,7 @@ async def responses_across_workers(http: httpx.AsyncClient, url: str) -> dict[st
 
 
 def test_serve_refuses_workers_without_a_shared_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtether.gateway import server
+    from kvtether.gateway.shell import server
 
     seen: list[Any] = []
     monkeypatch.setattr(server, "run_gateway", lambda cfg, **kw: seen.append((cfg, kw)))

@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 from gateway_agent import chat, comparable, first_messages, next_messages, request_body
-from kvtether.gateway.app import create_app
 from kvtether.gateway.config import load_config
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
 from kvtether.sdk import AgentSession
 from kvtether.sdk.contract import FINAL_HEADER
 from kvtether.sim.cluster import ClusterSpec, SimCluster

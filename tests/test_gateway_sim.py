@@ -24,12 +24,12 @@ from gateway_agent import (
     next_messages,
     request_body,
 )
-from kvtether.gateway.app import create_app
-from kvtether.gateway.cluster import sample_sum
 from kvtether.gateway.config import GatewayConfig, load_config
-from kvtether.gateway.server import serve_gateway
-from kvtether.gateway.sessions import TakenHandle
+from kvtether.gateway.nodes.cluster import sample_sum
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
 from kvtether.gateway.stores import FailSafeStore, MemorySessionStore
+from kvtether.gateway.stores.sessions import TakenHandle
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 
 pytestmark = pytest.mark.anyio

@@ -17,18 +17,18 @@ import httpx
 import jinja2
 import pytest
 from gateway_agent import MODEL, first_messages, next_messages, request_body
-from kvtether.gateway import body as B
-from kvtether.gateway import chat_render as R
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.cluster import Cluster, sample_sum
 from kvtether.gateway.config import load_config
-from kvtether.gateway.legs import tokenize
-from kvtether.gateway.orchestrator import Orchestrator
+from kvtether.gateway.guard import chat_render as R
+from kvtether.gateway.guard.tokencheck import GuardTokenizer, Trust, probes
+from kvtether.gateway.guard.tokenizer import LocalTokenizer
+from kvtether.gateway.nodes.cluster import Cluster, sample_sum
 from kvtether.gateway.stores import open_store
-from kvtether.gateway.tokencheck import GuardTokenizer, Trust, probes
-from kvtether.gateway.tokenizer import LocalTokenizer
-from kvtether.gateway.turn import TurnContext
-from kvtether.gateway.upstream import Upstream
+from kvtether.gateway.turn import body as B
+from kvtether.gateway.turn.context import TurnContext
+from kvtether.gateway.turn.legs import tokenize
+from kvtether.gateway.turn.orchestrator import Orchestrator
+from kvtether.gateway.turn.upstream import Upstream
 from opentelemetry import trace
 
 pytestmark = pytest.mark.anyio
@@ -267,7 +267,7 @@ async def test_a_tokenizer_that_differs_from_the_engine_falls_back_to_tokenize(h
 async def test_a_turn_the_guard_does_not_check_warms_the_cache_for_the_next_one(local: LocalTokenizer) -> None:
     """A session's first turn is not checked, but its prompt is the next turn's history: gather encodes it in the
     background, so the first checked turn finds its pieces cached."""
-    from kvtether.gateway.gather import gather
+    from kvtether.gateway.turn.gather import gather
 
     cfg = load_config(None, prefill=["http://p0:8000"], decode=["http://d0:8000"], tokenizer="unused")
     client = httpx.AsyncClient()

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtether.gateway.config import ConfigError, load_config
+from kvtether.gateway.nodes.retention import retention_knobs
 from kvtether.gateway.policy.retention import (
     HeldHandle,
     ReleaseReason,
@@ -17,7 +18,6 @@ from kvtether.gateway.policy.retention import (
     idle_at,
     review,
 )
-from kvtether.gateway.retention import retention_knobs
 
 D1, D2 = "http://d1", "http://d2"
 

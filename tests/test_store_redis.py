@@ -13,12 +13,12 @@ from typing import Any
 import anyio
 import pytest
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.guard import HeldSequence
+from kvtether.gateway.guard.verify import HeldSequence
 from kvtether.gateway.policy.copies import DecodeCopy, PrefillCopy
-from kvtether.gateway.sessions import SessionState
 from kvtether.gateway.stores import FailSafeStore, codec, pin_by_hash
 from kvtether.gateway.stores.memory import MemorySessionStore
 from kvtether.gateway.stores.redis import RedisSessionStore, connect
+from kvtether.gateway.stores.sessions import SessionState
 from redis_server import RedisServer, free_port, running_redis
 
 HANDLE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [[1, 2, 3]],

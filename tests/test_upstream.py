@@ -1,4 +1,4 @@
-"""The completion legs' HTTP/1.1 client (gateway/upstream.py) against raw servers that misbehave on purpose."""
+"""The completion legs' HTTP/1.1 client (gateway/turn/upstream.py) against raw servers that misbehave on purpose."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import anyio
 import httpx
 import pytest
-from kvtether.gateway.upstream import _HIGH_WATER, Upstream, UpstreamLimits
+from kvtether.gateway.turn.upstream import _HIGH_WATER, Upstream, UpstreamLimits
 
 pytestmark = pytest.mark.anyio
 

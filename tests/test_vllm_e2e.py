@@ -20,7 +20,7 @@ import anyio
 import httpx
 import pytest
 from kvtether.cli.launcher import gateway_session_ttl
-from kvtether.gateway.cluster import sample_sum
+from kvtether.gateway.nodes.cluster import sample_sum
 from vllm_fixtures import (
     DECODE_TTL_S,
     M_CACHED_BY_SOURCE,
@@ -144,9 +144,9 @@ def pair(vllm_pair: Backend) -> Backend:
 @contextlib.asynccontextmanager
 async def gateway(b: Backend, **settings: Any) -> AsyncIterator[Rig]:
     try:
-        from kvtether.gateway.app import create_app
         from kvtether.gateway.config import load_config
-        from kvtether.gateway.server import serve_gateway
+        from kvtether.gateway.shell.app import create_app
+        from kvtether.gateway.shell.server import serve_gateway
     except ImportError as e:  # pragma: no cover - the gateway lands in parallel
         pytest.skip(f"gateway not importable: {e}")
     cfg_kw: dict[str, Any] = {

@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from kvtether.gateway.cluster import sample_sum
+from kvtether.gateway.nodes.cluster import sample_sum
 from prometheus_client.parser import text_string_to_metric_families
 from test_vllm_e2e import TOKEN_ANSWER, Rig, gateway, token_request
 from vllm_fixtures import (
@@ -58,7 +58,7 @@ M_UNRECOGNIZED = "vllm:nixl_num_notifications_after_expiry"
 # What kvtether's gateway once sent with a decode-local turn to have D keep it: neither flag set.
 NEITHER_FLAG: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False}
 
-# The gateway's retention interface (gateway/telemetry.py, gateway/app.py, sdk/contract.py).
+# The gateway's retention interface (gateway/telemetry.py, gateway/shell/app.py, sdk/contract.py).
 FINAL_HEADER = "x-kvtether-session-final"
 M_RELEASES = "kvtether_handle_releases_total"
 M_HELD_KV = "kvtether_held_kv_tokens"

@@ -14,13 +14,13 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from kvtether.gateway import body as B
-from kvtether.gateway.app import create_app
-from kvtether.gateway.cluster import sample_sum
 from kvtether.gateway.config import load_config
-from kvtether.gateway.server import serve_gateway
-from kvtether.gateway.tokencheck import Trust, probes
-from kvtether.gateway.tokenizer import LocalTokenizer
+from kvtether.gateway.guard.tokencheck import Trust, probes
+from kvtether.gateway.guard.tokenizer import LocalTokenizer
+from kvtether.gateway.nodes.cluster import sample_sum
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
+from kvtether.gateway.turn import body as B
 from vllm_fixtures import TINY_MODEL, Backend, vllm_pair
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm, pytest.mark.timeout(600)]

@@ -32,7 +32,7 @@ import pytest
 from kvtether.cli.cluster_spec import ClusterOptions
 from kvtether.cli.cmd_up import running_cluster
 from kvtether.cli.launcher import plan_cluster
-from kvtether.gateway.cluster import sample_sum
+from kvtether.gateway.nodes.cluster import sample_sum
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]

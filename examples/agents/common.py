@@ -12,10 +12,10 @@ from typing import Any
 
 import httpx
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.app import create_app
-from kvtether.gateway.cluster import sample_sum
 from kvtether.gateway.config import load_config
-from kvtether.gateway.server import serve_gateway
+from kvtether.gateway.nodes.cluster import sample_sum
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from opentelemetry import trace
 

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtether.gateway.api import messages as M
-from kvtether.gateway.edge import EdgeResponse
-from kvtether.gateway.errors import GatewayError
+from kvtether.gateway.shell.edge import EdgeResponse
+from kvtether.gateway.shell.errors import GatewayError
 from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers
 from starlette.responses import Response
 

@@ -5,7 +5,7 @@ Every handle pins blocks on its decode node until a prefill pulls it, the gatewa
 prefix-cache LRU cannot evict them and vLLM's scheduler preempts running requests rather than touch them
 (docs/operations.md, "Decode memory"), so a handle the gateway will not pull is memory D lacks for nothing.
 
-The shell (``gateway/retention.py``) lists the handles the session store holds, asks :func:`review` which to
+The shell (``gateway/nodes/retention.py``) lists the handles the session store holds, asks :func:`review` which to
 release, and carries the releases out off the request path. Releases decided on the request path (a handle
 superseded, refused by the guard, left unused, or the session's last) need no review: the shell sends them at
 once with their reason. Here: no I/O, no clock read; times are the gateway clock's seconds.

@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
 from kvtether.gateway.stores.failsafe import FailSafeStore, pin_by_hash
 from kvtether.gateway.stores.memory import MemorySessionStore
+from kvtether.gateway.stores.sessions import SessionState, SessionStore, TakenHandle
 
 if TYPE_CHECKING:
     from kvtether.gateway.config import GatewayConfig

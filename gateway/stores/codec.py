@@ -16,9 +16,9 @@ import re
 from typing import Any
 
 import orjson
-from kvtether.gateway.guard import HeldSequence
+from kvtether.gateway.guard.verify import HeldSequence
 from kvtether.gateway.policy.copies import DecodeCopy, PrefillCopy
-from kvtether.gateway.sessions import SessionState, TakenHandle
+from kvtether.gateway.stores.sessions import SessionState, TakenHandle
 
 
 def encode_held(held: HeldSequence) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import anyio
-from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
+from kvtether.gateway.stores.sessions import SessionState, SessionStore, TakenHandle
 
 if TYPE_CHECKING:
     from kvtether.gateway.telemetry import Metrics

@@ -6,7 +6,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvtether.gateway.sessions import SessionState, TakenHandle
+from kvtether.gateway.stores.sessions import SessionState, TakenHandle
 
 
 class MemorySessionStore:

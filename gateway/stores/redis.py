@@ -27,8 +27,8 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from kvtether.gateway.sessions import SessionState, TakenHandle
 from kvtether.gateway.stores import codec
+from kvtether.gateway.stores.sessions import SessionState, TakenHandle
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 

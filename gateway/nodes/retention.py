@@ -26,9 +26,9 @@ import anyio
 import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.cluster import Cluster
 from kvtether.gateway.config import GatewayConfig
-from kvtether.gateway.guard import handle_num_tokens, handle_request_id
+from kvtether.gateway.guard.verify import handle_num_tokens, handle_request_id
+from kvtether.gateway.nodes.cluster import Cluster
 from kvtether.gateway.policy.retention import (
     IDLE_MIN_S,
     HeldHandle,
@@ -38,7 +38,7 @@ from kvtether.gateway.policy.retention import (
     held_by_node,
     review,
 )
-from kvtether.gateway.sessions import SessionState, SessionStore
+from kvtether.gateway.stores.sessions import SessionState, SessionStore
 
 log = logging.getLogger(__name__)
 

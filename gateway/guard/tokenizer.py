@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
-from kvtether.gateway import chat_render as R
+from kvtether.gateway.guard import chat_render as R
 
 log = logging.getLogger(__name__)
 

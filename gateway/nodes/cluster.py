@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 import anyio
 import httpx
 from kvtether.gateway.config import GatewayConfig
-from kvtether.gateway.health import next_backoff
+from kvtether.gateway.nodes.health import next_backoff
 from kvtether.gateway.policy.placement import ClusterView, NodeLoad
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -91,7 +91,7 @@ class Node:
     # bidirectional_kv_xfer); None until one did or did not. False stops the policy from counting on it.
     local_handles: bool | None = None
     # Decode only: KV tokens the session store's handles hold on this node (whole blocks), as of the last
-    # retention review (gateway/retention.py).
+    # retention review (gateway/nodes/retention.py).
     held_kv_tokens: int = 0
 
     @property

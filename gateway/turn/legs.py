@@ -2,7 +2,7 @@
 the client sees (decode in P/D mode, the replica in aggregated mode).
 
 Each leg has its own CLIENT span, counts itself in its node's in-flight requests, and turns every upstream
-problem into an :class:`~kvtether.gateway.turn.UpstreamFailure` that says whether the node or the request
+problem into an :class:`~kvtether.gateway.turn.context.UpstreamFailure` that says whether the node or the request
 is at fault, so the orchestrator can retry, re-place or answer the client cleanly.
 """
 
@@ -16,19 +16,19 @@ from typing import Any
 
 import anyio
 import httpx
-from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.errors import GatewayError
-from kvtether.gateway.guard import handle_num_tokens
+from kvtether.gateway.guard.tokencheck import Trust
+from kvtether.gateway.guard.tokenizer import LocalTokenizer
+from kvtether.gateway.guard.verify import handle_num_tokens
 from kvtether.gateway.policy.placement import Plan, Turn
 from kvtether.gateway.policy.retention import ReleaseReason
-from kvtether.gateway.relay import read_preamble, relay
-from kvtether.gateway.remember import finish, read_body
-from kvtether.gateway.streaming import RelayResponse
-from kvtether.gateway.tokencheck import Trust
-from kvtether.gateway.tokenizer import LocalTokenizer
-from kvtether.gateway.turn import PATHS, LegResult, Prefilled, Services, TurnContext, UpstreamFailure
-from kvtether.gateway.upstream import UpstreamResponse
+from kvtether.gateway.shell.errors import GatewayError
+from kvtether.gateway.turn import body as B
+from kvtether.gateway.turn.context import PATHS, LegResult, Prefilled, Services, TurnContext, UpstreamFailure
+from kvtether.gateway.turn.relay import read_preamble, relay
+from kvtether.gateway.turn.remember import finish, read_body
+from kvtether.gateway.turn.streaming import RelayResponse
+from kvtether.gateway.turn.upstream import UpstreamResponse
 from opentelemetry import trace
 from starlette.responses import JSONResponse, Response
 

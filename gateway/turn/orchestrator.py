@@ -15,25 +15,25 @@ from dataclasses import replace
 from typing import Any
 
 import httpx
-from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.cluster import Cluster, host_of
 from kvtether.gateway.config import GatewayConfig
-from kvtether.gateway.errors import GatewayError
-from kvtether.gateway.gather import Gathered, gather
-from kvtether.gateway.guard import truncate_handle
-from kvtether.gateway.identify import identify
-from kvtether.gateway.legs import final_leg, prefill_with_recovery
+from kvtether.gateway.guard.tokencheck import GuardTokenizer
+from kvtether.gateway.guard.verify import truncate_handle
+from kvtether.gateway.nodes.cluster import Cluster, host_of
+from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
 from kvtether.gateway.policy.knobs import PolicyKnobs
 from kvtether.gateway.policy.learning import Learning
 from kvtether.gateway.policy.placement import HandleAction, HandleState, NoCapacity, Plan, Turn, plan, plan_aggregated
 from kvtether.gateway.policy.retention import ReleaseReason
-from kvtether.gateway.retention import Retention
-from kvtether.gateway.sessions import SessionStore
-from kvtether.gateway.tokencheck import GuardTokenizer
-from kvtether.gateway.turn import Services, TurnContext, UpstreamFailure
-from kvtether.gateway.upstream import Upstream
+from kvtether.gateway.shell.errors import GatewayError
+from kvtether.gateway.stores.sessions import SessionStore
+from kvtether.gateway.turn import body as B
+from kvtether.gateway.turn.context import Services, TurnContext, UpstreamFailure
+from kvtether.gateway.turn.gather import Gathered, gather
+from kvtether.gateway.turn.identify import identify
+from kvtether.gateway.turn.legs import final_leg, prefill_with_recovery
+from kvtether.gateway.turn.upstream import Upstream
 from kvtether.sdk.contract import session_final_from_headers
 from opentelemetry import trace
 from starlette.responses import Response

@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.guard import as_tokens, handle_groups, handle_num_tokens, verified_reuse
-from kvtether.gateway.legs import tokenize
+from kvtether.gateway.guard.verify import as_tokens, handle_groups, handle_num_tokens, verified_reuse
 from kvtether.gateway.policy.copies import cut
 from kvtether.gateway.policy.placement import HandleState, Turn
-from kvtether.gateway.sessions import TakenHandle
-from kvtether.gateway.turn import Services, TurnContext
+from kvtether.gateway.stores.sessions import TakenHandle
+from kvtether.gateway.turn import body as B
+from kvtether.gateway.turn.context import Services, TurnContext
+from kvtether.gateway.turn.legs import tokenize
 
 
 @dataclass

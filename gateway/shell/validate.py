@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
-from kvtether.gateway.body import KV_FIELD
-from kvtether.gateway.errors import GatewayError
+from kvtether.gateway.shell.errors import GatewayError
+from kvtether.gateway.turn.body import KV_FIELD
 from kvtether.sdk.contract import (
     FOREIGN_SESSION_HEADERS,
     PREFIX_HEADER,

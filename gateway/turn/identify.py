@@ -14,11 +14,11 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.auth import scoped
-from kvtether.gateway.sessions import SessionStore
-from kvtether.gateway.turn import TurnContext
+from kvtether.gateway.shell.auth import scoped
+from kvtether.gateway.stores.sessions import SessionStore
+from kvtether.gateway.turn import body as B
+from kvtether.gateway.turn.context import TurnContext
 from kvtether.sdk.contract import session_id_from_headers
 from opentelemetry import trace
 

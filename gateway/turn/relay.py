@@ -20,14 +20,14 @@ from typing import Any
 import anyio
 import httpx
 import orjson
-from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.errors import sse_error
 from kvtether.gateway.policy.placement import HandleAction, Plan
-from kvtether.gateway.remember import finish, read_identity, release_hold_back
-from kvtether.gateway.streaming import LastChunk
-from kvtether.gateway.turn import LegResult, Services, TurnContext, UpstreamFailure
-from kvtether.gateway.upstream import UpstreamResponse
+from kvtether.gateway.shell.errors import sse_error
+from kvtether.gateway.turn import body as B
+from kvtether.gateway.turn.context import LegResult, Services, TurnContext, UpstreamFailure
+from kvtether.gateway.turn.remember import finish, read_identity, release_hold_back
+from kvtether.gateway.turn.streaming import LastChunk
+from kvtether.gateway.turn.upstream import UpstreamResponse
 from opentelemetry import trace
 
 Batch = list[bytes]  # complete lines (without their line end) from one network read

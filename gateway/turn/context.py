@@ -15,17 +15,17 @@ from typing import Any
 
 import httpx
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.body import ChatChain
-from kvtether.gateway.cluster import Cluster, host_of, port_of
 from kvtether.gateway.config import GatewayConfig
-from kvtether.gateway.errors import GatewayError
+from kvtether.gateway.guard.tokencheck import GuardTokenizer
+from kvtether.gateway.nodes.cluster import Cluster, host_of, port_of
+from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.learning import Learning
 from kvtether.gateway.policy.placement import ClusterView
 from kvtether.gateway.policy.retention import ReleaseReason
-from kvtether.gateway.retention import Retention
-from kvtether.gateway.sessions import SessionState, SessionStore, TakenHandle
-from kvtether.gateway.tokencheck import GuardTokenizer
-from kvtether.gateway.upstream import Upstream
+from kvtether.gateway.shell.errors import GatewayError
+from kvtether.gateway.stores.sessions import SessionState, SessionStore, TakenHandle
+from kvtether.gateway.turn.body import ChatChain
+from kvtether.gateway.turn.upstream import Upstream
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from starlette.responses import JSONResponse, Response

@@ -21,8 +21,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.chat_render import Unsupported
-from kvtether.gateway.tokenizer import LocalTokenizer
+from kvtether.gateway.guard.chat_render import Unsupported
+from kvtether.gateway.guard.tokenizer import LocalTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from kvtether.gateway.guard import HeldSequence
+from kvtether.gateway.guard.verify import HeldSequence
 from kvtether.gateway.policy.copies import DecodeCopy, PrefillCopy
 
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import anyio
 
 if TYPE_CHECKING:
-    from kvtether.gateway.cluster import Cluster, Node
     from kvtether.gateway.config import GatewayConfig
+    from kvtether.gateway.nodes.cluster import Cluster, Node
 
 
 def next_backoff(current_s: float, config: GatewayConfig) -> float:

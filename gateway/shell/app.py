@@ -16,25 +16,25 @@ from typing import Any
 
 import anyio
 import httpx
-from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
-from kvtether.gateway import validate as V
 from kvtether.gateway.api import anthropic, responses_http
 from kvtether.gateway.api.messages import MessagesError, count_tokens_body
-from kvtether.gateway.auth import Auth, scoped
-from kvtether.gateway.cluster import Cluster
 from kvtether.gateway.config import GatewayConfig
-from kvtether.gateway.errors import GatewayError
-from kvtether.gateway.health import probe_forever
-from kvtether.gateway.legs import start_local_tokenizer, tokenize_remote
-from kvtether.gateway.orchestrator import Orchestrator
+from kvtether.gateway.nodes.cluster import Cluster
+from kvtether.gateway.nodes.health import probe_forever
+from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.retention import ReleaseReason
-from kvtether.gateway.retention import Retention
-from kvtether.gateway.sessions import SessionStore
+from kvtether.gateway.shell import validate as V
+from kvtether.gateway.shell.auth import Auth, scoped
+from kvtether.gateway.shell.errors import GatewayError
 from kvtether.gateway.stores import open_store
-from kvtether.gateway.streaming import RelayResponse
-from kvtether.gateway.turn import PATHS
-from kvtether.gateway.upstream import Upstream, UpstreamLimits
+from kvtether.gateway.stores.sessions import SessionStore
+from kvtether.gateway.turn import body as B
+from kvtether.gateway.turn.context import PATHS
+from kvtether.gateway.turn.legs import start_local_tokenizer, tokenize_remote
+from kvtether.gateway.turn.orchestrator import Orchestrator
+from kvtether.gateway.turn.streaming import RelayResponse
+from kvtether.gateway.turn.upstream import Upstream, UpstreamLimits
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette

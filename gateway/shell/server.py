@@ -15,9 +15,9 @@ from typing import Any
 
 import anyio
 import uvicorn
-from kvtether.gateway.app import create_app
 from kvtether.gateway.config import GatewayConfig, load_config
-from kvtether.gateway.sessions import SessionStore
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.stores.sessions import SessionStore
 from starlette.applications import Starlette
 
 

@@ -11,17 +11,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvtether.gateway import body as B
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.auth import scoped
-from kvtether.gateway.cluster import host_of
-from kvtether.gateway.guard import HeldSequence, handle_num_tokens, handle_request_id
+from kvtether.gateway.guard.verify import HeldSequence, handle_num_tokens, handle_request_id
+from kvtether.gateway.nodes.cluster import host_of
 from kvtether.gateway.policy import copies as PC
 from kvtether.gateway.policy.learning import DecodeSample
 from kvtether.gateway.policy.placement import HandleAction, Plan
 from kvtether.gateway.policy.retention import ReleaseReason
-from kvtether.gateway.sessions import SessionState
-from kvtether.gateway.turn import LegResult, Services, TurnContext
+from kvtether.gateway.shell.auth import scoped
+from kvtether.gateway.stores.sessions import SessionState
+from kvtether.gateway.turn import body as B
+from kvtether.gateway.turn.context import LegResult, Services, TurnContext
 from opentelemetry import trace
 
 log = logging.getLogger(__name__)
