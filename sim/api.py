@@ -1,7 +1,7 @@
 """The node's HTTP surface, shaped like vLLM's OpenAI server, plus NIXL and admin endpoints.
 
-Public (vLLM-shaped): ``/v1/chat/completions``, ``/v1/completions``, ``/tokenize``, ``/detokenize``,
-``/v1/models``, ``/health``, ``/version``, ``/metrics``.
+Public (vLLM-shaped): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/messages`` (and
+``/count_tokens``), ``/tokenize``, ``/detokenize``, ``/v1/models``, ``/health``, ``/version``, ``/metrics``.
 Internal: ``/nixl/read``, ``/nixl/notify``, ``/nixl/heartbeat`` (node-to-node KV pull), ``/admin/fault``,
 ``/admin/state``.
 """
@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvtether.sim.agent_apis import agent_api_routes
 from kvtether.sim.engine import EngineRequest, ErrorEvent, Event, FinishEvent, TokenEvent
 from kvtether.sim.nixl import KVLoadError
 from kvtether.sim.parsers import ChatOutputParser, Delta
@@ -352,6 +353,13 @@ def build_app(node: SimNode) -> Starlette:
     async def completions(request: Request, *, chat: bool) -> Response:
         try:
             body = await _json_body(request)
+        except BadRequest as e:
+            return error_response(400, str(e), param=e.param)
+        return await complete(body, request, chat=chat)
+
+    async def complete(body: Any, request: Request, *, chat: bool) -> Response:
+        """A chat or text completion of a parsed body (also what /v1/responses and /v1/messages run)."""
+        try:
             if isinstance(body, dict) and body.get("model") not in (None, node.cfg.model_name):
                 return error_response(
                     404, f"The model `{body.get('model')}` does not exist.", param="model", kind="NotFoundError"
@@ -458,6 +466,7 @@ def build_app(node: SimNode) -> Starlette:
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        *agent_api_routes(node, lambda body, request: complete(body, request, chat=True)),
         Route("/v1/completions", text_completions, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),

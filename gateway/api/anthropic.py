@@ -14,9 +14,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from kvtether.gateway.api import messages as M
 from kvtether.gateway.shell.edge import EdgeResponse
 from kvtether.gateway.shell.errors import GatewayError
+from kvtether.sdk.apis import messages as M
 from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers
 from starlette.responses import Response
 

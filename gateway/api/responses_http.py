@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from kvtether.gateway.api import responses as R
 from kvtether.gateway.shell.auth import scoped
 from kvtether.gateway.shell.edge import EdgeResponse
 from kvtether.gateway.shell.errors import GatewayError
 from kvtether.gateway.stores.failsafe import StoreUnavailable
 from kvtether.gateway.stores.sessions import SessionStore
+from kvtether.sdk.apis import responses as R
 from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers
 from starlette.responses import JSONResponse, Response
 

@@ -18,7 +18,6 @@ import anyio
 import httpx
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.api import anthropic, responses_http
-from kvtether.gateway.api.messages import MessagesError, count_tokens_body
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.nodes.cluster import Cluster
 from kvtether.gateway.nodes.health import probe_forever
@@ -35,6 +34,7 @@ from kvtether.gateway.turn.legs import start_local_tokenizer, tokenize_remote
 from kvtether.gateway.turn.orchestrator import Orchestrator
 from kvtether.gateway.turn.streaming import RelayResponse
 from kvtether.gateway.turn.upstream import Upstream, UpstreamLimits
+from kvtether.sdk.apis.messages import MessagesError, count_tokens_body
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from kvtether.sdk.apis.common import effort_in_template_kwargs
 from kvtether.sdk.contract import Chain, rendering_fields
 
 # Fields the gateway adds for its own use and must never show a client who did not ask.
@@ -243,17 +244,6 @@ def tokenize_body(kind: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
     if body.get("add_special_tokens") is not None:
         out["add_special_tokens"] = body["add_special_tokens"]
     return out
-
-
-def effort_in_template_kwargs(out: dict[str, Any], effort: Any) -> None:
-    """What vLLM's chat request does with ``reasoning_effort`` (``ChatCompletionRequest.build_chat_params``): hands
-    it to the template, overriding a kwarg of that name, and sets ``enable_thinking`` where the client did not."""
-    if effort is None:
-        return
-    kwargs = dict(out.get("chat_template_kwargs") or {})
-    kwargs["reasoning_effort"] = effort
-    kwargs.setdefault("enable_thinking", effort != "none")
-    out["chat_template_kwargs"] = kwargs
 
 
 def _reasoning_renamed(messages: Any) -> Any:

@@ -91,7 +91,7 @@ from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Any, Final
 
-from kvtether.gateway.turn.body import effort_in_template_kwargs
+from kvtether.sdk.apis.common import effort_in_template_kwargs
 
 Event = tuple[str, dict[str, Any]]
 
