@@ -358,6 +358,25 @@ async def pad_block_tail(client: httpx.AsyncClient, b: Backend, body: dict[str, 
     raise AssertionError("could not pad the prompt")
 
 
+def assert_pulls(rows: list[Any], sources: list[str], stream_handles: bool) -> None:
+    """Turns 1–3 of a pull-policy session whose turn 1 is streamed: each turn after a whole one attached its
+    handle and P read at least vLLM's kv_recompute_threshold (64) tokens from D over NIXL; after a streamed one
+    (vLLM 0.32 returns no handle on streams, ``stream_handles`` false) the handle is missing and nothing is read.
+    ``rows[t]``: (streamed, outcome deltas, p2p tokens, NIXL transfers) of turn t."""
+    pulled = []
+    for turn in range(1, 4):
+        delta, p2p, xfers = rows[turn][1], rows[turn][2], rows[turn][3]
+        if rows[turn - 1][0] and not stream_handles:
+            assert delta["missing"] == 1 and p2p == 0, (turn, rows)
+            continue
+        assert delta["attached"] == 1, (turn, rows)
+        assert sources[turn] == "decode_pull", (turn, sources)
+        assert p2p >= 64 and xfers >= 1, f"turn {turn}: P read nothing from D over NIXL ({rows})"
+        pulled.append(turn)
+    # The streamed turn 1 pulled turn 0's handle itself; turn 3 pulled turn 2's.
+    assert {1, 3} <= set(pulled), rows
+
+
 # ---- tests --------------------------------------------------------------------------------------------
 
 
@@ -438,20 +457,7 @@ async def test_later_messages_turns_pull_the_history_from_decode(vllm_pair: Back
         for turn, (body, got) in enumerate(done):
             why = await answer_mismatch(r.client, b, body, got)
             assert why is None, f"turn {turn} differs: {why}"
-        pulled = []
-        for turn in range(1, 4):
-            delta, p2p, xfers = rows[turn][1], rows[turn][2], rows[turn][3]
-            if rows[turn - 1][0] and not stream_handles:
-                # vLLM 0.32's streamed answers carry no handle: nothing to pull after one.
-                assert delta["missing"] == 1 and p2p == 0, (turn, rows)
-                continue
-            assert delta["attached"] == 1, (turn, rows)
-            assert done[turn][1].source == "decode_pull", (turn, done[turn][1])
-            # vLLM reads at least kv_recompute_threshold (64) tokens or none; the tail is >= 96.
-            assert p2p >= 64 and xfers >= 1, f"turn {turn}: P read nothing from D over NIXL ({rows})"
-            pulled.append(turn)
-        # The streamed turn 1 pulled turn 0's handle itself; turn 3 pulled turn 2's.
-        assert {1, 3} <= set(pulled), rows
+        assert_pulls(rows, [got.source for _, got in done], stream_handles)
 
 
 EDITS = ("system_rewritten", "tool_result_changed", "answer_rewritten")

@@ -25,7 +25,6 @@ that called a tool would send them. What the gateway does with Codex's default `
 from __future__ import annotations
 
 import json
-import random
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,16 +34,13 @@ import pytest
 from kvtether.gateway.turn import body as B
 from kvtether.sdk.apis import responses as R
 from test_vllm_e2e import Rig, gateway, metric
-from test_vllm_messages import outcomes, pull_counters, text_mismatch
+from test_vllm_messages import assert_pulls, outcomes, pull_counters, text_mismatch, words
 from vllm_fixtures import Backend, vllm_pair
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm, pytest.mark.timeout(1500)]
 __all__ = ["vllm_pair"]  # the session-scoped fixture, imported so pytest sees it here
 
 MAX_TOKENS = 32
-_TEXT = ("alpha beta gamma delta build test cache node block token prefix decode prefill session handle pull "
-         "error file line value config module graph queue batch lease import return class def self yield")
-_WORDS = _TEXT.split()
 
 _PATH = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
 _PATTERN = {"type": "object", "properties": {"pattern": {"type": "string"}}, "required": ["pattern"]}
@@ -61,9 +57,6 @@ TOOLS = [
 ]
 
 
-def words(seed: str, n: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
 def codex_headers(tag: str) -> dict[str, str]:
@@ -357,20 +350,7 @@ async def test_a_previous_response_id_chain_pulls_the_history_from_decode(vllm_p
         for turn, (full, got) in enumerate(done):
             why = await answer_mismatch(r, full, got)
             assert why is None, f"turn {turn} differs: {why}"
-        pulled = []
-        for turn in range(1, 4):
-            delta, p2p, xfers = rows[turn][1], rows[turn][2], rows[turn][3]
-            if rows[turn - 1][0] and not stream_handles:
-                # vLLM 0.32's streamed answers carry no handle: nothing to pull after one.
-                assert delta["missing"] == 1 and p2p == 0, (turn, rows)
-                continue
-            assert delta["attached"] == 1, (turn, rows)
-            assert done[turn][1].source == "decode_pull", (turn, done[turn][1])
-            # vLLM reads at least kv_recompute_threshold (64) tokens or none; the tail is >= 96.
-            assert p2p >= 64 and xfers >= 1, f"turn {turn}: P read nothing from D over NIXL ({rows})"
-            pulled.append(turn)
-        # The streamed turn 1 pulled turn 0's handle itself; turn 3 pulled turn 2's.
-        assert {1, 3} <= set(pulled), rows
+        assert_pulls(rows, [got.source for _, got in done], stream_handles)
         # No session header: the chain itself pinned every turn to one session.
         sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
         assert [s["turns"] for s in sessions] == [4], sessions
