@@ -433,16 +433,26 @@ class TurnTiming:
     ok: bool = True
 
 
+# A margin below this is a tie: the TTFTs are the client's, and the Python work of each turn (client, gateway,
+# simulated nodes, all in one process) shows up in them multiplied by --speed, by tens of ms on a loaded machine.
+TIE_MARGIN = 1.1
+
+
 def _pcts(xs: Sequence[float]) -> dict[str, float | None]:
     return {"n": len(xs), "p50": _r(percentile(xs, 50), 1), "p95": _r(percentile(xs, 95), 1),
             "p99": _r(percentile(xs, 99), 1)}
 
 
 def compare_topologies(runs: Mapping[str, Sequence[TurnTiming]], late: int, tpot_slo_ms: float | None,
-                       descriptions: Mapping[str, str] | None = None) -> dict[str, Any]:
+                       descriptions: Mapping[str, str] | None = None,
+                       engine_tpots: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
     """TTFT per turn index and on late turns (index ≥ ``late``), TPOT p95, per option; the best option: the lowest
     late-turn TTFT p95 among those whose TPOT p95 meets ``tpot_slo_ms`` (when none does: the lowest TPOT p95),
-    with its margin over the runner-up."""
+    with its margin over the runner-up.
+
+    ``engine_tpots``: per option, the TPOT of every decoding request as the simulator's engine timed it (in its
+    cost model's time, see ``assess_topology.DecodeTimes``); where given, it is the option's ``tpot_ms`` (and
+    the client's measurement moves to ``client_tpot_ms``)."""
     options: dict[str, Any] = {}
     for label, timings in runs.items():
         ok = [t for t in timings if t.ok]
@@ -452,14 +462,18 @@ def compare_topologies(runs: Mapping[str, Sequence[TurnTiming]], late: int, tpot
                 per_turn[t.turn].append(t.ttft_ms)
         late_ttft = [t.ttft_ms for t in ok if t.ttft_ms is not None and t.turn >= late]
         tpots = [t.tpot_ms for t in ok if t.tpot_ms is not None]
+        engine = (engine_tpots or {}).get(label)
         options[label] = {
             "description": (descriptions or {}).get(label, ""),
             "requests": len(timings), "errors": len(timings) - len(ok),
             "ttft_ms": _pcts([t.ttft_ms for t in ok if t.ttft_ms is not None]),
             "late_ttft_ms": _pcts(late_ttft),
-            "tpot_ms": _pcts(tpots),
+            "tpot_ms": _pcts(tpots if engine is None else list(engine)),
+            "tpot_source": "client" if engine is None else "engine",
             "per_turn_ttft_ms": [{"turn": i, **_pcts(xs)} for i, xs in sorted(per_turn.items())],
         }
+        if engine is not None:
+            options[label]["client_tpot_ms"] = _pcts(tpots)
     usable = {k: v for k, v in options.items() if v["late_ttft_ms"]["p95"] is not None and not v["errors"]}
     meets = {k: v for k, v in usable.items()
              if tpot_slo_ms is None or (v["tpot_ms"]["p95"] is not None and v["tpot_ms"]["p95"] <= tpot_slo_ms)}
@@ -475,6 +489,8 @@ def compare_topologies(runs: Mapping[str, Sequence[TurnTiming]], late: int, tpot
             verdict = (f"best: {best} — late-turn TTFT p95 {b95:,.0f} ms against {r95:,.0f} ms for {runner} "
                        f"({margin:.2f}× lower)" + (f", TPOT p95 {meets[best]['tpot_ms']['p95']:,.1f} ms within "
                                                     f"the {tpot_slo_ms:g} ms objective" if tpot_slo_ms else ""))
+            if margin is not None and margin < TIE_MARGIN:
+                verdict += f"; within {TIE_MARGIN - 1:.0%}, a tie with {runner} as far as the simulation can tell"
         else:
             margin = None
             verdict = f"best: {best} (the only option within the TPOT objective), late-turn TTFT p95 {b95:,.0f} ms"

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvtether.cli.replay import DEFAULT_PREFILL_PREFIX_CACHING
 from kvtether.sim.cost import CostModel
 from kvtether.sim.presets import PRESETS, Preset, get_preset, gqa_kv_bytes_per_token, gqa_kv_regions
 
@@ -43,7 +44,11 @@ class ClusterShape:
     min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS
     held_kv_budget: float | None = DEFAULT_HELD_KV_BUDGET  # None: no budget (the reference proxy holds all)
     idle_release_s: float = DEFAULT_IDLE_RELEASE_S
-    prefill_prefix_caching: bool = True  # vLLM's default; the published pull figures switch it off on P
+    # Off by default, as replay's simulated cluster (cli/replay.py): the simulated P serves only these sessions, so
+    # with it on P would keep every history cached, which a P shared by a production cluster's other sessions does
+    # not, and no-pull would look as if it reused what the pull moves. vLLM's own default is on; so are the
+    # colocated option's nodes (their prefix cache is how a session-affine replica reuses the history).
+    prefill_prefix_caching: bool = DEFAULT_PREFILL_PREFIX_CACHING
     changed: tuple[str, ...] = ()  # the parts replaced on the preset, as "name=value"
 
     @property
@@ -109,7 +114,7 @@ def build_shape(
     decoder_kv_blocks_ttl_s: float = 480.0,
     session_ttl_s: float = DEFAULT_SESSION_TTL_S,
     held_kv_budget: float | None = DEFAULT_HELD_KV_BUDGET,
-    prefill_prefix_caching: bool = True,
+    prefill_prefix_caching: bool = DEFAULT_PREFILL_PREFIX_CACHING,
 ) -> ClusterShape:
     """The preset with the given parts replaced. Raises ``UnknownPreset`` or ``ValueError``.
 

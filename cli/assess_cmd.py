@@ -38,6 +38,7 @@ from kvtether.cli.assess_tokens import Encoder, hf_encoder, sim_encoder, turn_fa
 from kvtether.cli.assess_topology import DESCRIPTIONS, OPTIONS, RunSettings, run_option, timings
 from kvtether.cli.importers import FORMATS, ImportFormatError
 from kvtether.cli.options import FLAG, kvtether_version
+from kvtether.cli.replay import DEFAULT_PREFILL_PREFIX_CACHING
 from kvtether.gateway.policy.retention import RetentionKnobs
 from kvtether.sdk.sessionfile import SessionFileError, SessionRecord
 from rich.console import Console
@@ -112,8 +113,8 @@ def register(app: typer.Typer) -> None:
         held_kv_budget: float = typer.Option(0.5, "--held-kv-budget", min=0.01, max=1.0,
                                              help="The gateway's held_kv_budget (1 = none)."),
         prefill_prefix_caching: bool = typer.Option(
-            True, "--prefill-prefix-caching/--no-prefill-prefix-caching", metavar=FLAG,
-            help="Prefix caching on the simulated prefill nodes (vLLM's default: on)."),
+            DEFAULT_PREFILL_PREFIX_CACHING, "--prefill-prefix-caching/--no-prefill-prefix-caching", metavar=FLAG,
+            help="Prefix caching on the simulated prefill nodes (default off, as replay's; vLLM's own: on)."),
         input_format: str = typer.Option("session", "--format", help=f"session, {', '.join(FORMATS)}."),
         model: str | None = typer.Option(None, "--model", help="Model name for imported files."),
         tokenizer: str | None = typer.Option(None, "--tokenizer",
@@ -208,6 +209,7 @@ def register(app: typer.Typer) -> None:
         if sessions and simulate:
             settings = RunSettings(speed=speed, concurrency=n_conc, think_scale=think_scale, max_think_ms=max_think_ms)
             runs: dict[str, list[TurnTiming]] = {}
+            tpots: dict[str, list[float]] = {}
             t0 = time.monotonic()
             for option in run_options:
                 if not quiet:
@@ -216,9 +218,10 @@ def register(app: typer.Typer) -> None:
                     run = anyio.run(lambda o=option: run_option(o, sessions, shape, settings))  # type: ignore[misc]
                 except (OSError, ValueError) as e:
                     _fail(err, EXIT_FAILED, f"the simulated {option} run failed to start: {e}")
-                runs[option] = timings(run)
+                runs[option] = timings(run.replay)
+                tpots[option] = run.tpot_ms
             slo = tpot_slo if tpot_slo > 0 else None
-            answers["q4"] = compare_topologies(runs, late, slo, {k: DESCRIPTIONS[k] for k in runs})
+            answers["q4"] = compare_topologies(runs, late, slo, {k: DESCRIPTIONS[k] for k in runs}, tpots)
             answers["q4"]["wall_s"] = round(time.monotonic() - t0, 1)
             time_note = (f"simulated time = real × {speed:g}; {shape.gpus} GPUs in every option "
                          f"({shape.prefill}P+{shape.decode}D or {shape.nodes} colocated nodes × {shape.gpus_per_node})")

@@ -46,7 +46,8 @@ def render_console(console: Console, doc: dict[str, Any]) -> None:
     console.print(
         f"[bold]kvtether assess[/] {escape(doc['source'])}: {doc['sessions']} sessions, {doc['turns']} turns; "
         f"cluster {escape(c['preset'])}: {c['prefill_nodes']}P {c['decode_nodes']}D × {c['gpus_per_node']} GPU "
-        f"= {c['gpus']} GPUs, link {c['link_gbps']:,.0f} Gb/s, decoder TTL {c['decoder_kv_blocks_ttl_s']:g} s; "
+        f"= {c['gpus']} GPUs, link {c['link_gbps']:,.0f} Gb/s, decoder TTL {c['decoder_kv_blocks_ttl_s']:g} s, "
+        f"P prefix caching {'on' if c['prefill_prefix_caching'] else 'off'}; "
         f"tokens: {escape(doc['tokenizer'])}", soft_wrap=True)
     a = doc.get("answers", {})
     if "q1" in a:
@@ -109,7 +110,7 @@ def render_console(console: Console, doc: dict[str, Any]) -> None:
         for key, name in (("ttft_ms", "TTFT"), ("late_ttft_ms", "late TTFT")):
             for stat in ("p50", "p95", "p99"):
                 t.add_row(f"{name} {stat}", *[_fmt(o[key][stat], 0) for o in opts.values()])
-        t.add_row("TPOT p95", *[_fmt(o["tpot_ms"]["p95"], 1) for o in opts.values()])
+        t.add_row(_tpot_label(opts), *[_fmt(o["tpot_ms"]["p95"], 1) for o in opts.values()])
         t.add_row("errors", *[str(o["errors"]) for o in opts.values()])
         console.print(t)
         pt = Table(title="TTFT by turn index, p50 / p95 / p99 (ms)", title_justify="left")
@@ -128,6 +129,12 @@ def render_console(console: Console, doc: dict[str, Any]) -> None:
         _verdict(console, q["verdict"])
     for note in doc.get("notes", []):
         console.print(f"  [yellow]note:[/] {escape(note)}", soft_wrap=True)
+
+
+def _tpot_label(opts: dict[str, Any]) -> str:
+    """Says where the TPOT comes from: the simulated engine's steps, or the client's clock."""
+    engine = all(o.get("tpot_source") == "engine" for o in opts.values())
+    return "TPOT p95 (engine)" if engine else "TPOT p95"
 
 
 def _verdict(console: Console, text: str) -> None:
@@ -359,7 +366,7 @@ def render_html(doc: dict[str, Any]) -> str:
         for key, name in (("ttft_ms", "TTFT"), ("late_ttft_ms", f"late TTFT (turn ≥ {q['late_from_turn']})")):
             for stat in ("p50", "p95", "p99"):
                 rows.append((f"{name} {stat}", *[_fmt(o[key][stat], 0) for o in opts.values()]))
-        rows.append(("TPOT p95", *[_fmt(o["tpot_ms"]["p95"], 1) for o in opts.values()]))
+        rows.append((_tpot_label(opts), *[_fmt(o["tpot_ms"]["p95"], 1) for o in opts.values()]))
         rows.append(("errors", *[o["errors"] for o in opts.values()]))
         parts += [f"<h2>{html.escape(QUESTIONS[3][1])}</h2>", _verdict_html(q["verdict"]),
                   f"<figure id='plot-ttft'>{plot_ttft(q)}</figure>",

@@ -13,6 +13,12 @@ Each run is a fresh cluster and gateway in this process, replayed with ``cli/rep
 sessions' recorded gaps, the answers the simulated model gives threaded into the next turn's history). The
 simulator's clock runs ``speed`` times faster than real time; the gateway's clock is real, so its time
 settings (handle TTLs, idle release, retention interval, estimator seeds) are divided by ``speed``.
+
+TTFT is the client's measurement (real time × ``speed``). TPOT is the engine's own (:class:`DecodeTimes`): the
+time between a request's first and last token counted in the cost model's step durations, so that the TPOT
+objective, which decides which options may win, does not move with this machine's load: a decode step lasts
+milliseconds, the same order as the Python work of streaming its token through the node, the gateway and the
+client, which the client's clock multiplies by ``speed``.
 """
 
 from __future__ import annotations
@@ -20,11 +26,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtether.cli.assess_analysis import TurnTiming
 from kvtether.cli.assess_cluster import ClusterShape, register_preset
 from kvtether.cli.replay import ReplayOptions, ReplayRun, ThinkTime, TurnResult, new_session_suffix, run_replay
 from kvtether.sdk.sessionfile import SessionRecord
+
+if TYPE_CHECKING:
+    from kvtether.sim.engine import Engine, Step
 
 PD_POLICIES: tuple[str, ...] = ("no-pull", "reference", "auto")
 COLOCATED = "colocated"
@@ -98,10 +108,49 @@ def _lstsq(rows: list[tuple[float, float, float]], ys: list[float]) -> list[floa
     return [m[i][3] / m[i][i] for i in range(3)]
 
 
+class DecodeTimes:
+    """TPOT per request on the nodes that decode, in simulated time free of this machine's load.
+
+    Each watched engine gets a clock that advances by the cost model's duration of every step it runs (what
+    the engine sleeps, ``Engine.run``) and by nothing else. A request's TPOT is the time on that clock between
+    the steps that sampled its first and its last token, over the tokens between: every step of the node in
+    between counts, whether the request was in it or not (a long prefill chunk that took the step's whole
+    budget), exactly as a client would see it on an unloaded machine. Requests that sampled one token (prefill
+    legs) have no TPOT."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, list[float]] = {}  # request id -> [first token at, last token at, tokens]
+
+    def watch(self, engine: Engine) -> None:
+        from kvtether.sim.engine import State
+
+        cost = engine.preset.cost
+        clock = [0.0]
+
+        def on_step(step: Step) -> None:
+            # Called once the step's time has passed, before its tokens are sampled (Engine._apply).
+            clock[0] += cost.step_seconds(step.prefill_chunks, step.decode_contexts) * engine.slow_factor
+            for r, n in step.items:
+                if r.state is not State.RUNNING or r.num_computed + n < r.num_tokens:
+                    continue  # a prefill chunk short of the prompt's end: no token this step
+                seen = self._tokens.get(r.request_id)
+                if seen is None:
+                    self._tokens[r.request_id] = [clock[0], clock[0], 1.0]
+                else:
+                    seen[1] = clock[0]
+                    seen[2] += 1
+
+        engine.on_step = on_step
+
+    def tpot_ms(self) -> list[float]:
+        return [(last - first) * 1000 / (n - 1) for first, last, n in self._tokens.values() if n >= 2]
+
+
 @asynccontextmanager
 async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_estimates: bool = True,
-                         ) -> AsyncIterator[tuple[str, str]]:
-    """A fresh simulated cluster for `option` and an in-process gateway in front; yields (URL, model name)."""
+                         decode_times: DecodeTimes | None = None) -> AsyncIterator[tuple[str, str]]:
+    """A fresh simulated cluster for `option` and an in-process gateway in front; yields (URL, model name).
+    `decode_times`, when given, watches the nodes that decode (decode and aggregated)."""
     from kvtether.gateway.config import load_config
     from kvtether.gateway.shell.server import serve_gateway
     from kvtether.sim.cluster import ClusterSpec, SimCluster
@@ -113,6 +162,10 @@ async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_e
                        decoder_kv_blocks_ttl=shape.decoder_kv_blocks_ttl_s,
                        prefill_prefix_caching=shape.prefill_prefix_caching)
     async with SimCluster(spec) as cluster:
+        if decode_times is not None:
+            for node in cluster.nodes:
+                if node.cfg.role != "prefill":
+                    decode_times.watch(node.engine)
         timing = {
             "session_ttl_s": shape.session_ttl_s / speed, "engine_kv_ttl_s": shape.decoder_kv_blocks_ttl_s / speed,
             "idle_release_s": shape.idle_release_s / speed, "retention_interval_s": max(0.05, 1.0 / speed),
@@ -128,8 +181,14 @@ async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_e
             yield str(url), spec.model_name
 
 
+@dataclass(frozen=True, slots=True)
+class OptionRun:
+    replay: ReplayRun
+    tpot_ms: list[float]  # per decoding request, from the engine (DecodeTimes)
+
+
 async def run_option(option: str, sessions: Sequence[SessionRecord], shape: ClusterShape, settings: RunSettings,
-                     on_result: Callable[[TurnResult], None] | None = None) -> ReplayRun:
+                     on_result: Callable[[TurnResult], None] | None = None) -> OptionRun:
     opts = ReplayOptions(
         concurrency=settings.concurrency,
         think_time=ThinkTime("scale", settings.think_scale),
@@ -139,9 +198,11 @@ async def run_option(option: str, sessions: Sequence[SessionRecord], shape: Clus
         time_scale=settings.speed,
         session_suffix=new_session_suffix(),
     )
-    async with option_gateway(option, shape, settings.speed, settings.learn_estimates) as (url, model):
+    decode_times = DecodeTimes()
+    async with option_gateway(option, shape, settings.speed, settings.learn_estimates, decode_times) as (url, model):
         opts.model = model
-        return await run_replay(sessions, url, opts, on_result)
+        run = await run_replay(sessions, url, opts, on_result)
+    return OptionRun(run, decode_times.tpot_ms())
 
 
 def timings(run: ReplayRun) -> list[TurnTiming]:

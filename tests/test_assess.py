@@ -208,11 +208,30 @@ def test_compare_topologies_tpot_objective_and_errors() -> None:
     assert q["options"]["auto"]["errors"] == 1
 
 
+def test_compare_topologies_calls_a_small_margin_a_tie() -> None:
+    runs = {"no-pull": [timing(1, 1000)], "reference": [timing(1, 1050)]}
+    q = compare_topologies(runs, late=1, tpot_slo_ms=None)
+    assert q["best"] == "no-pull" and q["margin"] == pytest.approx(1.05)
+    assert "a tie with reference" in q["verdict"]
+
+
+def test_compare_topologies_judges_tpot_by_the_engines_measurement() -> None:
+    """The client measured colocated within the objective (its clock is noisy); the engine's TPOT, where given,
+    is the one the objective reads, and the client's stays in the document beside it."""
+    runs = {"colocated": [timing(1, 100, tpot=20.0)], "pull": [timing(1, 300, tpot=20.0)]}
+    q = compare_topologies(runs, late=1, tpot_slo_ms=50.0, engine_tpots={"colocated": [80.0, 90.0], "pull": [15.0]})
+    assert q["best"] == "pull" and "colocated miss the TPOT" in q["verdict"]
+    colocated = q["options"]["colocated"]
+    assert colocated["tpot_source"] == "engine" and colocated["tpot_ms"]["n"] == 2
+    assert colocated["client_tpot_ms"]["p95"] == 20.0
+
+
 # --- cluster and gateway parsing -----------------------------------------------------------------------------
 
 
 def test_cluster_parts_replace_the_preset() -> None:
     base = build_shape("llama-3.1-8b-h100")
+    assert not base.prefill_prefix_caching  # as replay's simulated cluster (cli/replay.py)
     assert base.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 and base.gpus == 2 and base.link_gbps == pytest.approx(400)
     shape = build_shape("llama-3.1-8b-h100", prefill=2, decode=2, kv_dtype="fp8", link_gbps=100, gpus_per_node=2)
     assert shape.kv_bytes_per_token == 2 * 32 * 8 * 128 * 1
