@@ -93,3 +93,51 @@ def test_the_fuzz_script_finds_no_5xx_reset_or_hang() -> None:
     fuzz = load("fuzz_gateway")
     args = argparse.Namespace(requests=150, seed=7, concurrency=8, timeout_s=30.0)
     assert anyio.run(fuzz.run, args) == 0
+
+
+RESPONSES_FIELDS = ["model", "input", "instructions", "stream", "max_output_tokens", "temperature", "tools",
+                    "tool_choice", "reasoning", "include", "text", "store", "previous_response_id", "conversation",
+                    "prompt_cache_key", "truncation", "background", "kv_transfer_params", "chat_template_kwargs",
+                    "parallel_tool_calls", "metadata"]
+ITEM_TYPES = ["message", "reasoning", "function_call", "function_call_output", "custom_tool_call",
+              "custom_tool_call_output", "web_search_call", "item_reference", ""]
+items = st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(ITEM_TYPES)},
+    optional={"role": st.sampled_from(ROLES), "content": st.text(max_size=20) | json_values,
+              "call_id": json_values, "name": json_values, "arguments": json_values, "output": json_values,
+              "summary": json_values, "encrypted_content": json_values, "namespace": json_values,
+              "status": json_values}), min_size=0, max_size=4)
+
+
+@st.composite
+def responses_requests(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, str]]:
+    body: dict[str, Any] = {"model": MODEL, "max_output_tokens": 8, "input": "hello there"}
+    for name in draw(st.lists(st.sampled_from(RESPONSES_FIELDS), max_size=4, unique=True)):
+        if draw(st.booleans()) and name in body:
+            del body[name]
+        elif name == "input":
+            body[name] = draw(items)
+        else:
+            body[name] = draw(json_values)
+    headers = draw(st.dictionaries(st.sampled_from(["thread-id", "session-id", "x-codex-turn-metadata",
+                                                    "x-session-id"]),
+                                   st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126),
+                                           max_size=80), max_size=2))
+    return body, headers
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(req=responses_requests())
+def test_no_responses_request_makes_the_gateway_fail(live: Rig, req: tuple[dict[str, Any], dict[str, str]]) -> None:
+    """The same property on /v1/responses: its translation, state lookups and stream conversion."""
+    body, headers = req
+    with httpx.Client(timeout=30) as client:
+        resp = client.post(f"{live.url}/v1/responses", content=json.dumps(body), headers=headers)
+        text = resp.text
+    assert resp.status_code < 500, (resp.status_code, text, body)
+    if resp.status_code >= 400:
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    else:
+        assert "kv_transfer_params" not in text, text[:500]
+    nodes = live.gw.cluster.nodes.values()
+    assert all(n.healthy for n in nodes), [(n.url, n.last_error) for n in nodes]

@@ -253,6 +253,7 @@ async def test_errors_come_in_openais_shape_and_tenants_do_not_share_state() -> 
             ({**body, "model": "gpt-5"}, 404, "gpt-5"),
             ({**body, "previous_response_id": got["id"], "conversation": "c"}, 400, "conversation"),
             ({**body, "input": 3}, 400, "input"),
+            ({**body, "input": [{"role": "user", "content": "x"}] * 100_000}, 400, "input"),
         ]
         for case, status, word in cases:
             resp = await r.client.post(f"{r.url}/v1/responses", json=case, headers=a)

@@ -75,7 +75,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise GatewayError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise GatewayError(400, "request body must be a JSON object", code="invalid_json")
-    for name, limit in (("messages", MAX_MESSAGES), ("tools", MAX_TOOLS)):
+    for name, limit in (("messages", MAX_MESSAGES), ("input", MAX_MESSAGES), ("tools", MAX_TOOLS)):
         value = data.get(name)
         if isinstance(value, list) and len(value) > limit:  # before the walk below, which is per value
             raise bad(f"{name} holds {len(value)} items; at most {limit} are served", name, "too_many_items")
