@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+from kvtether.cli import calibration
 from kvtether.cli.generate import WORDS, parse_mix
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import TUNING_FIELDS, PolicyKnobs
@@ -254,55 +255,8 @@ async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan
 
 
 def calibrated_seeds(preset_name: str, speed: float) -> dict[str, float]:
-    """Estimator seeds from the preset's cost model (simulated seconds → real seconds at `speed`).
-
-    prefill ≈ a + b·n + c·n·(ctx + n/2): least squares over a few sizes; transfer = latency + per token;
-    decode step = base + per sequence; queue = one typical prefill per request ahead.
-    """
-    p = get_preset(preset_name)
-    c = p.cost
-    pts = [(n, ctx) for n in (64, 512, 2048, 8192, 16384) for ctx in (0, 8192)]
-    rows = [(1.0, float(n), n * (ctx + n / 2)) for n, ctx in pts]
-    ys = [c.lone_prefill_seconds(n, ctx, p.max_num_batched_tokens) for n, ctx in pts]
-    coef = _lstsq(rows, ys)
-    t1, t2 = c.transfer_seconds(1000), c.transfer_seconds(20000)
-    per_tok = (t2 - t1) / 19000
-    step = c.hardware.step_overhead
-    d1, d16 = c.decode_seconds([12000]) + step, c.decode_seconds([12000] * 16) + step
-    per_seq = (d16 - d1) / 15
-    seeds = {
-        "seed_prefill_overhead_s": max(coef[0], 1e-4), "seed_prefill_s_per_token": max(coef[1], 1e-8),
-        "seed_prefill_s_per_pair": max(coef[2], 1e-13), "seed_transfer_latency_s": max(t1 - 1000 * per_tok, 1e-4),
-        "seed_transfer_s_per_token": per_tok, "seed_tpot_base_s": max(d1 - per_seq, 1e-4),
-        "seed_tpot_s_per_seq": max(per_seq, 1e-6),
-        "seed_queue_s_per_request": c.lone_prefill_seconds(4000, 0, p.max_num_batched_tokens),
-    }
-    return {k: v / speed for k, v in seeds.items()}
-
-
-def _lstsq(rows: list[tuple[float, float, float]], ys: list[float]) -> list[float]:
-    """Relative least squares (each point weighted by 1/y) for 3 unknowns, by normal equations."""
-    a = [[0.0] * 3 for _ in range(3)]
-    b = [0.0] * 3
-    for row, y in zip(rows, ys, strict=True):
-        w = 1.0 / (y * y)
-        for i in range(3):
-            b[i] += w * row[i] * y
-            for j in range(3):
-                a[i][j] += w * row[i] * row[j]
-    # Gaussian elimination (3×3, well conditioned after the 1/y² weights).
-    m = [[*a[i], b[i]] for i in range(3)]
-    for col in range(3):
-        piv = max(range(col, 3), key=lambda r: abs(m[r][col]))
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(col + 1, 3):
-            f = m[r][col] / m[col][col]
-            for k in range(col, 4):
-                m[r][k] -= f * m[col][k]
-    x = [0.0] * 3
-    for r in range(2, -1, -1):
-        x[r] = (m[r][3] - sum(m[r][k] * x[k] for k in range(r + 1, 3))) / m[r][r]
-    return x
+    """Estimator seeds from the preset's cost model, in real seconds at `speed` (kvtether.cli.calibration)."""
+    return calibration.calibrated_seeds(get_preset(preset_name), speed)
 
 
 def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
