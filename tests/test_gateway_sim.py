@@ -60,7 +60,7 @@ async def rig(*, prefill: int = 1, decode: int = 1, aggregated: int = 0, sim: di
     gw.setdefault("policy", "pull")
     gw.setdefault("metrics_poll_interval_s", 0.5)
     spec = ClusterSpec(prefill=prefill, decode=decode, aggregated=aggregated, speed=SPEED,
-                       kv_recompute_threshold=4, kv_lease_duration=3600.0, **(sim or {}))
+                       **{"kv_recompute_threshold": 4, "kv_lease_duration": 3600.0, **(sim or {})})
     async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
                                                                     speed=SPEED)) as oracle:
         if aggregated:
@@ -95,13 +95,17 @@ async def run_session(r: Rig, session: int, turns: int, *, header: bool = True, 
         stream = stream_every > 0 and turn % stream_every == stream_every - 1
         before = await p2p_tokens(r) if check_pull else 0.0
         attached_before = await outcome(r, "attached") if check_pull else 0.0
-        got = await chat(r.client, r.url, request_body(messages, stream=stream, thinking=thinking), headers)
+        seen: dict[str, str] = {}
+        got = await chat(r.client, r.url, request_body(messages, stream=stream, thinking=thinking), headers,
+                         response_headers=seen)
         want = await chat(r.client, r.oracle, request_body(messages, stream=False, thinking=thinking), clean=False)
         assert comparable(got) == comparable(want), f"session {session} turn {turn} differs from the oracle"
         if check_pull and turn > 0:
-            # Every turn after the first extends the history exactly: the handle is attached and P pulls.
+            # Every turn after the first extends the history exactly: the handle is attached and P pulls, and
+            # the answer says so because P's cached count says so.
             assert await outcome(r, "attached") == attached_before + 1, f"turn {turn} not attached"
             assert await p2p_tokens(r) > before, f"turn {turn}: no reverse pull"
+            assert seen["x-kvtether-reuse-source"] == "decode_pull", (turn, seen)
         answers.append(got)
         messages = next_messages(messages, got, session, turn)
     return answers
@@ -214,6 +218,44 @@ async def test_edited_histories_give_no_wrong_answer() -> None:
     assert total >= 12
     assert wrong == 0, f"{wrong} wrong answers of {total}"
     assert outcomes["truncated"] + outcomes["refused_by_guard"] >= total // 2
+
+
+async def test_a_handle_p_did_not_read_is_reported_as_what_p_did_not_as_a_pull() -> None:
+    """An edit late in the last message: the guard cuts the handle at the edit, which P's own prefix cache
+    (it prefilled that prompt last turn) already covers; with vLLM's default recompute threshold P reads
+    nothing from D. The header and the metrics say P's own cache, as P's counters do (a turn P did read is
+    reported as a pull: run_session's check_pull)."""
+    async with rig(sim={"kv_recompute_threshold": 64}) as r:
+        sid = {"x-session-id": "unread-1"}
+        messages = first_messages(50)
+        await chat(r.client, r.url, request_body(messages, stream=False), sid)
+        edited = [messages[0], {**messages[1], "content": str(messages[1]["content"]) + " (and mind the tests)"}]
+        turns: list[tuple[str, float, dict[str, str]]] = []
+
+        async def turn(history: list[dict[str, Any]]) -> dict[str, Any]:
+            before_p2p = await p2p_tokens(r)
+            headers: dict[str, str] = {}
+            body = request_body(history, stream=False)
+            got = await chat(r.client, r.url, body, sid, response_headers=headers)
+            assert comparable(got) == comparable(await chat(r.client, r.oracle, body, clean=False))
+            turns.append((headers["x-kvtether-reuse-source"], await p2p_tokens(r) - before_p2p, headers))
+            return got
+
+        answer = await turn(edited)
+        await turn(next_messages(edited, answer, 50, 1))  # extends the edited turn: D holds exactly this history
+        (edit_source, edit_p2p, edit_headers), (next_source, next_p2p, next_headers) = turns
+        assert edit_headers["x-kvtether-plan"] == "truncate", edit_headers
+        assert (edit_source, edit_p2p) == ("prefill_cache", 0), turns
+        assert int(edit_headers["x-kvtether-reuse-tokens"]) > 0
+        # The next turn's whole handle: P's cache holds the edited prompt, and what it lacks (the short answer)
+        # is below P's recompute threshold, so P computes it: no pull either, and said so.
+        assert next_headers["x-kvtether-plan"] == "attach" and (next_source, next_p2p) == ("prefill_cache", 0), turns
+        assert await outcome(r, "unread") == 2
+        text = (await r.client.get(f"{r.url}/metrics")).text
+        assert sample_sum(text, "kvtether_reused_tokens_total", source="decode_pull") == 0
+        assert sample_sum(text, "kvtether_reused_tokens_total", source="prefill_cache") == \
+            int(edit_headers["x-kvtether-reuse-tokens"]) + int(next_headers["x-kvtether-reuse-tokens"])
+        assert sample_sum(text, "kvtether_offered_tokens_total") > 0
 
 
 async def test_reference_policy_gives_wrong_answers_on_edited_histories() -> None:

@@ -401,6 +401,44 @@ async def test_edited_histories_never_give_a_wrong_answer(pair: Backend) -> None
     assert not any(t.attached for t in turns.values()), turns
 
 
+async def test_a_truncated_handle_inside_ps_own_cache_is_reported_as_what_p_did(pair: Backend) -> None:
+    """An edit at the end of the last user message: the guard cuts D's handle at the edit, and P's prefix cache
+    (it prefilled that prompt on the first turn) already holds every block of the cut handle, so P reads
+    nothing from D (the rest is below vLLM's kv_recompute_threshold). The answer must not claim a pull: the
+    header, the metric and P's own p2p counter agree. A turn that P does read from D (exact token ids: what
+    P's cache lacks is the whole answer, above the threshold) is reported as a pull, as P's counter says."""
+    tag = uuid.uuid4().hex[:6]
+    hdr = {"x-session-id": f"unread-{tag}"}
+    async with gateway(pair, policy="pull") as rig:
+        messages = first_messages(tag)
+        await chat(rig.client, rig.url, body(pair.model, messages, stream=False), hdr)
+        edited = [messages[0], {**messages[1], "content": messages[1]["content"] + " Keep it short."}]
+        p2p, unread = await rig.p2p(), await rig.outcome("unread")
+        r = await rig.client.post(rig.url + "/v1/chat/completions", headers=hdr,
+                                  json=body(pair.model, edited, stream=False))
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvtether-plan"] == "truncate", dict(r.headers)
+        assert await rig.p2p() == p2p, "P read from D: the edit was not inside P's own cache"
+        assert r.headers["x-kvtether-reuse-source"] == "prefill_cache", dict(r.headers)
+        assert int(r.headers["x-kvtether-reuse-tokens"]) > 0
+        assert await rig.outcome("unread") == unread + 1
+        ids = [int(t) for t in r.json()["choices"][0]["token_ids"]]
+        assert await answer_mismatch(rig.client, pair, edited, ids) is None
+        # A pull P does make: its cache holds the first prompt, the handle adds the answer.
+        rng = random.Random(uuid.uuid4().int)
+        thdr = {"x-session-id": f"read-{tag}"}
+        prompt = [rng.randrange(16, 4000) for _ in range(400)]
+        got = await _completion(rig, token_request(pair.model, prompt), thdr)
+        prompt = prompt + list(got["choices"][0]["token_ids"]) + [rng.randrange(16, 4000) for _ in range(30)]
+        p2p = await rig.p2p()
+        r = await rig.client.post(rig.url + "/v1/completions", headers=thdr, json=token_request(pair.model, prompt))
+        assert r.status_code == 200, r.text
+        pulled = await rig.p2p() - p2p
+        assert pulled > 0 and r.headers["x-kvtether-reuse-source"] == "decode_pull", (pulled, dict(r.headers))
+        text = (await rig.client.get(rig.url + "/metrics")).text
+        assert sample_sum(text, "kvtether_reused_tokens_total", source="decode_pull") >= pulled
+
+
 async def test_reference_proxy_behaviour_corrupts_edited_histories(pair: Backend) -> None:
     """The unguarded reference-proxy behaviour sends D's handle whatever the prompt, and P reads that KV in
     place of the edited tokens: with a rewritten system prompt, KV computed for the old one (P's own cache

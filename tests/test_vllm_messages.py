@@ -327,7 +327,7 @@ async def outcomes(r: Rig) -> dict[str, float]:
     text = (await r.client.get(r.url + "/metrics")).text
     out = {o: sample_sum(text, "kvtether_handle_outcomes_total", outcome=o)
            for o in ("attached", "truncated", "refused_by_guard", "missing", "expired", "retried_cold")}
-    out["reused_tokens"] = sample_sum(text, "kvtether_reused_tokens_total")
+    out["reused_tokens"] = sample_sum(text, "kvtether_offered_tokens_total")
     return out
 
 

@@ -106,7 +106,7 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 async def _reuse_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     text = (await client.get(f"{url}/metrics")).text
     out = {o: sample_sum(text, "kvtether_handle_outcomes_total", outcome=o) for o in ("attached", "truncated")}
-    out["reused"] = sample_sum(text, "kvtether_reused_tokens_total")
+    out["reused"] = sample_sum(text, "kvtether_offered_tokens_total")
     return out
 
 
@@ -161,11 +161,13 @@ async def test_gateway_verifies_the_tokenizer_and_guards_with_local_ids(vllm_pai
                 if after["attached"] > before["attached"]:
                     assert first_diff == len(held), f"turn {turn}: attached, but the prompt leaves the held " \
                         f"sequence at token {first_diff} of {len(held)}"
-                    assert reused == len(held), (turn, reused, len(held))
+                    # Offered whole, or one token short where its length is whole blocks (P's own cache hit
+                    # could equal it, and P's cached count could not tell a read: guard/readback.py).
+                    assert reused in (len(held), len(held) - 1), (turn, reused, len(held))
                     reuses.append("attached")
                 elif after["truncated"] > before["truncated"]:
                     assert first_diff < len(held), f"turn {turn}: truncated, but the prompt extends the held sequence"
-                    assert first_diff - block < reused <= first_diff, \
+                    assert first_diff - block - 1 < reused <= first_diff, \
                         f"turn {turn}: {reused} tokens reused, first difference at {first_diff} (block {block})"
                     reuses.append("truncated")
             answer = data["choices"][0]

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.guard.readback import Read
 from kvtether.gateway.guard.tokencheck import GuardTokenizer
 from kvtether.gateway.nodes.cluster import Cluster, host_of, port_of
 from kvtether.gateway.nodes.retention import Retention
@@ -99,8 +100,7 @@ class TurnContext:
 @dataclass
 class Prefilled:
     params: dict[str, Any] | None
-    cached_tokens: int
-    pulled: bool  # a handle was attached and accepted
+    read: Read  # what P reported of its cached tokens and whether it read the handle
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import httpx
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.guard.readback import DECODE_PULL, Read, read_of, reported_cached_tokens
 from kvtether.gateway.guard.tokencheck import Trust
 from kvtether.gateway.guard.tokenizer import LocalTokenizer
 from kvtether.gateway.guard.verify import handle_num_tokens
@@ -172,14 +173,16 @@ async def prefill(sv: Services, ctx: TurnContext, node: str, kv: dict[str, Any] 
         sv.cluster.mark_ok(node)
         params = data.get(B.KV_FIELD)
         usage = data.get("usage")
-        cached = B.cached_tokens(usage)
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        prompt = prompt if isinstance(prompt, int) else None
+        read = read_of(handle_num_tokens(kv) if kv is not None else None, prompt, reported_cached_tokens(usage))
         response_id, response_model = B.response_identity(data)
         T.set_attrs(span, {T.GEN_AI_RESPONSE_TTFC: time.perf_counter() - started,
                            T.GEN_AI_RESPONSE_ID: response_id, T.GEN_AI_RESPONSE_MODEL: response_model,
-                           T.GEN_AI_USAGE_INPUT: usage.get("prompt_tokens") if isinstance(usage, dict) else None,
-                           T.GEN_AI_USAGE_CACHE_READ: cached})
-        _prefill_learned(sv, ctx, node, usage, cached, time.perf_counter() - started, kv)
-        return Prefilled(params if isinstance(params, dict) else None, cached, kv is not None)
+                           T.GEN_AI_USAGE_INPUT: prompt, T.GEN_AI_USAGE_CACHE_READ: read.cached_tokens,
+                           T.ATTR_HANDLE_READ: read.source == DECODE_PULL if kv is not None else None})
+        _prefill_learned(sv, ctx, node, prompt, read, time.perf_counter() - started, kv)
+        return Prefilled(params if isinstance(params, dict) else None, read)
     except UpstreamFailure as failure:
         span.set_attribute(T.ERROR_TYPE, str(failure.status or "connection"))
         span.set_status(trace.Status(trace.StatusCode.ERROR, str(failure)))
@@ -189,22 +192,23 @@ async def prefill(sv: Services, ctx: TurnContext, node: str, kv: dict[str, Any] 
         span.end()
 
 
-def _prefill_learned(sv: Services, ctx: TurnContext, node: str, usage: Any, cached: int, seconds: float,
+def _prefill_learned(sv: Services, ctx: TurnContext, node: str, prompt: int | None, read: Read, seconds: float,
                      kv: dict[str, Any] | None) -> None:
     """What the policy learns from a prefill leg: P's speed, and the new KV its cache took in."""
-    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    if not isinstance(prompt, int):
+    if prompt is None:
         return
-    # P reads from D only what its own cache lacks of the handle (min(handle, prompt) − its own hit), so a
-    # handle whose head P already held is not a pull of all its tokens; P's own hit is the plan's estimate.
-    offered = min(handle_num_tokens(kv) or 0, prompt) if kv is not None else 0
-    pulled = max(0, offered - ctx.prefill_cached.get(node, 0))
+    # P reads from D only what its own cache lacks of the handle (min(handle, prompt) − its own hit), and
+    # nothing when it reported no read; its own hit is the plan's estimate (vLLM reports only the sum).
+    pulled = 0
+    if kv is not None and read.source == DECODE_PULL:
+        pulled = max(0, min(handle_num_tokens(kv) or 0, prompt) - ctx.prefill_cached.get(node, 0))
     holder = ctx.state.decode if ctx.state is not None else None
-    sv.learning.prefill_done(node, prompt, cached, seconds, now=sv.clock(), load=ctx.load_at_plan(node),
-                             pulled_tokens=pulled, pulled_from=holder)
-    # Without a handle P's cached tokens are its own hit; with one they include what it read from D (which its
+    sv.learning.prefill_done(node, prompt, read.cached_tokens, seconds, now=sv.clock(),
+                             load=ctx.load_at_plan(node), pulled_tokens=pulled, pulled_from=holder)
+    # Without a read P's cached tokens are its own hit; with one they include what it read from D (which its
     # cache takes in too), so the plan's estimate of its own hit stands in.
-    sv.learning.wrote(node, prompt, ctx.prefill_cached.get(node, 0) if kv is not None else cached)
+    own = ctx.prefill_cached.get(node, 0) if pulled else read.cached_tokens
+    sv.learning.wrote(node, prompt, own)
 
 
 async def final_leg(sv: Services, ctx: TurnContext, the_plan: Plan, payload: dict[str, Any], leg: str,

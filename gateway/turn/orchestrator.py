@@ -17,14 +17,16 @@ from typing import Any
 import httpx
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.guard.readback import readable_offer
 from kvtether.gateway.guard.tokencheck import GuardTokenizer
-from kvtether.gateway.guard.verify import truncate_handle
+from kvtether.gateway.guard.verify import handle_num_tokens, truncate_handle
 from kvtether.gateway.nodes.cluster import Cluster, host_of
 from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
 from kvtether.gateway.policy.knobs import PolicyKnobs
 from kvtether.gateway.policy.learning import Learning
 from kvtether.gateway.policy.placement import HandleAction, HandleState, NoCapacity, Plan, Turn, plan, plan_aggregated
+from kvtether.gateway.policy.reasons import reason_bucket
 from kvtether.gateway.policy.retention import ReleaseReason
 from kvtether.gateway.shell.errors import GatewayError
 from kvtether.gateway.stores.sessions import SessionStore
@@ -59,6 +61,8 @@ class Orchestrator:
         self._rr = 0
         for node in config.decode:
             metrics.decode_stall.labels(node)  # every series shows zero before the first local turn
+        if config.mode == "pd":
+            metrics.expect_decisions(config.policy)
 
     @property
     def learning(self) -> Learning:
@@ -111,11 +115,13 @@ class Orchestrator:
                 except GatewayError as err:
                     return err.response()
                 kv = None  # single use: never resend a handle, whatever happens next
-                source = ("decode_pull" if prefilled.pulled else
-                          ("prefill_cache" if prefilled.cached_tokens else "none"))
+                # What P reported, not what the plan meant: a handle P did not read is no pull.
+                source, reused = prefilled.read.source, prefilled.read.cached_tokens
+                if prefilled.read.handle_unread:
+                    sv.metrics.handle_outcomes.labels("unread").inc()
+                sv.metrics.reused_tokens.labels(source).inc(reused)
                 d_kv = B.with_host(prefilled.params, host_of(the_plan.prefill or "")) if prefilled.params else None
                 d_body = B.decode_body(ctx.body, d_kv, want_token_ids=sv.config.guarded)
-                reused = prefilled.cached_tokens
             ctx.response_headers = T.reuse_headers(source, reused, the_plan.action.value)
             T.set_attrs(ctx.span, {T.ATTR_REUSE_TOKENS: reused, T.ATTR_SUFFIX_TOKENS:
                                    len(g.prompt_ids) - reused if g.prompt_ids is not None else None})
@@ -148,7 +154,10 @@ class Orchestrator:
             kv = truncate_handle(g.taken.handle, the_plan.reuse_tokens,
                                  sv.cluster.block_size(g.turn.pinned_decode or ""))
         if kv is not None:
-            sv.metrics.reused_tokens.inc(the_plan.reuse_tokens)
+            # Never a length P's own prefix-cache hit could equal, so P's cached count tells whether it read it.
+            kv = readable_offer(kv, len(g.prompt_ids) if g.prompt_ids is not None else None,
+                                sv.cluster.block_size(the_plan.prefill or ""))
+            sv.metrics.offered_tokens.inc(handle_num_tokens(kv) or 0)
         return kv
 
     def _after_failed_decode(self, ctx: TurnContext, turn: Turn, failure: UpstreamFailure, *,
@@ -206,12 +215,15 @@ class Orchestrator:
                 raise GatewayError(503, str(exc), code="no_capacity",
                                    retry_after_s=sv.cluster.retry_after(exc.role)) from None
             stall = sv.learning.planned(p)
+            bucket = reason_bucket(p)
+            sv.metrics.placement_decisions.labels(p.action.value, bucket).inc()
             if p.decision is not None and p.action is HandleAction.DECODE_LOCAL:
                 sv.metrics.decode_stall.labels(p.decode).inc(stall)
             if p.decision is not None:
                 T.set_attrs(span, T.cost_attributes(p.decision.trace_attributes()))
             T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_ACTION: p.action.value,
-                               T.ATTR_PLAN_REASON: p.reason, T.ATTR_PREFILL: p.prefill, T.ATTR_DECODE: p.decode,
+                               T.ATTR_PLAN_REASON: p.reason, T.ATTR_PLAN_REASON_BUCKET: bucket,
+                               T.ATTR_PREFILL: p.prefill, T.ATTR_DECODE: p.decode,
                                T.ATTR_HANDLE_OUTCOME: p.handle_outcome, T.ATTR_REUSE_TOKENS: p.reuse_tokens,
                                T.ATTR_RE_PLACED: p.re_placed})
         held = sv.cluster.nodes.get(p.decode)

@@ -12,12 +12,13 @@ import logging
 from typing import Any
 
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.guard.readback import reported_cached_tokens
 from kvtether.gateway.guard.verify import HeldSequence, handle_num_tokens, handle_request_id
 from kvtether.gateway.nodes.cluster import host_of
 from kvtether.gateway.policy import copies as PC
 from kvtether.gateway.policy.learning import DecodeSample
 from kvtether.gateway.policy.placement import HandleAction, Plan
-from kvtether.gateway.policy.retention import ReleaseReason
+from kvtether.gateway.policy.retention import ReleaseReason, block_scope
 from kvtether.gateway.shell.auth import scoped
 from kvtether.gateway.stores.sessions import SessionState
 from kvtether.gateway.turn import body as B
@@ -40,8 +41,14 @@ async def finish(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResu
     release_hold_back(sv, the_plan.decode, result)
     try:
         usage = result.usage if isinstance(result.usage, dict) else {}
-        if the_plan.prefill is None and source == "none" and B.cached_tokens(usage):
-            source = "prefill_cache"
+        if the_plan.prefill is None:
+            # The node that prefilled is the one that answered: its usage says what it did not compute (a P/D
+            # turn's prefill leg was counted when P answered).
+            if source == "none" and B.cached_tokens(usage):
+                source = "prefill_cache"
+            cached = reported_cached_tokens(usage)
+            if cached is not None:
+                sv.metrics.reused_tokens.labels(source).inc(cached)
         T.set_attrs(span, {T.GEN_AI_RESPONSE_FINISH_REASONS: result.finish_reasons or None,
                            T.GEN_AI_RESPONSE_ID: result.response_id, T.GEN_AI_RESPONSE_MODEL: result.response_model,
                            T.GEN_AI_USAGE_INPUT: usage.get("prompt_tokens"),
@@ -133,6 +140,7 @@ async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRe
         prefill_copies=copies,
         last_turn_at=now,
         mean_gap_s=_mean_gap(base, prior, ctx),
+        cache_scope=block_scope(ctx.model, ctx.body.get("cache_salt")),
     ))
     sv.metrics.pinned_sessions.set(await sv.store.count())
 
