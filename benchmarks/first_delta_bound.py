@@ -1,4 +1,4 @@
-"""How far placement alone can lower the late-turn first-delta p50 (issue 8): a replay of measured turns.
+"""How far placement alone can lower the late-turn first-delta p50: a replay of measured turns.
 
 The project's TTFT is the first content or tool-call *delta*. A tool-call answer's first delta waits, after
 its first token, for the parser to release the function name (hermes: ~11 decode steps; glm47, the format the

@@ -1,4 +1,4 @@
-"""Per-turn placement policies side by side (issue 8): TTFT by turn bucket and decode TPOT, on the simulator.
+"""Per-turn placement policies side by side: TTFT by turn bucket and decode TPOT, on the simulator.
 
 Policies (same generated sessions, a fresh simulated cluster each):
 

@@ -1,6 +1,6 @@
 """Real vLLM (CPU) prefill/decode pair: multi-turn sessions through kvtether under each policy, side by side.
 
-Issue 4's real benchmark (with and without the reverse pull) and issue 8's real-vLLM run (the four policies):
+With and without the reverse pull, and the four placement policies:
 
   no-pull    P/D without the reverse pull: P recomputes the whole history every turn
   reference  vLLM's reference proxy: the last handle attached unchecked

@@ -4,7 +4,7 @@
 Run:  .venv/bin/python benchmarks/sim_pull_sweep.py [--mode analytic|sim] [--preset NAME ...]
 
 What is compared
-  The vLLM blog (2026-10-12; docs/vllm-pd-protocol.md §4): 1P1D, each node 8 x H200 TP8, 16 x 200 Gb/s EFA,
+  The vLLM blog (2026-10-12; docs/protocol.md §4): 1P1D, each node 8 x H200 TP8, 16 x 200 Gb/s EFA,
   prefill prefix caching OFF, kv_recompute_threshold 64, decoder_kv_blocks_ttl 480, vLLM's multi-turn
   benchmark. Published: Qwen3-32B TTFT off 158 -> 778 ms, on 122 -> 460 ms over 2k -> 24k prompts;
   GLM-5-FP8 off 500 -> 2334 ms, on 358 -> 702 ms over 2k -> 20k; the D -> P transfer itself ~30-130 ms.

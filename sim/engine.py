@@ -4,7 +4,7 @@ The step loop mirrors vLLM's v1 scheduler closely enough for timing and cache be
 requests first, then admission from the waiting queue, one token budget per step shared by prefill
 chunks and decode tokens; each step costs ``cost.step_seconds`` of simulated time.
 
-Transfer legs follow vLLM's NIXL connector (docs/vllm-pd-protocol.md §1–3):
+Transfer legs follow vLLM's NIXL connector (docs/protocol.md §1–3):
 
 * **prefill leg** (``do_remote_decode``): compute the prompt, hold its blocks under a lease for the
   decode's read, answer with the prefill params. If the params carry a decode *handle*
@@ -14,10 +14,10 @@ Transfer legs follow vLLM's NIXL connector (docs/vllm-pd-protocol.md §1–3):
   node, decode, and with bidirectional transfer on keep all blocks and return a handle. A whole request
   with kv_transfer_params that set neither flag is kept the same way (vLLM treats it as a decode), but
   vLLM's NIXL worker never registers that hold: no TTL, a reader's notification is ignored, and its blocks
-  stay pinned until the node restarts (docs: vllm-retention.md §3.2).
+  stay pinned until the node restarts (docs/protocol.md §5.4).
 
 Held blocks count as used KV, are not evictable, and are never preempted: when they fill the cache, new
-requests wait and running ones are preempted (vllm-retention.md §1.3).
+requests wait and running ones are preempted (docs/protocol.md §5.2).
 """
 
 from __future__ import annotations
@@ -592,7 +592,7 @@ class Engine:
             count = min(remote_tokens, prompt_len) - num_computed
             if count <= 0 or count < self.cfg.kv_recompute_threshold:
                 # Computed here; vLLM still queues a notify-only "recv" with no local blocks, which frees the
-                # decode's hold at once (the one-token release of vllm-retention.md §2.2 is this path).
+                # decode's hold at once (the one-token release of docs/protocol.md §5.3 is this path).
                 return ConnectorPlan(notify=_remote_ref(p))
             remote_ids = _group0(p)
         else:

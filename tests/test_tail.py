@@ -1,4 +1,4 @@
-"""The running quantile behind the cost policy's tail-aware objective (gateway/tail.py, pure)."""
+"""The running quantile behind the cost policy's tail-aware objective (gateway/policy/tail.py, pure)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ construction (`kvtether.cli.launcher`) and process management (`kvtether.cli.cmd
 with a clear reason when `.venv-vllm` or the tiny model is absent (build both with
 `bash scripts/setup-vllm-cpu.sh`).
 
-Also here: the reference proxy's two legs (vLLM's `disagg_proxy_multiturn.py`, protocol §1–2), a /metrics
+Also here: the reference proxy's two legs (vLLM's `disagg_proxy_multiturn.py`, docs/protocol.md §1–2), a /metrics
 reader, and deterministic token-id prompts. Prompts are token ids (`/v1/completions`) so that turn 2 starts
 with exactly the tokens decode holds (a chat re-render may re-tokenize an answer differently — that is the
 gateway's token guard's business, not this protocol test's).
@@ -51,7 +51,7 @@ OPT_IN_ENV = "KVTETHER_VLLM_TESTS"
 M_CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source"  # counter; label source="p2p" | "local_compute"…
 M_NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds"  # histogram; _count = NIXL transfers done by this node
 
-# The reference proxy's first-leg kv_transfer_params (protocol §1).
+# The reference proxy's first-leg kv_transfer_params (docs/protocol.md §1).
 FRESH_PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,

@@ -1,6 +1,6 @@
 """The token guard (pure): does the new prompt really extend what the decode node holds?
 
-vLLM's pull is positional and unchecked (protocol §3): attach a handle to a prompt whose tokens
+vLLM's pull is positional and unchecked (docs/protocol.md §3): attach a handle to a prompt whose tokens
 differ and P silently computes with the wrong KV. The gateway keeps D's *held sequence* compactly
 (a chain of per-block hashes plus the tokens of the last, partial block) and, before attaching a
 handle, measures the verified reuse length against the new prompt's token ids.
@@ -180,7 +180,7 @@ def handle_groups(handle: Mapping[str, Any]) -> int:
 
 
 def truncate_handle(handle: Mapping[str, Any], reuse_tokens: int, block_size: int) -> dict[str, Any]:
-    """A copy of ``handle`` that offers only the first ``reuse_tokens`` tokens (protocol §3.2).
+    """A copy of ``handle`` that offers only the first ``reuse_tokens`` tokens (docs/protocol.md §3.2).
 
     ``remote_num_tokens = L`` and each group's ``remote_block_ids`` cut to its first
     ``ceil(L / block_size)`` blocks, so P's end-trim of the block list stays aligned with the prompt.

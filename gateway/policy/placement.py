@@ -24,7 +24,7 @@ from kvtether.gateway.policy.knobs import PolicyKnobs
 
 class HandleAction(StrEnum):
     ATTACH = "attach"  # send D's handle unchanged: P pulls everything D holds
-    TRUNCATE = "truncate"  # send the handle cut to the verified prefix (protocol §3.2)
+    TRUNCATE = "truncate"  # send the handle cut to the verified prefix (docs/protocol.md §3.2)
     NONE = "none"  # cold prefill (P's own prefix cache still applies)
     DECODE_LOCAL = "decode_local"  # whole request to the pinned D, no transfer (auto only)
 

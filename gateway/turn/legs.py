@@ -117,7 +117,7 @@ async def start_local_tokenizer(sv: Services) -> None:
 
 async def prefill_with_recovery(sv: Services, ctx: TurnContext, the_plan: Plan, kv: dict[str, Any] | None,
                                 replan: Callable[[Turn], Plan]) -> tuple[Prefilled, Plan]:
-    """The prefill leg, recovered: a failed pull is retried once without its handle (protocol §2: an expired
+    """The prefill leg, recovered: a failed pull is retried once without its handle (docs/protocol.md §2: an expired
     or failed pull errors the prefill), a failed P is replaced by another (`replan`) while one is left."""
     for _ in range(1 + len(sv.cluster.role("prefill"))):
         assert the_plan.prefill is not None

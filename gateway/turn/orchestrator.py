@@ -1,7 +1,7 @@
 """A turn, top to bottom: identify → gather → plan → legs → relay → remember.
 
 Each step lives in a room of its own (``identify``, ``gather``, ``policy.placement``, ``legs``, ``relay``,
-``remember``); this module runs them in the order protocol §1–2 prescribes and owns what spans steps:
+``remember``); this module runs them in the order docs/protocol.md §1–2 prescribes and owns what spans steps:
 executing the plan (which handle to send, which legs to run) and one re-placement after a failed node, so a
 dead node fails at most the request in flight, never the session's next turn.
 """
