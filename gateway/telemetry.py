@@ -205,7 +205,7 @@ class Metrics:
         for cause in RELEASE_FAILURES:
             self.release_failures.labels(cause)
         self.held_kv_tokens = Gauge(M_HELD_KV_TOKENS, "KV tokens the gateway's handles hold on a decode node "
-                                    "(whole blocks)", ["node"], registry=r)
+                                    "(whole blocks, each once)", ["node"], registry=r)
         self.held_kv_budget = Gauge(M_HELD_KV_BUDGET, "The held KV budget: a share of each decode node's KV capacity",
                                     registry=r)
         self.node_healthy = Gauge(M_NODE_HEALTHY, "1 while the gateway places turns on the node, 0 while it is out",

@@ -16,7 +16,7 @@ import anyio
 import httpx
 import openai
 import pytest
-from gateway_agent import chat, comparable, first_messages, next_messages, request_body
+from gateway_agent import chat, comparable, first_messages, next_messages, request_body, tool_result
 from kvtether.gateway.config import load_config
 from kvtether.gateway.shell.app import create_app
 from kvtether.gateway.shell.server import serve_gateway
@@ -263,3 +263,48 @@ async def test_held_kv_per_decode_node_in_ready_and_kvtether_sessions() -> None:
             lambda: CliRunner().invoke(cli_app, ["sessions", "--gateway", r.url], env={"COLUMNS": "200"}))
         assert out.exit_code == 0, out.output
         assert "held KV per decode node" in out.output and f"{want:,}" in out.output
+
+
+async def test_a_shared_system_prompt_counts_once_as_the_decode_node_holds_it() -> None:
+    """Sessions that begin with the same long system prompt hold its blocks on D once (D's prefix cache gave
+    each later turn the blocks the first one computed): the gateway's held-KV figure is the simulator's own
+    count of used blocks (all of them held once the turns are over), and the budget, measured on it, releases
+    nothing although the handles counted whole would be far over it."""
+    # 300 blocks of 16 tokens on D; a budget of 50 %: 150 blocks.
+    async with rig(sim={**_NO_TTL, "decode_num_gpu_blocks": 300}, held_kv_budget=0.5,
+                   retention_interval_s=0.1) as r:
+        d = r.cluster.decode_urls[0]
+        await eventually(lambda: _sharing_known(r, d))
+        system = {"role": "system", "content": "You are a coding agent. " + tool_result("shared-system", 400)}
+        sessions = 6
+        for s in range(sessions):
+            task = [system, {"role": "user", "content": f"Task {s}: " + tool_result(f"task{s}", 30)}]
+            await turns(r, 80 + s, 2 if s < 2 else 1, {"x-session-id": f"shared-{s}"}, messages=task)
+        held = await holds(r)
+        assert len(held) == sessions
+        state = (await r.client.get(f"{d}/admin/state")).json()
+        assert state["running"] == state["waiting"] == state["loading"] == 0
+        used = state["blocks_used"]  # every used block on an idle D is a held one
+        usage = await metric(r.client, d, "vllm:kv_cache_usage_perc")
+        assert round(usage * state["blocks_total"]) == used
+        whole = sum(math.ceil(h["num_tokens"] / 16) for h in held)
+        assert used < 150 < whole, (used, whole)  # under the budget only when shared blocks count once
+
+        async def gauge() -> float:
+            return await metric(r.client, r.url, "kvtether_held_kv_tokens", node=d)
+
+        async def caught_up() -> bool:
+            return abs(await gauge() / 16 - used) <= sessions
+
+        await eventually(caught_up)
+        assert await gauge() / 16 == used  # exact on the simulator: one block per session is the test's margin
+        await anyio.sleep(0.5)  # several reviews
+        assert await released(r, "budget") == 0
+        assert len(await holds(r)) == sessions
+        share = await metric(r.client, r.url, "kvtether_held_kv_share", node=d)
+        assert share == used * 16 / 4800
+
+
+async def _sharing_known(r: Rig, d: str) -> bool:
+    node = r.gw.cluster.nodes[d]
+    return bool(node.kv_capacity_tokens) and node.prefix_caching is True

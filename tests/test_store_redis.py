@@ -11,11 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.config import load_config
 from kvtether.gateway.guard.verify import HeldSequence
+from kvtether.gateway.nodes.cluster import Cluster
+from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.copies import DecodeCopy, PrefillCopy
+from kvtether.gateway.policy.retention import ReleaseReason
 from kvtether.gateway.stores import FailSafeStore, codec, pin_by_hash
+from kvtether.gateway.stores.failsafe import StoreUnavailable
 from kvtether.gateway.stores.memory import MemorySessionStore
 from kvtether.gateway.stores.redis import RedisSessionStore, connect
 from kvtether.gateway.stores.sessions import SessionState
@@ -35,7 +41,7 @@ def full_state(now: float, **changes: Any) -> SessionState:
         created_at=now - 100.0, prefix_key="tenant-a/abc123", cached=HeldSequence.from_tokens(list(range(50)), 16),
         last_tokens=51, last_prefill="http://p1:8000", avg_output_tokens=37.25, avg_suffix_tokens=12.5,
         elsewhere=(DecodeCopy("http://d2:8000", 32),), prefill_copies=(PrefillCopy("http://p1:8000", 48, 900),),
-        last_turn_at=now - 2.0, mean_gap_s=3.25)
+        last_turn_at=now - 2.0, mean_gap_s=3.25, cache_scope="0123456789abcdef")
     return state.with_(**changes)
 
 
@@ -361,8 +367,6 @@ async def test_records_round_trip_expire_and_delete_on_redis_and_in_memory(serve
 
 @pytest.mark.anyio
 async def test_records_have_no_cold_stand_in_when_the_store_is_down() -> None:
-    from kvtether.gateway.stores.failsafe import StoreUnavailable
-
     metrics = T.Metrics()
     store = failsafe(f"redis://127.0.0.1:{free_port()}", metrics)
     await store.put_record("k", b"v", 10.0)  # dropped, never raised: the answer already went out
@@ -370,3 +374,137 @@ async def test_records_have_no_cold_stand_in_when_the_store_is_down() -> None:
         await store.get_record("k")
     assert failures(metrics, "put_record", "error") + failures(metrics, "get_record", "error") >= 1
     await store.aclose()
+
+
+# ---- every session, page by page (the retention review's read) --------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def some_store(kind: str, tmp_path: Path, **redis_kw: Any) -> AsyncIterator[Any]:
+    """A memory store, or a Redis store on a fresh server whose index is a listpack (a small sorted set, which
+    ZSCAN returns whole) or a hash table (forced: ZSCAN then pages with its cursor)."""
+    if kind == "memory":
+        yield MemorySessionStore()
+        return
+    with running_redis(tmp_path / "redis") as srv:
+        st = RedisSessionStore(connect(srv.url, timeout_s=2.0), key_prefix="kvt", handle_ttl_s=30.0, **redis_kw)
+        if kind == "redis-hashtable":
+            await st.client.config_set("zset-max-listpack-entries", 0)
+        try:
+            yield st
+        finally:
+            await st.aclose()
+
+
+async def zscan_calls(st: Any) -> int:
+    stats = await st.client.info("commandstats")
+    return int(stats.get("cmdstat_zscan", {}).get("calls", 0))
+
+
+STORES = ["memory", "redis-listpack", "redis-hashtable"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", STORES)
+async def test_a_scan_reads_every_live_session_once_in_pages_past_the_list_limit(kind: str, tmp_path: Path) -> None:
+    async with some_store(kind, tmp_path, list_limit=5) as st:
+        now = time.monotonic()
+        ids = [f"t/s{i}" for i in range(20)]
+        for sid in ids:
+            await st.put(SessionState(sid, decode="http://d1:8000", expires_at=now + 60, created_at=now))
+        for sid in ("t/gone-1", "t/gone-2"):  # already expired: never read
+            await st.put(SessionState(sid, expires_at=now - 1.0, created_at=now - 10))
+        pages = [page async for page in st.scan(7)]
+        got = [s.session_id for page in pages for s in page]
+        assert sorted(got) == sorted(ids) and all(1 <= len(p) <= 7 for p in pages) and len(pages) >= 3
+        assert all(s.decode == "http://d1:8000" for page in pages for s in page)
+        if kind != "memory":
+            assert len(await st.list()) == 5  # the admin view keeps its limit
+        if kind == "redis-hashtable":
+            assert await zscan_calls(st) > 1  # the cursor went round more than once
+        with pytest.raises(ValueError):
+            await anext(st.scan(0))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", STORES)
+async def test_a_scan_under_concurrent_writes_misses_no_session_that_lived_throughout(kind: str,
+                                                                                     tmp_path: Path) -> None:
+    """Between pages, turns go on: the first page's sessions are written again (their expiry moves later,
+    which reorders the index by expiry), three sessions not read yet are deleted and five new ones start.
+    Every session live from start to end is read exactly once; no deleted one is read."""
+    async with some_store(kind, tmp_path) as st:
+        now = time.monotonic()
+        ids = [f"t/s{i}" for i in range(20)]
+        for i, sid in enumerate(ids):
+            await st.put(SessionState(sid, expires_at=now + 60 + i, created_at=now))
+        seen: list[str] = []
+        gone: list[str] = []
+        async for page in st.scan(7):
+            seen += [s.session_id for s in page]
+            if not gone:
+                for s in page:
+                    await st.put(s.with_(expires_at=now + 300))
+                gone = [sid for sid in ids if sid not in seen][:3]
+                for sid in gone:
+                    await st.delete(sid)
+                for i in range(5):
+                    await st.put(SessionState(f"t/new{i}", expires_at=now + 60, created_at=now))
+        assert len(seen) == len(set(seen))
+        assert set(ids) - set(gone) <= set(seen) and not set(gone) & set(seen)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", STORES)
+async def test_the_retention_review_covers_every_session_not_only_the_listed_ones(kind: str, tmp_path: Path) -> None:
+    """40 sessions hold a handle on one decode node, a store listing shows 5: 20 sessions are idle (their last
+    turn long ago), 20 busy. The review reads all of them in pages of 7: it releases the 20 idle ones' handles
+    and counts the 20 busy ones' blocks."""
+    d = "http://d1:8000"
+    cfg = load_config(None, prefill=["http://p1:8000"], decode=[d], policy="pull")
+    async with some_store(kind, tmp_path, list_limit=5) as st, httpx.AsyncClient() as client:
+        now = time.monotonic()
+        for i in range(40):
+            idle = i < 20
+            handle = {**HANDLE, "remote_request_id": f"req-{i}", "remote_num_tokens": 100}
+            await st.put(SessionState(f"t/s{i}", decode=d, handle=handle, handle_at=now - 1.0,
+                                      expires_at=now + 60, created_at=now - 600,
+                                      last_turn_at=now - (500.0 if idle else 1.0), mean_gap_s=5.0))
+        metrics = T.Metrics()
+        retention = Retention(cfg, Cluster(cfg, client), st, metrics, client, scan_page=7)
+        releases = await retention.review_once()
+        assert sorted(r.session_id for r in releases) == sorted(f"t/s{i}" for i in range(20))
+        assert {r.reason for r in releases} == {ReleaseReason.IDLE}
+        left = [s async for page in st.scan() for s in page if s.handle is not None]
+        assert sorted(s.session_id for s in left) == sorted(f"t/s{i}" for i in range(20, 40))
+        # 100 tokens in blocks of 16 (the default before any poll): 112 each, counted whole (D's prefix
+        # caching is unknown until a poll).
+        assert metrics.registry.get_sample_value(T.M_HELD_KV_TOKENS, {"node": d}) == 20 * 112
+
+
+class _FailsMidScan(MemorySessionStore):
+    async def scan(self, page_size: int = 500) -> Any:
+        pages = super().scan(page_size)
+        yield await anext(pages)
+        raise ConnectionError("store went away")
+
+
+@pytest.mark.anyio
+async def test_a_review_the_store_cannot_answer_to_the_end_decides_nothing() -> None:
+    d = "http://d1:8000"
+    cfg = load_config(None, prefill=["http://p1:8000"], decode=[d], policy="pull")
+    metrics = T.Metrics()
+    inner = _FailsMidScan()
+    store = FailSafeStore(inner, timeout_s=1.0, metrics=metrics, cooldown_s=0.01)
+    now = time.monotonic()
+    for i in range(10):
+        await inner.put(SessionState(f"t/s{i}", decode=d, handle={**HANDLE, "remote_request_id": f"r{i}"},
+                                     handle_at=now, expires_at=now + 60, last_turn_at=now - 500.0))
+    with pytest.raises(StoreUnavailable):
+        _ = [p async for p in store.scan(3)]
+    assert failures(metrics, "scan", "error") == 1
+    async with httpx.AsyncClient() as client:
+        await anyio.sleep(0.05)  # past the store's pause
+        retention = Retention(cfg, Cluster(cfg, client), store, metrics, client, scan_page=3)
+        assert await retention.review_once() == []  # every session is idle, but the review saw only some
+    assert all(s.handle is not None for s in await inner.list())

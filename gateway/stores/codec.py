@@ -64,6 +64,7 @@ def encode_session(state: SessionState, offset: float) -> bytes:
         "pc": [list(c) for c in state.prefill_copies] or None,
         "la": state.last_turn_at + offset if state.last_turn_at is not None else None,
         "mg": state.mean_gap_s,
+        "sc": state.cache_scope,
     }
     rec.update({k: v for k, v in optional.items() if v is not None})
     return orjson.dumps(rec)
@@ -112,5 +113,6 @@ def decode_session(session_id: str, data: bytes, prefix_key: str | None, handle:
         prefill_copies=tuple(PrefillCopy(str(u), int(t), int(w)) for u, t, w in rec.get("pc") or ()),
         last_turn_at=float(rec["la"]) - offset if "la" in rec else None,
         mean_gap_s=float(rec["mg"]) if "mg" in rec else None,
+        cache_scope=str(rec["sc"]) if "sc" in rec else None,
     )
 

@@ -4,7 +4,8 @@ Every call is bounded by ``timeout_s``; an error or a timeout is counted and ans
 no handle (the turn goes cold: a handle whose take may not have happened, or happened unseen, is never used,
 so none is used twice), no session found by prefix, a dropped put. A stored record (the Responses API's
 state) has no safe stand-in: reading one raises :class:`StoreUnavailable`, which its caller answers with a
-503. ``get`` answers a session *pinned by hash*: its decode node chosen by rendezvous hashing of the session
+503; nor has a scan of every session (the retention review's), which raises it too, and the review skips a
+round. ``get`` answers a session *pinned by hash*: its decode node chosen by rendezvous hashing of the session
 id over the configured nodes, so every replica sends the session's turns to the same node while the store is
 away, and that node's prefix cache keeps serving its history. Nothing else raises into the request path.
 
@@ -18,11 +19,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import anyio
-from kvtether.gateway.stores.sessions import SessionState, SessionStore, TakenHandle
+from kvtether.gateway.stores.sessions import SCAN_PAGE_SIZE, SessionState, SessionStore, TakenHandle
 
 if TYPE_CHECKING:
     from kvtether.gateway.telemetry import Metrics
@@ -37,7 +38,7 @@ def _none() -> None:
 
 
 class StoreUnavailable(Exception):
-    """A call whose answer has no safe stand-in (a stored record) found the store away."""
+    """A call whose answer has no safe stand-in (a stored record, a scan's page) found the store away."""
 
 
 def _unavailable() -> NoReturn:
@@ -129,6 +130,20 @@ class FailSafeStore:
 
     async def sweep(self) -> int:
         return await self._call("sweep", self.inner.sweep, lambda: 0)
+
+    async def scan(self, page_size: int = SCAN_PAGE_SIZE) -> AsyncGenerator[list[SessionState], None]:
+        """The inner store's pages, each read bounded like any call. A page the store does not answer raises
+        :class:`StoreUnavailable`: part of the fleet has no safe stand-in (a review of it would count too
+        little held KV)."""
+        pages = self.inner.scan(page_size)
+        try:
+            while True:
+                page = await self._call("scan", lambda: anext(pages, None), _unavailable)
+                if page is None:
+                    return
+                yield page
+        finally:
+            await pages.aclose()
 
     async def list(self) -> list[SessionState]:
         return await self._call("list", self.inner.list, lambda: [])

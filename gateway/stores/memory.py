@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 
-from kvtether.gateway.stores.sessions import SessionState, TakenHandle
+from kvtether.gateway.stores.sessions import SCAN_PAGE_SIZE, SessionState, TakenHandle
 
 
 class MemorySessionStore:
@@ -80,6 +80,17 @@ class MemorySessionStore:
         for key in [k for k, (expires_at, _) in self._records.items() if expires_at <= now]:
             del self._records[key]
         return len(dead)
+
+    async def scan(self, page_size: int = SCAN_PAGE_SIZE) -> AsyncGenerator[list[SessionState], None]:
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        # The ids as they are now: other coroutines write between pages, which neither skips a session nor
+        # breaks the iteration; each is read as it is when its page is.
+        ids = list(self._sessions)
+        for start in range(0, len(ids), page_size):
+            page = [s for sid in ids[start:start + page_size] if (s := self._live(sid)) is not None]
+            if page:
+                yield page
 
     async def list(self) -> list[SessionState]:
         now = self.clock()

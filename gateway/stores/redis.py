@@ -10,7 +10,8 @@ namespaced by tenant, and are opaque here):
   returned. Taken with GETDEL: one atomic server-side operation, so of two replicas racing for one handle
   exactly one gets it.
 - ``{prefix}:p:{prefix key}``: the session id a message-chain hash belongs to (anonymous clients).
-- ``{prefix}:sessions``: a sorted set of session ids by expiry, so that count, list and sweep never scan keys.
+- ``{prefix}:sessions``: a sorted set of session ids by expiry, so that count, list, scan and sweep never scan
+  keys.
 
 Errors propagate: :class:`~kvtether.gateway.stores.failsafe.FailSafeStore` bounds and absorbs them. Needs one
 primary (Redis ≥ 6.2 or Valkey, optionally behind Sentinel): the put and delete scripts touch the prefix key
@@ -22,13 +23,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 from kvtether.gateway.stores import codec
-from kvtether.gateway.stores.sessions import SessionState, TakenHandle
+from kvtether.gateway.stores.sessions import SCAN_PAGE_SIZE, SessionState, TakenHandle
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -200,11 +201,45 @@ class RedisSessionStore:
         self._count = (n, self.clock())
         return n
 
-    async def list(self) -> list[SessionState]:
-        """Live sessions, soonest to expire first, at most ``list_limit`` of them (an admin view)."""
-        raw: list[bytes] = await self.client.zrangebyscore(  # type: ignore[assignment]
-            self._index, math.floor(self.wall() * 1000), "+inf", start=0, num=self.list_limit)
-        ids = [r.decode() for r in raw]
+    async def scan(self, page_size: int = SCAN_PAGE_SIZE) -> AsyncGenerator[list[SessionState], None]:
+        """Every live session, by ZSCAN of the index, read ``page_size`` at a time.
+
+        Why ZSCAN: every put moves its session later in the index (a new expiry), and sweeps and deletes drop
+        entries, so paging by rank (ZRANGE … LIMIT offset) skips a session each time one ranked before the
+        page's offset leaves that stretch; paging by score would hold, but needs a (score, id) cursor for the
+        many sessions that share a millisecond, which no single command takes. ZSCAN walks the hash table
+        behind the set, and Redis guarantees that a full walk returns every element present from its start to
+        its end whatever is written meanwhile; it may return one twice (dropped here by id). Its COUNT is a
+        hint: a small set (kept as a listpack) comes whole in one reply, whose records are still read a page
+        at a time."""
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        seen: set[str] = set()
+        cursor = 0
+        while True:
+            reply: tuple[int, list[tuple[bytes, float]]] = await self.client.zscan(  # type: ignore[assignment]
+                self._index, cursor, count=page_size)
+            cursor, entries = reply
+            live_from = self._live_from()
+            ids: list[str] = []
+            for member, score in entries:
+                sid = member.decode()
+                if score >= live_from and sid not in seen:
+                    seen.add(sid)
+                    ids.append(sid)
+            for start in range(0, len(ids), page_size):
+                page = await self._read(ids[start:start + page_size])
+                if page:
+                    yield page
+            if cursor == 0:
+                return
+
+    def _live_from(self) -> int:
+        """The lowest index score (wall-clock expiry, ms) of a live session."""
+        return math.floor(self.wall() * 1000)
+
+    async def _read(self, ids: list[str]) -> list[SessionState]:
+        """The sessions of ``ids`` that still exist, in one round trip."""
         if not ids:
             return []
         async with self.client.pipeline(transaction=False) as pipe:
@@ -219,6 +254,13 @@ class RedisSessionStore:
             if state is not None:
                 out.append(state)
         return out
+
+    async def list(self) -> list[SessionState]:
+        """Live sessions, soonest to expire first, at most ``list_limit`` of them (an admin view; :meth:`scan`
+        reads them all)."""
+        raw: list[bytes] = await self.client.zrangebyscore(  # type: ignore[assignment]
+            self._index, self._live_from(), "+inf", start=0, num=self.list_limit)
+        return await self._read([r.decode() for r in raw])
 
     def _record_key(self, key: str) -> str:
         return f"{self.prefix}:r:{key}"

@@ -9,11 +9,15 @@ Valkey shared by gateway workers and replicas. ``take_handle`` is atomic because
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from kvtether.gateway.guard.verify import HeldSequence
 from kvtether.gateway.policy.copies import DecodeCopy, PrefillCopy
+
+# Sessions per page of a scan: one round trip to a shared store reads this many (a few hundred kB of records).
+SCAN_PAGE_SIZE = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,9 @@ class SessionState:
     # between a turn's end and the next one's start (None until it has come back once).
     last_turn_at: float | None = None
     mean_gap_s: float | None = None
+    # What besides the tokens keys the session's blocks on D (policy/retention.block_scope: model and cache
+    # salt), as of its last turn: held KV is shared only between handles of one scope.
+    cache_scope: str | None = None
 
     def with_(self, **changes: Any) -> SessionState:
         return replace(self, **changes)
@@ -85,7 +92,16 @@ class SessionStore(Protocol):
         """Drop expired sessions; returns how many."""
         ...
 
-    async def list(self) -> list[SessionState]: ...
+    def scan(self, page_size: int = SCAN_PAGE_SIZE) -> AsyncGenerator[list[SessionState], None]:
+        """Every live session, in pages of at most ``page_size``, each at most once, in no particular order; for
+        reviews of the whole fleet. Under concurrent writes: every session live from the first page to the last
+        is in one of them (as it was when its page was read); one created meanwhile may be, one deleted
+        meanwhile may be missing."""
+        ...
+
+    async def list(self) -> list[SessionState]:
+        """Live sessions for a person to look at: a shared store shows at most its ``list_limit``."""
+        ...
 
     async def count(self) -> int: ...
 
