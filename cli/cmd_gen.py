@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 from kvtether.cli.generate import DEFAULT_NEW_TOKENS, DEFAULT_OUTPUT_TOKENS, GenParams, generate_sessions
-from kvtether.cli.importers import FORMATS, ImportFormatError, import_file
+from kvtether.cli.importers import FORMATS, MOONCAKE_BLOCK_SIZE, ImportFormatError, import_file
 from kvtether.cli.options import FLAG
 from kvtether.sdk.sessionfile import SessionRecord, write_sessions
 from rich.console import Console
@@ -90,16 +90,25 @@ def register(app: typer.Typer) -> None:
         src: Path = typer.Argument(..., metavar="FILE", help="The file to import."),
         input_format: str = typer.Option(..., "--from", help=f"Input format: {', '.join(FORMATS)}."),
         out: Path | None = typer.Option(None, "--out", "-o", help="Output session JSONL (default: stdout)."),
-        model: str = typer.Option("default", "--model", help="Model name (neither format records one)."),
+        model: str = typer.Option("default", "--model", help="Model name (no format records one)."),
         max_tokens: int = typer.Option(256, "--max-tokens", min=1, help="max_tokens when the file has none."),
+        block_size: int = typer.Option(
+            MOONCAKE_BLOCK_SIZE, "--block-size", min=1, help="mooncake: tokens per hash id (the trace's block size)."
+        ),
+        pin_output: bool = typer.Option(
+            True, "--pin-output/--no-pin-output", metavar=FLAG,
+            help="mooncake: add vLLM's min_tokens + ignore_eos so answers have the trace's output_length."
+        ),
     ) -> None:
-        """Import vLLM multi-turn benchmark JSON or AIPerf multi_turn JSONL into a kvtether session file."""
+        """Import vLLM multi-turn benchmark JSON, AIPerf multi_turn JSONL or a Mooncake trace (AIPerf's
+        mooncake_trace JSONL) into a kvtether session file."""
         err = Console(stderr=True)
         if input_format not in FORMATS:
             _error(err, f"unknown format {input_format!r}; known: {', '.join(FORMATS)}")
             raise typer.Exit(EXIT_USAGE)
         try:
-            imported = import_file(src, input_format, model=model, default_max_tokens=max_tokens)
+            imported = import_file(src, input_format, model=model, default_max_tokens=max_tokens,
+                                   block_size=block_size, pin_output=pin_output)
         except FileNotFoundError:
             _error(err, f"{src}: no such file")
             raise typer.Exit(EXIT_USAGE) from None
