@@ -85,7 +85,9 @@ def run_gateway_until_stopped(cfg: GatewayConfig, *, log_level: str, workers: in
     raises the signal again, to end the process as that signal would have: SIGTERM's default action kills it
     (status -15, where a normal stop is 0). Handlers that raise KeyboardInterrupt for both signals, which
     `uvicorn.run` takes as the normal end, make either one a normal stop whatever the process inherited; they
-    also cover start-up (before uvicorn's handlers are in, and with several workers, before its supervisor's)."""
+    also cover start-up (before uvicorn's handlers are in, and with several workers, before its supervisor's).
+    With several workers only the supervisor takes SIGINT; it stops the workers with SIGTERM
+    (gateway/shell/workers.py)."""
     from kvtether.cli.supervisor import stop_signals_interrupt
 
     try:

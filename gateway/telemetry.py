@@ -11,6 +11,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from kvtether.gateway.policy.reasons import SERIES as DECISION_SERIES
 from kvtether.gateway.policy.retention import RELEASE_REASONS
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
@@ -64,6 +65,7 @@ ATTR_SESSION_SOURCE = "kvtether.session.source"  # header | prefix | new
 ATTR_POLICY = "kvtether.policy"
 ATTR_PLAN_ACTION = "kvtether.plan.action"
 ATTR_PLAN_REASON = "kvtether.plan.reason"
+ATTR_PLAN_REASON_BUCKET = "kvtether.plan.reason_bucket"  # the reason label of kvtether_placement_decisions_total
 ATTR_PREFILL = "kvtether.prefill.node"
 ATTR_DECODE = "kvtether.decode.node"
 ATTR_RE_PLACED = "kvtether.plan.re_placed"
@@ -137,6 +139,8 @@ M_HELD_KV_SHARE = "kvtether_held_kv_share"
 M_HELD_KV_BUDGET = "kvtether_held_kv_budget"  # the configured held_kv_budget (alerts and dashboards compare with it)
 # 1 while the gateway places turns on a node, 0 while it has taken it out of service (read at each scrape).
 M_NODE_HEALTHY = "kvtether_node_healthy"
+# P/D plans by option (the plan's action) and reason (a bucket of its reason text: policy/reasons.py BUCKETS).
+M_PLACEMENT_DECISIONS = "kvtether_placement_decisions_total"
 ROUTES = ("chat", "completions", "messages")
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
 # The guard's local tokenizer: ids that differed from the engine's /tokenize (check = startup | turn; each
@@ -175,7 +179,12 @@ class Metrics:
                                 registry=r)
         self.handle_outcomes = Counter(M_HANDLE_OUTCOMES, "What happened to a session's handle on a turn",
                                        ["outcome"], registry=r)
-        self.pinned_sessions = Gauge(M_PINNED_SESSIONS, "Sessions currently pinned to a node", registry=r)
+        # Gauges under several workers (`kvtether serve --workers N`: their metrics merged at each scrape,
+        # gateway/shell/workers.py) take one running worker's value, never their sum: the most recent, as each
+        # worker reads the same shared store (sessions, held KV) or sets its own view just before it answers the
+        # scrape (node health); the budget is one setting. multiprocess_mode is ignored in one process.
+        self.pinned_sessions = Gauge(M_PINNED_SESSIONS, "Sessions currently pinned to a node", registry=r,
+                                     multiprocess_mode="livemostrecent")
         self.upstream_errors = Counter(M_UPSTREAM_ERRORS, "Upstream failures by node and phase", ["node", "phase"],
                                        registry=r)
         self.reused_tokens = Counter(M_REUSED_TOKENS, "Prompt tokens offered to prefill by a decode handle",
@@ -205,16 +214,19 @@ class Metrics:
         for cause in RELEASE_FAILURES:
             self.release_failures.labels(cause)
         self.held_kv_tokens = Gauge(M_HELD_KV_TOKENS, "KV tokens the gateway's handles hold on a decode node "
-                                    "(whole blocks, each once)", ["node"], registry=r)
+                                    "(whole blocks, each once)", ["node"], registry=r,
+                                    multiprocess_mode="livemostrecent")
         self.held_kv_budget = Gauge(M_HELD_KV_BUDGET, "The held KV budget: a share of each decode node's KV capacity",
-                                    registry=r)
+                                    registry=r, multiprocess_mode="livemax")  # one setting, the same in every worker
         self.node_healthy = Gauge(M_NODE_HEALTHY, "1 while the gateway places turns on the node, 0 while it is out",
-                                  ["node", "role"], registry=r)
+                                  ["node", "role"], registry=r, multiprocess_mode="livemostrecent")
         for route in ROUTES:  # every series from the start, so a rate() sees the first error
             for status in STATUS_CLASSES:
                 self.requests.labels(route, status)
         self.held_kv_share = Gauge(M_HELD_KV_SHARE, "Share of a decode node's KV capacity its held handles take",
-                                   ["node"], registry=r)
+                                   ["node"], registry=r, multiprocess_mode="livemostrecent")
+        self.placement_decisions = Counter(M_PLACEMENT_DECISIONS, "P/D turns' placements, by option and reason",
+                                           ["option", "reason"], registry=r)
         self.store_seconds = Histogram(M_STORE_SECONDS, "Latency of the shared session store's calls",
                                        ["operation"], buckets=STORE_BUCKETS, registry=r)
         self.store_failures = Counter(M_STORE_FAILURES, "Session store calls answered without the store",
@@ -241,6 +253,12 @@ class Metrics:
             self.gateway_overhead.labels(mode)
             for source in REUSE_SOURCES:
                 self.ttft.labels(source, mode, policy)
+
+    def expect_decisions(self, policy: str) -> None:
+        """The placement series the policy can produce, at zero from the start (P/D mode: aggregated turns are
+        not placed by a policy)."""
+        for option, reason in DECISION_SERIES.get(policy, ()):
+            self.placement_decisions.labels(option, reason)
 
     def observe_ttft(self, source: str, mode: str, seconds: float, overhead_s: float | None = None) -> None:
         """One turn's TTFT and, when known, the gateway's own share of it."""

@@ -66,7 +66,8 @@ THINK_S = 0.7
 # failures, decode stall under the pull policy, release failures, rightly stay at 0 on a healthy cluster.)
 MUST_MOVE = {"TTFT by reuse source", "Gateway overhead", "Requests by status", "Handle outcomes",
              "Reused share of prompt tokens", "Reused and prompt tokens", "Guard tokenization and tokenizer mismatches",
-             "Pinned sessions", "Held KV tokens per decode node", "Held KV share per decode node",
+             "Pinned sessions", "Placement decisions by option and reason",
+             "Held KV tokens per decode node", "Held KV share per decode node",
              "Handle releases by reason", "Upstream errors by node and phase", "Nodes in service and scrape targets up",
              "vLLM KV cache usage", "Session store latency by operation"}
 # Without a Redis server the gateway runs on its memory store, which is not measured.

@@ -32,7 +32,9 @@ from kvtether.gateway.config import load_config
 from kvtether.gateway.nodes.cluster import sample_sum
 from kvtether.gateway.shell.server import serve_gateway
 from kvtether.sim.cluster import ClusterSpec, SimCluster
-from processes import kill_tree
+from processes import descendants, kill_tree
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
 from redis_server import RedisServer, free_port, running_redis
 from typer.testing import CliRunner
 
@@ -343,15 +345,101 @@ async def test_serve_workers_share_one_store(tmp_path: Path) -> None:
             async with gateway_processes(http, config, redis.url, tmp_path, 1, workers=2) as gws:
                 # A new connection per request: the kernel spreads them over both workers.
                 out = await run_sessions(RoundRobin(http, [gws[0].url]), oracle, range(1, 3), 6, "workers")
-                # Each worker counts its own requests: two different counts that add up to all turns say both
-                # workers served turns (and the sessions' reuse above says they shared them).
-                counts = {await metric(http, gws[0].url, "kvtether_requests_total", route="chat") for _ in range(30)}
+                # Whichever worker answers, a scrape counts every worker's requests.
+                counts = {await metric(http, gws[0].url, "kvtether_requests_total", route="chat") for _ in range(10)}
                 responses = await responses_across_workers(http, gws[0].url)
     assert responses == {"chained": 8, "resent": 8}
     assert out.wrong == []
-    assert any(a > 0 and b > 0 and a + b == 12 for a in counts for b in counts), counts
+    assert counts == {12.0}, counts
     assert all(out.source[k] == "decode_pull" for k in out.source if k[1] > 0), out.source
     assert [u for u, n in uses.items() if n > 1] == []
+
+
+async def test_serve_workers_answer_one_sum_on_every_scrape(tmp_path: Path) -> None:
+    """`kvtether serve --workers 2`: every scrape, whichever worker answers it, counts the turns of both workers
+    (scraped during the turns: never lower than the scrape before; after them: all of them), and a gauge that
+    every worker sets alike is not added up."""
+    sessions, turns = range(1, 4), 5
+    with running_redis(tmp_path / "redis") as redis:
+        async with sim_and_oracle() as (cluster, oracle, _uses), \
+                httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+            config = gateway_toml(tmp_path / "gateway.toml", cluster)
+            async with gateway_processes(http, config, redis.url, tmp_path, 1, workers=2) as gws:
+                url = gws[0].url
+                directory = worker_metrics_directory(gws[0].proc.pid)
+                during: list[dict[str, float]] = []
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(scrape_until_cancelled, http, url, during)
+                    out = await run_sessions(RoundRobin(http, [url]), oracle, sessions, turns, "sum")
+                    tg.cancel_scope.cancel()
+                after = [await scrape(http, url) for _ in range(20)]
+                served = requests_by_worker(directory)
+            assert not directory.exists(), "the workers' metrics directory outlived the server"
+    sent = len(sessions) * turns
+    assert out.wrong == [] and len(during) >= 5, len(during)
+    for name in COUNTED:
+        series = [s[name] for s in during + after]
+        assert all(b >= a for a, b in itertools.pairwise(series)), (name, series)
+    assert all(s == after[0] for s in after), after
+    want = {"requests": sent, "ttft": sent, "decisions": sent, "first_turns": len(sessions),
+            "pulls": sent - len(sessions), "handles": sent - len(sessions)}
+    assert {k: after[0][k] for k in want} == want, after[0]
+    # Gauges: the live workers' latest value, not their sum.
+    budget = load_config(config).held_kv_budget
+    assert after[0]["budget"] == budget and after[0]["pinned"] == len(sessions), after[0]
+    assert all(after[0][f"healthy {u}"] == 1 for u in [*cluster.prefill_urls, *cluster.decode_urls]), after[0]
+    # Both workers served turns, and their own counts add up to what every scrape says.
+    assert len(served) == 2 and all(n > 0 for n in served.values()) and sum(served.values()) == sent, served
+
+
+COUNTED = ("requests", "ttft", "decisions", "first_turns", "pulls", "handles")
+
+
+async def scrape(http: httpx.AsyncClient, url: str) -> dict[str, float]:
+    text = (await http.get(f"{url}/metrics")).text
+    out = {
+        "requests": sample_sum(text, "kvtether_requests_total", route="chat", status="2xx"),
+        "ttft": sample_sum(text, "kvtether_ttft_seconds_count"),
+        "decisions": sample_sum(text, "kvtether_placement_decisions_total"),
+        "first_turns": sample_sum(text, "kvtether_placement_decisions_total", option="none", reason="first_turn"),
+        "pulls": sample_sum(text, "kvtether_placement_decisions_total", reason="handle_verified"),
+        "handles": sample_sum(text, "kvtether_handle_outcomes_total", outcome="attached")
+        + sample_sum(text, "kvtether_handle_outcomes_total", outcome="truncated"),
+        "budget": sample_sum(text, "kvtether_held_kv_budget"),
+        "pinned": sample_sum(text, "kvtether_pinned_sessions"),
+    }
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvtether_node_healthy":
+                out[f"healthy {s.labels['node']}"] = out.get(f"healthy {s.labels['node']}", 0.0) + s.value
+    return out
+
+
+async def scrape_until_cancelled(http: httpx.AsyncClient, url: str, out: list[dict[str, float]]) -> None:
+    while True:
+        out.append(await scrape(http, url))
+        await anyio.sleep(0.05)
+
+
+def worker_metrics_directory(supervisor: int) -> Path:
+    """Where the workers of `kvtether serve --workers N` write their metrics (their PROMETHEUS_MULTIPROC_DIR)."""
+    for pid in descendants(supervisor):
+        with contextlib.suppress(OSError):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            for item in env:
+                if item.startswith(b"PROMETHEUS_MULTIPROC_DIR="):
+                    return Path(item.split(b"=", 1)[1].decode())
+    raise AssertionError("no worker has PROMETHEUS_MULTIPROC_DIR")
+
+
+def requests_by_worker(directory: Path) -> dict[int, float]:
+    """Each worker's own count of answered chat requests, from its own file."""
+    out: dict[int, float] = {}
+    for path in directory.glob("counter_*.db"):
+        pid = int(path.stem.removeprefix("counter_"))
+        out[pid] = sum(s.value for m in MultiProcessCollector.merge([str(path)], accumulate=True) for s in m.samples
+                       if s.name == "kvtether_requests_total" and s.labels.get("route") == "chat")
+    return out
 
 
 async def responses_across_workers(http: httpx.AsyncClient, url: str) -> dict[str, int]:

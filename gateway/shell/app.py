@@ -26,6 +26,7 @@ from kvtether.gateway.policy.retention import ReleaseReason
 from kvtether.gateway.shell import validate as V
 from kvtether.gateway.shell.auth import Auth, scoped
 from kvtether.gateway.shell.errors import GatewayError
+from kvtether.gateway.shell.workers import merged_metrics, worker_exited
 from kvtether.gateway.stores import open_store
 from kvtether.gateway.stores.sessions import SessionStore
 from kvtether.gateway.turn import body as B
@@ -63,6 +64,9 @@ class Gateway:
         # An explicit provider (tests, the demo's in-memory capture) is used as is; else the OTEL_* variables
         # pick the global one at startup.
         self.own_tracing = tracer_provider is not None
+        # One of several workers on a port (`kvtether serve --workers N`): the directory where every worker writes
+        # its metrics, which /metrics merges (shell/workers.py); None: this process's registry alone.
+        self.worker_metrics: str | None = None
         # The configured store (memory, or Redis/Valkey shared by replicas); closed at shutdown when built here.
         self.own_store = store is None
         self.store: SessionStore = store or open_store(config, metrics=self.metrics)
@@ -257,7 +261,8 @@ async def metrics(request: Request) -> Response:
     gw = _gateway(request)
     for node in gw.cluster.nodes.values():
         gw.metrics.node_healthy.labels(node.url, node.role).set(1 if node.healthy else 0)
-    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    text = merged_metrics(gw.worker_metrics) if gw.worker_metrics else generate_latest(gw.metrics.registry)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
 async def admin_sessions(request: Request) -> Response:
@@ -326,8 +331,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
-               tracer_provider: trace.TracerProvider | None = None) -> GatewayApp:
+               tracer_provider: trace.TracerProvider | None = None, worker_metrics: str | None = None) -> GatewayApp:
+    """``worker_metrics``: this app is one of several workers, which write their metrics in that directory."""
     gw = Gateway(config, store, tracer_provider)
+    gw.worker_metrics = worker_metrics
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -354,6 +361,8 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
         await gw.upstream.aclose()
         if gw.own_store:
             await gw.store.aclose()
+        if gw.worker_metrics:
+            worker_exited(gw.worker_metrics)
 
     completions = {PATHS[kind]: _completion_route(kind) for kind in ("chat", "completions")}
     completions[MESSAGES_PATH] = _completion_route("chat", api="messages")

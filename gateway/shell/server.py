@@ -17,6 +17,7 @@ import anyio
 import uvicorn
 from kvtether.gateway.config import GatewayConfig, load_config
 from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.workers import MULTIPROC_ENV, metrics_directory, sigint_to_supervisor_only
 from kvtether.gateway.stores.sessions import SessionStore
 from starlette.applications import Starlette
 
@@ -85,7 +86,9 @@ def run_gateway(config: GatewayConfig, log_level: str = "info", *, workers: int 
 
     ``workers > 1``: that many processes accept on the one port (uvicorn's supervisor), each with its own app,
     cluster view and upstream connections; they share sessions only through a shared store, so the caller
-    refuses the memory store with several workers.
+    refuses the memory store with several workers. Their metrics go to a directory of this run's, so that
+    every scrape answers the sum over the workers; they ignore Ctrl-C, and stop when the supervisor tells them
+    (shell/workers.py).
     """
     common: dict[str, Any] = {"host": config.host, "port": config.port, "log_level": log_level, "access_log": False,
                               "timeout_keep_alive": int(config.client_keepalive_s), "loop": LOOP, "http": HTTP,
@@ -99,7 +102,8 @@ def run_gateway(config: GatewayConfig, log_level: str = "info", *, workers: int 
         config = dataclasses.replace(config, reasoning_key=secrets.token_hex(32))
     os.environ[SETTINGS_ENV] = json.dumps(dataclasses.asdict(config))
     os.environ[LOG_LEVEL_ENV] = log_level
-    uvicorn.run(f"{__name__}:app_from_env", factory=True, workers=workers, **common)
+    with metrics_directory(), sigint_to_supervisor_only():
+        uvicorn.run(f"{__name__}:app_from_env", factory=True, workers=workers, **common)
 
 
 def app_from_env() -> Starlette:
@@ -108,7 +112,8 @@ def app_from_env() -> Starlette:
     if level:
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         quiet_upstream_client(level)
-    return create_app(load_config(None, **json.loads(os.environ[SETTINGS_ENV])))
+    return create_app(load_config(None, **json.loads(os.environ[SETTINGS_ENV])),
+                      worker_metrics=os.environ.get(MULTIPROC_ENV))
 
 
 def quiet_upstream_client(log_level: str) -> None:

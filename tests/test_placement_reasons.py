@@ -1,0 +1,123 @@
+"""The plan's reason as a metric label (policy/reasons.py): every reason each policy writes falls in a named
+bucket, and each (action, bucket) a policy produces is one of the series created for it at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from kvtether.gateway.policy.estimates import EstimatorSeeds, EstimatorSnapshot
+from kvtether.gateway.policy.facts import CostDecision, NodeLoad, OptionEstimate
+from kvtether.gateway.policy.placement import ClusterView, HandleAction, HandleState, Plan, Turn, plan
+from kvtether.gateway.policy.reasons import BUCKETS, OTHER, SERIES, reason_bucket
+
+P0, D0, D1 = "http://p0", "http://d0", "http://d1"
+VIEW = ClusterView((NodeLoad(P0),), (NodeLoad(D0), NodeLoad(D1)))
+D0_LOST = ClusterView((NodeLoad(P0),), (NodeLoad(D0, healthy=False), NodeLoad(D1)))
+ONE_WAY_P = ClusterView((NodeLoad(P0, bidirectional=False),), (NodeLoad(D0), NodeLoad(D1)))
+NO_P = ClusterView((NodeLoad(P0, healthy=False),), (NodeLoad(D0), NodeLoad(D1)))
+BUSY_D0 = ClusterView((NodeLoad(P0),), (NodeLoad(D0, running=60), NodeLoad(D1)))
+# Reading KV costs 1 ms a token: recomputing the prompt on P beats pulling a short handle.
+SLOW_LINK = EstimatorSnapshot(EstimatorSeeds(transfer_s_per_token=1e-3))
+
+
+def follow_up(policy: str, **kw: Any) -> Turn:
+    """A turn that extends the session's history: its 4000 held tokens all verified, 200 new."""
+    args: dict[str, Any] = {"policy": policy, "new_session": False, "pinned_decode": D0,
+                            "handle": HandleState.PRESENT, "handle_tokens": 4000, "prompt_tokens": 4200,
+                            "reuse_tokens": 4000, "suffix_tokens": 200, "decode_cached_tokens": 4000,
+                            "handle_age_s": 5.0}
+    args.update(kw)
+    return Turn(**args)
+
+
+def first(policy: str) -> Turn:
+    return Turn(policy=policy, new_session=True, prompt_tokens=3000, suffix_tokens=3000)
+
+
+# (policy, turn, view, estimates, expected action, expected bucket): each rule and reason of the policies.
+CASES: list[tuple[str, Turn, ClusterView, EstimatorSnapshot | None, str, str]] = [
+    # The pull rule (placement._choose_reuse): every cold why, and both pulls.
+    ("pull first turn", first("pull"), VIEW, None, "none", "first_turn"),
+    ("pull no handle", follow_up("pull", handle=HandleState.MISSING), VIEW, None, "none", "no_handle"),
+    ("pull expired", follow_up("pull", handle=HandleState.EXPIRED), VIEW, None, "none", "no_handle"),
+    ("pull node lost", follow_up("pull"), D0_LOST, None, "none", "node_lost"),
+    ("pull node lost, no handle", follow_up("pull", handle=HandleState.MISSING), D0_LOST, None, "none", "node_lost"),
+    ("pull unverified", follow_up("pull", reuse_tokens=None), VIEW, None, "none", "guard_refused"),
+    ("pull one-way P", follow_up("pull"), ONE_WAY_P, None, "none", "no_bidirectional_prefill"),
+    ("pull short reuse", follow_up("pull", reuse_tokens=10), VIEW, None, "none", "guard_refused"),
+    ("pull diverged, no partial", follow_up("pull", reuse_tokens=3000, partial_reuse=False), VIEW, None, "none",
+     "guard_refused"),
+    ("pull diverged, two groups", follow_up("pull", reuse_tokens=3000, handle_groups=2), VIEW, None, "none",
+     "guard_refused"),
+    ("pull attach", follow_up("pull"), VIEW, None, "attach", "handle_verified"),
+    ("pull truncate", follow_up("pull", reuse_tokens=3000), VIEW, None, "truncate", "handle_verified"),
+    # The other fixed rules.
+    ("no-pull", follow_up("no-pull"), VIEW, None, "none", "policy_fixed"),
+    ("no-pull first turn", first("no-pull"), VIEW, None, "none", "policy_fixed"),
+    ("reference attach", follow_up("reference"), VIEW, None, "attach", "policy_fixed"),
+    ("reference no handle", follow_up("reference", handle=HandleState.MISSING), VIEW, None, "none", "policy_fixed"),
+    ("reference first turn", first("reference"), VIEW, None, "none", "policy_fixed"),
+    # auto (costmodel.choose): the option that won on cost, or what ruled the pull out.
+    ("auto first turn", first("auto"), VIEW, None, "none", "first_turn"),
+    ("auto local", follow_up("auto"), VIEW, None, "decode_local", "local_cheapest"),
+    ("auto pull, rebalanced", follow_up("auto"), BUSY_D0, None, "attach", "pull_cheapest"),
+    ("auto pull truncated", follow_up("auto", handle_tokens=4100, reuse_tokens=4000), BUSY_D0, None, "truncate",
+     "pull_cheapest"),
+    ("auto cold", follow_up("auto", handle_tokens=100, reuse_tokens=100, prompt_tokens=12000, suffix_tokens=11900,
+                            decode_cached_tokens=100), VIEW, SLOW_LINK, "none", "cold_cheapest"),
+    ("auto no handle", follow_up("auto", handle=HandleState.MISSING), VIEW, None, "decode_local", "no_handle"),
+    ("auto expired", follow_up("auto", handle=HandleState.EXPIRED), VIEW, None, "decode_local", "no_handle"),
+    ("auto handle expires in P's queue", follow_up("auto", handle_age_s=10_000.0), VIEW, None, "decode_local",
+     "no_handle"),
+    ("auto refused", follow_up("auto", reuse_tokens=10), VIEW, None, "decode_local", "guard_refused"),
+    ("auto node lost", follow_up("auto"), D0_LOST, None, "none", "node_lost"),
+    ("auto one-way P", follow_up("auto"), ONE_WAY_P, None, "decode_local", "no_bidirectional_prefill"),
+    ("auto one-way P, long suffix", follow_up("auto", prompt_tokens=16000, suffix_tokens=12000), ONE_WAY_P, None,
+     "none", "no_bidirectional_prefill"),
+    ("auto forced", follow_up("auto", prompt_tokens=24000, suffix_tokens=20000), NO_P, None, "decode_local",
+     "forced"),
+    # auto without a verified prompt length goes the pull rule's way.
+    ("auto unverified", follow_up("auto", prompt_tokens=None), VIEW, None, "none", "guard_refused"),
+    ("auto unverified first turn", Turn(policy="auto", new_session=True), VIEW, None, "none", "first_turn"),
+]
+
+
+@pytest.mark.parametrize(("turn", "view", "est", "action", "bucket"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_every_reason_of_every_policy_has_its_bucket(turn: Turn, view: ClusterView, est: EstimatorSnapshot | None,
+                                                     action: str, bucket: str) -> None:
+    p = plan(turn, view, est)
+    assert (p.action.value, reason_bucket(p)) == (action, bucket), p.reason
+    assert bucket in BUCKETS and bucket != OTHER
+    # Created at zero for the policy at start-up.
+    assert (action, bucket) in SERIES[turn.policy]
+
+
+def test_the_cases_reach_every_bucket_but_other() -> None:
+    reached = {c[5] for c in CASES}
+    assert reached == set(BUCKETS) - {OTHER}
+
+
+def test_unknown_reasons_are_other() -> None:
+    assert reason_bucket(Plan(P0, D0, HandleAction.NONE, 0, "session pinned to decode x; cold prefill: a new why")) \
+        == OTHER
+    assert reason_bucket(Plan(P0, D0, HandleAction.ATTACH, 10, "a rule nobody wrote yet")) == OTHER
+    # auto: a pull ruled out for a reason this version does not know.
+    auto = plan(follow_up("auto", handle=HandleState.MISSING), VIEW)
+    assert auto.decision is not None
+    odd = tuple(replace(o, why_not="a new limit") if o.option == "pull" else o for o in auto.decision.options)
+    assert reason_bucket(replace(auto, decision=replace(auto.decision, options=odd))) == OTHER
+    # ... or an option name it does not know.
+    strange = CostDecision("teleport", "auto -> teleport", {}, P0, D0, 0, "auto",  # type: ignore[arg-type]
+                           options=(OptionEstimate("pull", True),))
+    assert reason_bucket(replace(auto, decision=strange)) == OTHER
+
+
+def test_every_series_is_of_a_known_action_and_bucket() -> None:
+    actions = {a.value for a in HandleAction}
+    for policy, series in SERIES.items():
+        assert policy in ("auto", "pull", "no-pull", "reference")
+        assert len(set(series)) == len(series)
+        assert all(a in actions and b in BUCKETS and b != OTHER for a, b in series), policy
