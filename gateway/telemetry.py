@@ -74,6 +74,7 @@ ATTR_HELD_TOKENS = "kvtether.held.tokens"
 ATTR_PROMPT_TOKENS = "kvtether.prompt.tokens"
 ATTR_REUSE_TOKENS = "kvtether.reuse.tokens"
 ATTR_REUSE_SOURCE = "kvtether.reuse.source"
+ATTR_HANDLE_READ = "kvtether.handle.read"
 ATTR_TTFT = "kvtether.ttft_s"
 ATTR_RETRIED = "kvtether.retried"
 ATTR_PINNED = "kvtether.pinned.node"  # the decode node the session was pinned to before this turn
@@ -83,7 +84,7 @@ ATTR_GUARD_VERDICT = "kvtether.guard.verdict"  # match | partial | refused
 ATTR_GATEWAY_OVERHEAD = "kvtether.gateway.overhead_s"
 ATTR_MODE = "kvtether.mode"  # pd | aggregated
 ATTR_TOKENIZE_SOURCE = "kvtether.tokenize.source"  # local | remote (the engine's /tokenize)
-# ---- cost-based placement (issue 8; the placement owner's block) ----
+# ---- cost-based placement ----
 ATTR_DECODE_HELD_KV_TOKENS = "kvtether.decode.held_kv_tokens"  # handles the plan's D held (last review)
 ATTR_SESSION_FINAL = "kvtether.session.final"  # the client marked this turn as the session's last
 ATTR_DECODE_CACHED_TOKENS = "kvtether.decode.cached_tokens"  # prompt prefix the pinned D's prefix cache holds
@@ -102,6 +103,8 @@ EVENT_FIRST_TOKEN = "first_token"
 HEADER_REUSE_SOURCE = "x-kvtether-reuse-source"
 HEADER_REUSE_TOKENS = "x-kvtether-reuse-tokens"
 HEADER_PLAN = "x-kvtether-plan"
+# Hosted tools the gateway left out of an Agent-API turn (hosted_tools = "drop"): their types, comma-separated.
+HEADER_DROPPED_TOOLS = "x-kvtether-dropped-tools"
 
 PROVIDER = "openai"
 
@@ -110,7 +113,7 @@ REUSE_SOURCES = ("decode_pull", "prefill_cache", "decode_local", "none")
 GUARD_VERDICTS = ("match", "partial", "refused")
 MODES = ("pd", "aggregated")
 HANDLE_OUTCOMES = ("attached", "truncated", "refused_by_guard", "expired", "missing", "unused_local", "unused_cold",
-                   "lost_race", "store_unavailable", "retried_cold")
+                   "lost_race", "store_unavailable", "retried_cold", "unread")
 PHASES = ("tokenize", "prefill", "decode", "aggregated", "metrics")
 
 M_TTFT = "kvtether_ttft_seconds"
@@ -120,6 +123,7 @@ M_HANDLE_OUTCOMES = "kvtether_handle_outcomes_total"
 M_PINNED_SESSIONS = "kvtether_pinned_sessions"
 M_UPSTREAM_ERRORS = "kvtether_upstream_errors_total"
 M_REUSED_TOKENS = "kvtether_reused_tokens_total"
+M_OFFERED_TOKENS = "kvtether_offered_tokens_total"
 M_PROMPT_TOKENS = "kvtether_prompt_tokens_total"
 M_STREAM_HANDLE_MISSING = "kvtether_stream_handles_missing_total"
 M_LOCAL_HANDLES = "kvtether_local_turn_handles_total"
@@ -141,6 +145,12 @@ M_HELD_KV_BUDGET = "kvtether_held_kv_budget"  # the configured held_kv_budget (a
 M_NODE_HEALTHY = "kvtether_node_healthy"
 # P/D plans by option (the plan's action) and reason (a bucket of its reason text: policy/reasons.py BUCKETS).
 M_PLACEMENT_DECISIONS = "kvtether_placement_decisions_total"
+# Hosted tools left out of /v1/responses and /v1/messages turns, by type without its version (web_search_20250305
+# and web_search_preview are web_search): the closed set the translations drop (sdk/apis).
+M_DROPPED_TOOLS = "kvtether_dropped_tools_total"
+DROPPED_TOOL_TYPES = ("web_search", "file_search", "code_interpreter", "computer_use", "image_generation", "mcp",
+                      "local_shell", "shell", "apply_patch", "computer", "web_fetch", "code_execution", "bash",
+                      "text_editor", "memory", "tool_search_tool_regex", "tool_search_tool_bm25", "mcp_toolset")
 ROUTES = ("chat", "completions", "messages")
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
 # The guard's local tokenizer: ids that differed from the engine's /tokenize (check = startup | turn; each
@@ -187,8 +197,13 @@ class Metrics:
                                      multiprocess_mode="livemostrecent")
         self.upstream_errors = Counter(M_UPSTREAM_ERRORS, "Upstream failures by node and phase", ["node", "phase"],
                                        registry=r)
-        self.reused_tokens = Counter(M_REUSED_TOKENS, "Prompt tokens offered to prefill by a decode handle",
-                                     registry=r)
+        # What the engine reported it did not compute, by where it came from (guard/readback.py); beside what the
+        # gateway offered, so a handle that was sent and not read shows as the gap between the two.
+        self.reused_tokens = Counter(M_REUSED_TOKENS, "Prompt tokens a node reported it did not compute, by source",
+                                     ["source"], registry=r)
+        for source in REUSE_SOURCES:
+            self.reused_tokens.labels(source)
+        self.offered_tokens = Counter(M_OFFERED_TOKENS, "Handle tokens offered to prefill nodes", registry=r)
         self.prompt_tokens = Counter(M_PROMPT_TOKENS, "Prompt tokens of P/D turns with a verified prompt", registry=r)
         self.stream_handles_missing = Counter(
             M_STREAM_HANDLE_MISSING, "Finished turns whose decode node returned no handle (e.g. streams before 0.33)",
@@ -244,6 +259,10 @@ class Metrics:
             self.tokenizer_mismatches.labels(check)
         for where in TOKENIZE_SOURCES:
             self.guard_tokenize.labels(where)
+        self.dropped_tools = Counter(M_DROPPED_TOOLS, "Hosted tools left out of agent-API turns, by type",
+                                     ["type"], registry=r)
+        for kind in DROPPED_TOOL_TYPES:
+            self.dropped_tools.labels(kind)
         self._policy = "auto"
 
     def set_policy(self, policy: str) -> None:
