@@ -44,6 +44,7 @@ from kvtether.cli.report import (
     render_slos,
     summarize_run,
 )
+from kvtether.gateway.config import POLICIES
 from kvtether.sdk.sessionfile import History, SessionFileError, SessionRecord, read_sessions
 from rich.console import Console
 from rich.markup import escape
@@ -53,7 +54,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SLO = 0, 1, 2, 3
 
 # The gateway's policies; the three of the comparison: no reverse pull, the reference
 # proxy's behaviour, and kvtether's own choice.
-KNOWN_POLICIES: tuple[str, ...] = ("auto", "pull", "no-pull", "reference")
+KNOWN_POLICIES: tuple[str, ...] = POLICIES
 DEFAULT_COMPARE: tuple[str, ...] = ("no-pull", "reference", "auto")
 
 

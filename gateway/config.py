@@ -17,12 +17,16 @@ from typing import Any
 
 from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
 from kvtether.gateway.policy.knobs import TUNING_FIELDS, PolicyKnobs
+from kvtether.gateway.policy.peers import DYNAMO_RULES, LLM_D_NON_CACHED_TOKENS, PEER_POLICIES
+from kvtether.sdk.apis.common import HOSTED_TOOLS, HostedTools
 
 # The policy's and the estimator's own defaults are the single source of truth; the config only exposes them.
 _KNOBS = PolicyKnobs()
 _SEEDS = EstimatorSeeds()
 
-POLICIES: tuple[str, ...] = ("auto", "pull", "no-pull", "reference")
+POLICIES: tuple[str, ...] = ("auto", "pull", "no-pull", "reference", *PEER_POLICIES)
+# Policies that read what the session's decode node holds in its prefix cache (from D's token ids each turn).
+CACHE_AWARE_POLICIES: tuple[str, ...] = ("auto", *PEER_POLICIES)
 
 
 class ConfigError(ValueError):
@@ -36,8 +40,15 @@ class GatewayConfig:
     decode: list[str] = field(default_factory=list)
     aggregated: list[str] = field(default_factory=list)
     # "auto" = cost-based per turn (decode-local / pull / cold, docs/placement.md); "pull", "no-pull" and
-    # "reference" are fixed behaviours kept for comparison (the replay CLI and benchmarks switch them).
+    # "reference" are fixed behaviours kept for comparison (the replay CLI and benchmarks switch them);
+    # "dynamo" and "llm-d" are the rules those gateways ship (policy/peers.py), to compare against.
     policy: str = "auto"
+    # The "dynamo" policy: which of Dynamo's conditional-disaggregation rules, and its decode-busy veto (a share
+    # of the decode node's KV above which a local prefill is cancelled; unset: no veto, Dynamo's default).
+    dynamo_rule: str = "isl_bounding"
+    dynamo_decode_busy_share: float | None = None
+    # The "llm-d" policy: disaggregate when the decode node's prefix cache lacks more than this many tokens.
+    llm_d_non_cached_tokens: int = LLM_D_NON_CACHED_TOKENS
     host: str = "127.0.0.1"
     port: int = 8000
     # The name clients use; None = whatever the backends serve (discovered from /v1/models).
@@ -53,10 +64,10 @@ class GatewayConfig:
     # Guard: a handle is attached only when at least this many tokens are verified (vLLM's own
     # kv_recompute_threshold makes P recompute below it anyway, so the pull would be pure overhead).
     min_reuse_tokens: int = 64
-    # Partial reuse: on a mismatch, truncate the handle to the verified prefix (protocol §3.2).
+    # Partial reuse: on a mismatch, truncate the handle to the verified prefix (docs/protocol.md §3.2).
     partial_reuse: bool = True
     # Handles are only ever sent to prefill nodes with bidirectional_kv_xfer: without it a prefill
-    # may wait forever for a read that is never scheduled (protocol §2, capability hazard).
+    # may wait forever for a read that is never scheduled (docs/protocol.md §2, capability hazard).
     bidirectional_prefill: bool = True
     # Per-node override: prefill URLs known NOT to run bidirectional_kv_xfer.
     unidirectional_prefill: list[str] = field(default_factory=list)
@@ -98,16 +109,22 @@ class GatewayConfig:
     # Decode memory (docs/operations.md, "Decode memory"). Every handle pins its blocks on D until a prefill
     # pulls it or the engine's decoder_kv_blocks_ttl ends; the gateway releases every handle it will not pull
     # (a one-token prefill carrying it, off the request path): superseded, refused by the guard, left unused,
-    # the session's last, idle sessions', and those over a decode node's budget. The reference policy never
-    # releases (it models vLLM's reference proxy, which holds everything until the TTL).
+    # the session's last, those at their expiry (session_ttl_s), and, only when a decode node's memory is
+    # wanted, the least likely to be pulled there. A session that just stops keeps its handle until then. The
+    # reference policy never releases (it models vLLM's reference proxy, which holds everything until the TTL).
     release_handles: bool = True
     # Held KV each decode node may carry, as a share of its KV capacity (vLLM's cache_config_info); above it
     # the handles least likely to be pulled before they expire are released. 1: no budget.
     held_kv_budget: float = 0.5
-    # A session that has not come back within idle_gap_factor (4) times its own mean gap between turns loses
-    # its handle, and at the latest after this many seconds (also the wait for a session with one turn).
-    idle_release_s: float = 180.0
-    # How often the held handles are reviewed (idle, budget) and the held-KV gauges refreshed.
+    # A release pass started by the budget (or by decode_pressure_usage) goes on until held KV (D's usage) is
+    # at this share of that mark.
+    release_low_water: float = 0.9
+    # D's KV usage (holds included) at or above which requests waiting on it, or a preemption, mean its memory
+    # is wanted: handles are released there, least likely to be pulled first, whatever the budget.
+    decode_pressure_usage: float = 0.9
+    # Deprecated, ignored: handles are no longer released on a timer (a warning at start-up when set).
+    idle_release_s: float | None = None
+    # How often the held handles are reviewed (expiry, budget, pressure) and the held-KV gauges refreshed.
     retention_interval_s: float = 1.0
     # Releases in flight at once; more wait in a bounded queue (a full queue drops a release: counted, and
     # the engine's TTL frees that hold in the end).
@@ -159,6 +176,10 @@ class GatewayConfig:
     # client (Codex) can send them back (env KVTETHER_REASONING_KEY). Unset: a random key per process, fine
     # for one gateway; replicas behind a load balancer must share one.
     reasoning_key: str | None = None
+    # Hosted tools on /v1/responses and /v1/messages (web_search, file_search, Anthropic's server tools…), which
+    # the model behind vLLM cannot call: "drop" leaves them out of the turn and says so (a response header, a
+    # metric, a log line once per session); "refuse" answers 400 naming them, as vLLM does.
+    hosted_tools: HostedTools = "drop"
 
     # The guard's tokenizer: the served model's tokenizer directory or name (its tokenizer.json and chat
     # template); None = P's /tokenize for every guarded turn. Checked against /tokenize at start-up and on
@@ -205,6 +226,12 @@ class GatewayConfig:
         """Policies that verify D's held sequence by tokens before reusing it (and so want token ids)."""
         return self.policy in ("pull", "auto")
 
+    @property
+    def cache_aware(self) -> bool:
+        """Policies that weigh what the session's decode node holds in its prefix cache (and so want D's token
+        ids, and the prompt's when there is a cached sequence to compare it with)."""
+        return self.policy in CACHE_AWARE_POLICIES
+
     def policy_tuning(self) -> dict[str, Any]:
         """The [gateway.tuning] overrides of PolicyKnobs."""
         return {k: v for k, v in self.tuning.items() if k in TUNING_FIELDS}
@@ -219,6 +246,12 @@ class GatewayConfig:
     def validate(self) -> GatewayConfig:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if self.dynamo_rule not in DYNAMO_RULES:
+            raise ConfigError(f"dynamo_rule must be one of {', '.join(DYNAMO_RULES)}; got {self.dynamo_rule!r}")
+        if self.dynamo_decode_busy_share is not None and not 0.0 < self.dynamo_decode_busy_share <= 1.0:
+            raise ConfigError("dynamo_decode_busy_share must be in (0, 1] or unset")
+        if self.llm_d_non_cached_tokens < 0:
+            raise ConfigError("llm_d_non_cached_tokens must be >= 0")
         if self.aggregated and (self.prefill or self.decode):
             raise ConfigError("give either aggregated nodes or prefill + decode nodes, not both")
         if not self.aggregated and not (self.prefill and self.decode):
@@ -249,8 +282,10 @@ class GatewayConfig:
             raise ConfigError("tpot_budget_s must be > 0")
         if not 0.0 < self.held_kv_budget <= 1.0:
             raise ConfigError("held_kv_budget must be in (0, 1] (a share of a decode node's KV; 1 = no budget)")
-        if self.idle_release_s <= 0 or self.retention_interval_s <= 0 or self.release_concurrency < 1:
-            raise ConfigError("idle_release_s and retention_interval_s must be > 0 and release_concurrency >= 1")
+        if self.retention_interval_s <= 0 or self.release_concurrency < 1:
+            raise ConfigError("retention_interval_s must be > 0 and release_concurrency >= 1")
+        if not (0.0 < self.release_low_water <= 1.0 and 0.0 < self.decode_pressure_usage <= 1.0):
+            raise ConfigError("release_low_water and decode_pressure_usage must be in (0, 1]")
         if not 0.0 <= self.request_stall_share <= 1.0:
             raise ConfigError("request_stall_share must be in [0, 1]")
         self._validate_tuning()
@@ -283,6 +318,8 @@ class GatewayConfig:
             raise ConfigError("responses_ttl_s must be > 0")
         if self.reasoning_key is not None and len(self.reasoning_key) < 16:
             raise ConfigError("reasoning_key must be at least 16 characters")
+        if self.hosted_tools not in HOSTED_TOOLS:
+            raise ConfigError(f"hosted_tools must be one of {', '.join(HOSTED_TOOLS)}; got {self.hosted_tools!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port {self.port} out of range")
         return self
@@ -394,7 +431,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
 
 
 # Settings whose default is None (unset): the type a set value must have.
-_OPTIONAL_TYPES: dict[str, type] = {"model": str, "block_size": int, "read_timeout_s": float, "otlp_endpoint": str,
+_OPTIONAL_TYPES: dict[str, type] = {"model": str, "block_size": int, "read_timeout_s": float, "idle_release_s": float,
+                                    "otlp_endpoint": str, "dynamo_decode_busy_share": float,
                                     "tokenizer": str, "admin_key": str, "upstream_api_key": str, "reasoning_key": str}
 
 

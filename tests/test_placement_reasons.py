@@ -7,8 +7,10 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from kvtether.gateway.config import POLICIES
 from kvtether.gateway.policy.estimates import EstimatorSeeds, EstimatorSnapshot
 from kvtether.gateway.policy.facts import CostDecision, NodeLoad, OptionEstimate
+from kvtether.gateway.policy.peers import PeerKnobs
 from kvtether.gateway.policy.placement import ClusterView, HandleAction, HandleState, Plan, Turn, plan
 from kvtether.gateway.policy.reasons import BUCKETS, OTHER, SERIES, reason_bucket
 
@@ -95,8 +97,35 @@ def test_every_reason_of_every_policy_has_its_bucket(turn: Turn, view: ClusterVi
     assert (action, bucket) in SERIES[turn.policy]
 
 
+BUSY_P = ClusterView((NodeLoad(P0, waiting=2),), (NodeLoad(D0), NodeLoad(D1)))
+FULL_D0 = ClusterView((NodeLoad(P0),), (NodeLoad(D0, kv_usage=0.9), NodeLoad(D1)))
+LOAD_RULE, VETO = PeerKnobs(dynamo_rule="prefill_load"), PeerKnobs(dynamo_decode_busy_share=0.5)
+# The peer gateways' rules (policy/peers.py), with the knobs that reach each of their reasons.
+PEER_CASES: list[tuple[str, Turn, ClusterView, PeerKnobs | None, str, str]] = [
+    ("dynamo short uncached", follow_up("dynamo"), VIEW, None, "decode_local", "uncached_short"),
+    ("dynamo long uncached", follow_up("dynamo", decode_cached_tokens=0), VIEW, None, "none", "uncached_long"),
+    ("dynamo first turn", first("dynamo"), VIEW, None, "none", "uncached_long"),
+    ("dynamo prefill busy", follow_up("dynamo", decode_cached_tokens=0), BUSY_P, LOAD_RULE, "decode_local",
+     "prefill_busy"),
+    ("dynamo decode busy", follow_up("dynamo"), FULL_D0, VETO, "none", "decode_busy"),
+    ("dynamo node lost", follow_up("dynamo"), D0_LOST, None, "none", "node_lost"),
+    ("llm-d short uncached", follow_up("llm-d", prompt_tokens=4010), VIEW, None, "decode_local", "uncached_short"),
+    ("llm-d long uncached", follow_up("llm-d"), VIEW, None, "none", "uncached_long"),
+]
+
+
+@pytest.mark.parametrize(("turn", "view", "peers", "action", "bucket"), [c[1:] for c in PEER_CASES],
+                         ids=[c[0] for c in PEER_CASES])
+def test_every_reason_of_the_peer_rules_has_its_bucket(turn: Turn, view: ClusterView, peers: PeerKnobs | None,
+                                                       action: str, bucket: str) -> None:
+    p = plan(turn, view, peers=peers)
+    assert (p.action.value, reason_bucket(p)) == (action, bucket), p.reason
+    if bucket != "node_lost":  # a lost node's turn is counted when it happens (not pre-created)
+        assert (action, bucket) in SERIES[turn.policy]
+
+
 def test_the_cases_reach_every_bucket_but_other() -> None:
-    reached = {c[5] for c in CASES}
+    reached = {c[5] for c in CASES} | {c[5] for c in PEER_CASES}
     assert reached == set(BUCKETS) - {OTHER}
 
 
@@ -118,6 +147,6 @@ def test_unknown_reasons_are_other() -> None:
 def test_every_series_is_of_a_known_action_and_bucket() -> None:
     actions = {a.value for a in HandleAction}
     for policy, series in SERIES.items():
-        assert policy in ("auto", "pull", "no-pull", "reference")
+        assert policy in POLICIES
         assert len(set(series)) == len(series)
         assert all(a in actions and b in BUCKETS and b != OTHER for a, b in series), policy

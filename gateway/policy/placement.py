@@ -4,7 +4,8 @@ No I/O and no clock here: the shell gathers the facts (session state, verified r
 guard, the load view) and executes the plan. The plan's ``reason`` is logged and put on spans, so
 every choice can be explained after the fact.
 
-Policies: ``pull``, ``no-pull`` and ``reference`` are fixed rules (below); ``auto`` asks the cost model
+Policies: ``pull``, ``no-pull`` and ``reference`` are fixed rules (below), ``dynamo`` and ``llm-d`` the rules
+those gateways ship (``peers.py``); ``auto`` asks the cost model
 (``costmodel.choose``) to weigh "run the turn on the pinned decode node" (``HandleAction.DECODE_LOCAL``)
 against "prefill + pull from decode" and "cold prefill", and maps its decision onto a :class:`Plan`.
 """
@@ -20,13 +21,14 @@ from kvtether.gateway.policy.costmodel import choose
 from kvtether.gateway.policy.estimates import EstimatorSnapshot
 from kvtether.gateway.policy.facts import CostDecision, NodeLoad, NoFeasibleOption, TurnFacts
 from kvtether.gateway.policy.knobs import PolicyKnobs
+from kvtether.gateway.policy.peers import PEER_POLICIES, PeerKnobs, decide
 
 
 class HandleAction(StrEnum):
     ATTACH = "attach"  # send D's handle unchanged: P pulls everything D holds
     TRUNCATE = "truncate"  # send the handle cut to the verified prefix (docs/protocol.md §3.2)
     NONE = "none"  # cold prefill (P's own prefix cache still applies)
-    DECODE_LOCAL = "decode_local"  # whole request to the pinned D, no transfer (auto only)
+    DECODE_LOCAL = "decode_local"  # whole request to the pinned D, no transfer (auto and the peer rules)
 
 
 class HandleState(StrEnum):
@@ -43,7 +45,7 @@ class ClusterView:
 
 @dataclass(frozen=True, slots=True)
 class Turn:
-    policy: str  # effective policy: "pull" | "no-pull" | "reference"
+    policy: str  # effective policy: "auto" | "pull" | "no-pull" | "reference" | "dynamo" | "llm-d"
     new_session: bool
     pinned_decode: str | None = None
     handle: HandleState = HandleState.MISSING
@@ -106,13 +108,16 @@ def _healthy(nodes: Sequence[NodeLoad], exclude: frozenset[str]) -> list[NodeLoa
 
 
 def plan(turn: Turn, cluster: ClusterView, estimates: EstimatorSnapshot | None = None,
-         knobs: PolicyKnobs | None = None) -> Plan:
-    """`estimates` and `knobs` are read by the "auto" policy only (defaults: seeds, default knobs)."""
+         knobs: PolicyKnobs | None = None, peers: PeerKnobs | None = None) -> Plan:
+    """`estimates` and `knobs` are read by the "auto" policy only (defaults: seeds, default knobs), `peers` by
+    the peer gateways' rules (policy/peers.py)."""
     if turn.policy == "reference":
         return _plan_reference(turn, cluster)
     if turn.policy == "auto":
         return _plan_auto(turn, cluster, estimates or EstimatorSnapshot(), knobs or PolicyKnobs())
     decode, re_placed, d_reason = _choose_decode(turn, cluster)
+    if turn.policy in PEER_POLICIES:
+        return _plan_peer(turn, cluster, decode, re_placed, d_reason, peers or PeerKnobs())
     if turn.policy == "no-pull":
         p = _preferred_p(cluster.prefill, turn)
         if p is None:
@@ -259,6 +264,22 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
     # a fresh one behind).
     outcome = "unused_cold" if unused else refused
     return Plan(d.prefill_url, d.decode_url, HandleAction.NONE, 0, d.reason, outcome, re_placed, d)
+
+
+def _plan_peer(turn: Turn, cluster: ClusterView, decode: str, re_placed: bool, d_reason: str,
+               knobs: PeerKnobs) -> Plan:
+    """Dynamo's or llm-d's rule: the turn prefilled on its decode node, or disaggregated without a pull."""
+    p = _preferred_p(cluster.prefill, turn)
+    d = next((n for n in cluster.decode if n.url == decode), None)
+    # What the decode node's prefix cache holds of the prompt: nothing on a node the session was moved to.
+    cached = turn.decode_cached_tokens if not re_placed and decode == turn.pinned_decode else 0
+    verdict = decide(turn.policy, turn.prompt_tokens, cached, p, d, knobs)
+    if verdict.local and turn.allow_local:
+        return Plan(None, decode, HandleAction.DECODE_LOCAL, 0, f"{d_reason}; {verdict.reason}", None, re_placed)
+    if p is None:
+        raise NoCapacity("prefill")
+    why = verdict.reason if not verdict.local else f"{verdict.reason}, but the decode leg just failed: disaggregate"
+    return Plan(p.url, decode, HandleAction.NONE, 0, f"{d_reason}; {why}", None, re_placed)
 
 
 def _plan_reference(turn: Turn, cluster: ClusterView) -> Plan:

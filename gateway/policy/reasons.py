@@ -33,10 +33,17 @@ PULL_CHEAPEST: Final = "pull_cheapest"  # auto: the pull scored lowest
 LOCAL_CHEAPEST: Final = "local_cheapest"  # auto: the pull was possible, decode-local scored lower
 COLD_CHEAPEST: Final = "cold_cheapest"  # auto: the pull was possible, a cold prefill scored lower
 FORCED: Final = "forced"  # auto: no option within the limits; run over one rather than fail the turn
+# The peer rules (policy/peers.py): what the decode node's prefix cache lacks is short (prefill there) or long
+# (disaggregate); Dynamo's load rule found the prefill node busy; its decode-busy veto cancelled a local prefill.
+UNCACHED_SHORT: Final = "uncached_short"
+UNCACHED_LONG: Final = "uncached_long"
+PREFILL_BUSY: Final = "prefill_busy"
+DECODE_BUSY: Final = "decode_busy"
 OTHER: Final = "other"  # a reason this version does not know
 
 BUCKETS: Final = (FIRST_TURN, NO_HANDLE, NODE_LOST, GUARD_REFUSED, NO_BIDIRECTIONAL_PREFILL, HANDLE_VERIFIED,
-                  POLICY_FIXED, PULL_CHEAPEST, LOCAL_CHEAPEST, COLD_CHEAPEST, FORCED, OTHER)
+                  POLICY_FIXED, PULL_CHEAPEST, LOCAL_CHEAPEST, COLD_CHEAPEST, FORCED, UNCACHED_SHORT, UNCACHED_LONG,
+                  PREFILL_BUSY, DECODE_BUSY, OTHER)
 
 # The pull rule's cold prefills (placement._choose_reuse: "...; cold prefill: WHY"), by how WHY starts.
 _COLD_WHY: Final = (
@@ -72,6 +79,8 @@ _PULL_RULE_COLD: Final = (FIRST_TURN, NO_HANDLE, NODE_LOST, GUARD_REFUSED, NO_BI
 SERIES: Final[dict[str, tuple[tuple[str, str], ...]]] = {
     "pull": (*((_NONE, r) for r in _PULL_RULE_COLD), (_ATTACH, HANDLE_VERIFIED), (_TRUNCATE, HANDLE_VERIFIED)),
     "no-pull": ((_NONE, POLICY_FIXED),),
+    "dynamo": ((_LOCAL, UNCACHED_SHORT), (_LOCAL, PREFILL_BUSY), (_NONE, UNCACHED_LONG), (_NONE, DECODE_BUSY)),
+    "llm-d": ((_LOCAL, UNCACHED_SHORT), (_NONE, UNCACHED_LONG)),
     "reference": ((_ATTACH, POLICY_FIXED), (_NONE, POLICY_FIXED)),
     "auto": (
         (_ATTACH, PULL_CHEAPEST), (_TRUNCATE, PULL_CHEAPEST), (_NONE, COLD_CHEAPEST), (_LOCAL, LOCAL_CHEAPEST),
@@ -95,12 +104,35 @@ def _rule_bucket(plan: Plan) -> str:
     if plan.re_placed:
         # The pull rule re-places a session whose decode node is lost; whatever else it says, that is why.
         return NODE_LOST
+    peer = _peer_bucket(reason)
+    if peer is not None:
+        return peer
     _, cold, why = reason.partition("; cold prefill: ")
     if cold:
         return next((bucket for start, bucket in _COLD_WHY if why.startswith(start)), OTHER)
     if plan.action in (HandleAction.ATTACH, HandleAction.TRUNCATE) and reason.endswith(_PULL_WHY):
         return HANDLE_VERIFIED
     return OTHER
+
+
+# The peer rules' reasons ("...; dynamo isl_bounding: WHY" / "...; llm-d: WHY"), by what WHY says.
+_PEER_WHY: Final = (
+    ("decode busy", DECODE_BUSY),
+    ("the prefill node is busy", PREFILL_BUSY),
+    ("prefill not busy: disaggregate", UNCACHED_LONG),
+    ("> nonCachedTokens", UNCACHED_LONG),
+    ("<= nonCachedTokens", UNCACHED_SHORT),
+    ("of the prompt: prefill on decode", UNCACHED_SHORT),
+)
+
+
+def _peer_bucket(reason: str) -> str | None:
+    _, dynamo, why = reason.partition("; dynamo ")
+    if not dynamo:
+        _, llm_d, why = reason.partition("; llm-d: ")
+        if not llm_d:
+            return None
+    return next((bucket for part, bucket in _PEER_WHY if part in why), OTHER)
 
 
 def _cost_bucket(plan: Plan, decision: CostDecision) -> str:

@@ -50,12 +50,12 @@ async def gather(sv: Services, ctx: TurnContext, round_robin: int) -> Gathered:
     has_handle = taken is not None and handle_state is HandleState.PRESENT
     prompt_ids: list[int] | None = None
     reuse: int | None = None
-    cached_held = state.cached if state is not None and policy == "auto" else None
-    if policy in ("pull", "auto") and (has_handle or cached_held is not None):
+    cached_held = state.cached if state is not None and sv.config.cache_aware else None
+    if (policy == "pull" or sv.config.cache_aware) and (has_handle or cached_held is not None):
         prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx)
         if prompt_ids is not None:
             reuse = _guard(sv, ctx, taken if has_handle else None, prompt_ids)
-    elif policy in ("pull", "auto"):
+    elif policy == "pull" or sv.config.cache_aware:
         _warm_tokenizer(sv, ctx)
     turn = Turn(
         policy=policy,
@@ -89,7 +89,7 @@ def _guard(sv: Services, ctx: TurnContext, taken: TakenHandle | None, prompt_ids
     """The verified reuse of the handle's held sequence (None: no held sequence to check), and what D's
     prefix cache holds of the prompt (into ctx.decode_cached)."""
     held = taken.held if taken is not None else None
-    cached_held = ctx.state.cached if ctx.state is not None and sv.config.policy == "auto" else None
+    cached_held = ctx.state.cached if ctx.state is not None and sv.config.cache_aware else None
     if held is None and cached_held is None:
         return None
     reuse: int | None = None

@@ -25,6 +25,7 @@ from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
 from kvtether.gateway.policy.knobs import PolicyKnobs
 from kvtether.gateway.policy.learning import Learning
+from kvtether.gateway.policy.peers import PeerKnobs
 from kvtether.gateway.policy.placement import HandleAction, HandleState, NoCapacity, Plan, Turn, plan, plan_aggregated
 from kvtether.gateway.policy.reasons import reason_bucket
 from kvtether.gateway.policy.retention import ReleaseReason
@@ -48,6 +49,7 @@ class Orchestrator:
                  upstream: Upstream, tokenize_client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
                  tracer: trace.Tracer | None = None, retention: Retention | None = None) -> None:
         self.knobs = policy_knobs(config)
+        self.peer_knobs = peer_knobs(config)
         # TPOT quotas and step boundaries serve decode-local turns only: P/D mode under the auto policy.
         pd_auto = config.policy == "auto" and config.mode == "pd"
         learning = Learning(estimator_seeds(config), learning_params(config), self.knobs,
@@ -103,7 +105,8 @@ class Orchestrator:
                 # for retention, it returns a handle of the whole sequence (config.local_turn_handles); token
                 # ids tell what its prefix cache now holds.
                 source = "decode_local"
-                mark = B.LOCAL_RETAIN_PARAMS if sv.config.local_turn_handles else None
+                # Only a policy that pulls marks a local turn for retention (the peer rules never read it).
+                mark = B.LOCAL_RETAIN_PARAMS if sv.config.local_turn_handles and sv.config.policy == "auto" else None
                 d_body = B.decode_body(ctx.body, mark, want_token_ids=True)
                 reused = ctx.decode_cached
             else:
@@ -121,7 +124,7 @@ class Orchestrator:
                     sv.metrics.handle_outcomes.labels("unread").inc()
                 sv.metrics.reused_tokens.labels(source).inc(reused)
                 d_kv = B.with_host(prefilled.params, host_of(the_plan.prefill or "")) if prefilled.params else None
-                d_body = B.decode_body(ctx.body, d_kv, want_token_ids=sv.config.guarded)
+                d_body = B.decode_body(ctx.body, d_kv, want_token_ids=sv.config.guarded or sv.config.cache_aware)
             ctx.response_headers = T.reuse_headers(source, reused, the_plan.action.value)
             T.set_attrs(ctx.span, {T.ATTR_REUSE_TOKENS: reused, T.ATTR_SUFFIX_TOKENS:
                                    len(g.prompt_ids) - reused if g.prompt_ids is not None else None})
@@ -209,7 +212,9 @@ class Orchestrator:
             view = sv.cluster.view(now)
             ctx.plan_view = view
             try:
-                p = plan(turn, view, sv.learning.snapshot(now), self.knobs)
+                # The peer rules match D's prefix cache in its own blocks (known once D was polled).
+                peers = replace(self.peer_knobs, block_size=sv.cluster.block_size(turn.pinned_decode or ""))
+                p = plan(turn, view, sv.learning.snapshot(now), self.knobs, peers)
             except NoCapacity as exc:
                 span.set_attribute(T.ERROR_TYPE, "no_capacity")
                 raise GatewayError(503, str(exc), code="no_capacity",
@@ -266,6 +271,12 @@ def estimator_seeds(config: GatewayConfig) -> EstimatorSeeds:
 
 def learning_params(config: GatewayConfig) -> LearningParams:
     return LearningParams(**config.learning_tuning())
+
+
+def peer_knobs(config: GatewayConfig) -> PeerKnobs:
+    """The peer gateways' rules as configured (policy/peers.py)."""
+    return PeerKnobs(dynamo_rule=config.dynamo_rule, dynamo_decode_busy_share=config.dynamo_decode_busy_share,
+                     llm_d_non_cached_tokens=config.llm_d_non_cached_tokens, block_size=config.block_size or 16)
 
 
 def policy_knobs(config: GatewayConfig) -> PolicyKnobs:

@@ -17,6 +17,7 @@ from kvtether.gateway.guard.verify import HeldSequence, handle_num_tokens, handl
 from kvtether.gateway.nodes.cluster import host_of
 from kvtether.gateway.policy import copies as PC
 from kvtether.gateway.policy.learning import DecodeSample
+from kvtether.gateway.policy.peers import PEER_POLICIES
 from kvtether.gateway.policy.placement import HandleAction, Plan
 from kvtether.gateway.policy.retention import ReleaseReason, block_scope
 from kvtether.gateway.shell.auth import scoped
@@ -28,6 +29,7 @@ from opentelemetry import trace
 log = logging.getLogger(__name__)
 
 _MEAN_WEIGHT = 0.3  # of the latest turn in the session's running means (≈ the last three turns count)
+NEVER_PULL = ("no-pull", *PEER_POLICIES)  # policies whose P/D turns leave a handle nothing will read
 
 
 def release_hold_back(sv: Services, node: str, result: LegResult) -> None:
@@ -95,7 +97,7 @@ async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRe
     # not: the cost policy's decode_cached_tokens next turn. Learned from D's token ids.
     cached: HeldSequence | None = None
     total: int | None = None
-    if result.ok and result.prompt_ids is not None and policy == "auto":
+    if result.ok and result.prompt_ids is not None and sv.config.cache_aware:
         total = len(result.prompt_ids) + len(result.output_ids)
         cached = HeldSequence.from_tokens(result.sequence()[:max(0, total - 1)], block_size,
                                           prefix=held or _previous(ctx))
@@ -174,7 +176,7 @@ def _handle_after(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRes
     now): D's new handle after a P/D turn or a marked decode-local one, else the handle a local turn did not
     use."""
     local = the_plan.action is HandleAction.DECODE_LOCAL
-    if result.ok and the_plan.prefill is not None and result.handle is not None and sv.config.policy == "no-pull":
+    if result.ok and the_plan.prefill is not None and result.handle is not None and sv.config.policy in NEVER_PULL:
         # D keeps every finished P/D turn's blocks when bidirectional_kv_xfer is on; this policy never pulls.
         sv.release(B.with_host(result.handle, host_of(the_plan.decode)), the_plan.decode, ReleaseReason.UNUSED)
         return None, None, None
