@@ -96,7 +96,11 @@ class DecodeTimes:
         engine.on_step = on_step
 
     def tpot_ms(self) -> list[float]:
-        return [(last - first) * 1000 / (n - 1) for first, last, n in self._tokens.values() if n >= 2]
+        return list(self.tpot_by_request().values())
+
+    def tpot_by_request(self) -> dict[str, float]:
+        """TPOT (ms) by engine request id, for the requests that sampled two tokens or more."""
+        return {rid: (last - first) * 1000 / (n - 1) for rid, (first, last, n) in self._tokens.items() if n >= 2}
 
 
 @asynccontextmanager

@@ -18,6 +18,7 @@ import typer
 from kvtether.cli.importers import FORMATS, ImportFormatError, import_file
 from kvtether.cli.options import FLAG, kvtether_version
 from kvtether.cli.replay import (
+    ARRIVALS,
     DEFAULT_HISTORY,
     DEFAULT_PREFILL_PREFIX_CACHING,
     HISTORY_MODES,
@@ -37,9 +38,13 @@ from kvtether.cli.report import (
     DEFINITIONS,
     SCHEMA_VERSION,
     Slo,
+    attainment,
     check_slos,
+    goodput_report,
+    parse_objectives,
     parse_slo,
     render_compare,
+    render_goodput,
     render_run,
     render_slos,
     summarize_run,
@@ -102,6 +107,21 @@ def _split_args(args: list[str]) -> tuple[list[str], list[str]]:
     return files, policies
 
 
+def parse_rates(spec: str) -> list[float]:
+    """``0.5,1,2,4``: the --goodput rate multipliers, each > 0, in the order given (duplicates dropped)."""
+    rates: list[float] = []
+    for part in spec.split(","):
+        try:
+            rate = float(part)
+        except ValueError:
+            rate = 0.0
+        if not rate > 0 or rate == float("inf"):
+            raise ValueError(f"bad --goodput {spec!r} (expected rate multipliers > 0, e.g. 0.5,1,2,4)")
+        if rate not in rates:
+            rates.append(rate)
+    return rates
+
+
 def register(app: typer.Typer) -> None:
     @app.command("replay")
     def replay(
@@ -133,7 +153,28 @@ def register(app: typer.Typer) -> None:
         input_format: str = typer.Option(
             "session", "--format", help=f"Input format: session, {', '.join(FORMATS)} (imported on the fly)."
         ),
-        concurrency: int = typer.Option(8, "--concurrency", "-c", min=1, help="Sessions in flight."),
+        concurrency: int = typer.Option(
+            8, "--concurrency", "-c", min=1, help="Sessions in flight (--arrivals closed)."
+        ),
+        arrivals: str = typer.Option(
+            "closed",
+            "--arrivals",
+            help="closed: --concurrency sessions at a time; trace: open loop, each session starts at its "
+            "metadata.start_offset_ms (0 without one), whatever the others do.",
+        ),
+        rate: float = typer.Option(
+            1.0, "--rate", min=0.001, help="--arrivals trace: start offsets ÷ this (think times unchanged)."
+        ),
+        objective: list[str] | None = typer.Option(
+            None, "--objective", help="Per-turn objective, ttft=MS or tpot=MS; repeatable; reports SLO attainment."
+        ),
+        goodput_rates: str | None = typer.Option(
+            None,
+            "--goodput",
+            metavar="RATES",
+            help="e.g. 0.5,1,2,4: replay open loop at each --rate, report attainment per rate and goodput "
+            "(the highest rate at which 90 % of turns meet every --objective).",
+        ),
         think_time: str = typer.Option(
             "recorded",
             "--think-time",
@@ -190,11 +231,20 @@ def register(app: typer.Typer) -> None:
             _fail(err, EXIT_USAGE, f"--history must be live or recorded, not {history!r}")
         if input_format not in ("session", *FORMATS):
             _fail(err, EXIT_USAGE, f"--format must be one of session, {', '.join(FORMATS)}")
+        if arrivals not in ARRIVALS:
+            _fail(err, EXIT_USAGE, f"--arrivals must be closed or trace, not {arrivals!r}")
         try:
             think = parse_think_time(think_time)
             slos: list[Slo] = [parse_slo(s) for s in slo or []]
+            objectives = parse_objectives(objective or [])
+            rates = parse_rates(goodput_rates) if goodput_rates is not None else None
         except ValueError as e:
             _fail(err, EXIT_USAGE, str(e))
+        if rates is not None and not objectives:
+            _fail(err, EXIT_USAGE, "--goodput needs at least one --objective (ttft=MS, tpot=MS)")
+        if rate != 1.0 and (arrivals != "trace" or rates is not None):
+            _fail(err, EXIT_USAGE, "--rate needs --arrivals trace (and --goodput sets the rates itself)")
+        open_loop = arrivals == "trace" or rates is not None
         if sim is not None:
             from kvtether.sim.presets import UnknownPreset, get_preset
 
@@ -234,7 +284,21 @@ def register(app: typer.Typer) -> None:
             timeout_s=timeout,
             model=model,
             time_scale=time_scale,
+            arrivals="trace" if open_loop else "closed",
+            rate=rate,
         )
+        arrivals_note = (
+            "open loop: each session starts at its start_offset_ms "
+            + (f"÷ {', '.join(f'{r:g}' for r in rates)} (one run per rate)" if rates is not None else f"÷ {rate:g}")
+            if open_loop
+            else f"closed loop, {concurrency} sessions at a time"
+        )
+        # One run per policy, or per policy and rate multiplier for --goodput.
+        jobs: list[tuple[str, float]] = [(p, r) for p in run_policies for r in (rates or [rate])]
+
+        def run_label(policy_name: str, job_rate: float) -> str:
+            return f"{policy_name} ×{job_rate:g}" if rates is not None else policy_name
+
         n_turns = sum(len(s.turns) for s in sessions)
         show_progress = progress and not quiet and err.is_terminal
         announced = quiet
@@ -252,6 +316,7 @@ def register(app: typer.Typer) -> None:
                 soft_wrap=True,
             )
             err.print(f"history: {HISTORY_NOTES[history_mode]}", highlight=False, soft_wrap=True)
+            err.print(f"arrivals: {arrivals_note}", highlight=False, soft_wrap=True)
 
         async def run_all() -> list[tuple[str, ReplayRun]]:
             out: list[tuple[str, ReplayRun]] = []
@@ -265,7 +330,8 @@ def register(app: typer.Typer) -> None:
                 disable=not show_progress,
             )
             with progress:
-                for label in run_policies:
+                for policy_name, job_rate in jobs:
+                    label = run_label(policy_name, job_rate)
                     task = progress.add_task(label if sim is not None else gateway or "", total=n_turns, errors=0)
                     errors = 0
 
@@ -275,7 +341,8 @@ def register(app: typer.Typer) -> None:
                         progress.update(task, advance=1, errors=errors)
 
                     opts.session_suffix = "" if keep_session_ids else new_session_suffix()
-                    out.append((label, await _run_one(label, tick)))
+                    opts.rate = job_rate
+                    out.append((label, await _run_one(policy_name, tick)))
             return out
 
         async def _run_one(label: str, tick: Callable[[TurnResult], None]) -> ReplayRun:
@@ -298,18 +365,29 @@ def register(app: typer.Typer) -> None:
             _fail(err, EXIT_USAGE, str(e))
 
         summaries = [summarize_run(label, run, len(sessions)) for label, run in runs]
+        if objectives:
+            for s, (_, run) in zip(summaries, runs, strict=True):
+                s["attainment"] = attainment(run.results, objectives, "engine" if run.engine_tpot else "client")
+        goodput_doc = None
+        if rates is not None:
+            goodput_doc = goodput_report([(p, r, s) for (p, r), s in zip(jobs, summaries, strict=True)])
         slo_checks = {s["label"]: check_slos(s, slos) for s in summaries} if slos else {}
         failed_runs = [s["label"] for s in summaries if s["error_rate"] > max_error_rate]
         slo_missed = any(not c["ok"] for checks in slo_checks.values() for c in checks)
         code = EXIT_FAILED if failed_runs else EXIT_SLO if slo_missed else EXIT_OK
 
         if not quiet:
-            if len(summaries) == 1:
+            if goodput_doc is not None:
+                render_goodput(err, goodput_doc, time_note)
+                for s in summaries:
+                    err.print(f"  {escape(s['label'])}: {s['requests']} requests, {s['errors']} errors, "
+                              f"{s['skipped']} skipped", highlight=False, soft_wrap=True)
+            elif len(summaries) == 1:
                 render_run(err, summaries[0], time_note)
             else:
                 render_compare(err, summaries, time_note)
             for label, run in runs:
-                if run.counters is not None:
+                if run.counters is not None and goodput_doc is None:
                     render_counters(err, label, run.counters)
             err.print(f"history: {HISTORY_NOTES[history_mode]}", highlight=False, soft_wrap=True)
             if target is not None:
@@ -336,7 +414,11 @@ def register(app: typer.Typer) -> None:
                 "target": target_doc,
                 "time": time_note,
                 "options": {
-                    "concurrency": concurrency,
+                    "concurrency": concurrency if not open_loop else None,
+                    "arrivals": opts.arrivals,
+                    "rate": rate if open_loop and rates is None else None,
+                    "goodput_rates": rates,
+                    "objectives": {"ttft_ms": objectives.ttft_ms, "tpot_ms": objectives.tpot_ms},
                     "think_time": str(think),
                     "max_think_ms": max_think_ms,
                     "history": history_mode,
@@ -349,12 +431,14 @@ def register(app: typer.Typer) -> None:
                 "runs": [
                     {
                         **s,
-                        "policy": label if sim is not None else None,
+                        "policy": policy_name if sim is not None else None,
+                        "rate": job_rate if open_loop else None,
                         **({"cluster": run.counters} if run.counters is not None else {}),
                         "turn_results": [r.to_json() for r in run.results],
                     }
-                    for s, (label, run) in zip(summaries, runs, strict=True)
+                    for s, (_, run), (policy_name, job_rate) in zip(summaries, runs, jobs, strict=True)
                 ],
+                "goodput": goodput_doc,
                 "slo": slo_checks,
                 "exit_code": code,
             }

@@ -6,8 +6,11 @@
   TTFC = first SSE chunk of any kind; TTFT = first chunk carrying content, a tool-call delta,
   a refusal or a reasoning delta (a role-only first delta is not a token). TPOT = (last token
   chunk − first token chunk) / (completion tokens − 1).
-- ``--concurrency`` is the number of sessions in flight (closed loop): a session holds its slot
-  through its think times, like a user at a keyboard.
+- Arrivals. ``closed`` (the default): ``--concurrency`` is the number of sessions in flight; a session
+  holds its slot through its think times, like a user at a keyboard. ``trace`` (open loop): each session
+  starts at its ``metadata.start_offset_ms`` (the importers keep a trace's arrivals there; 0 without one)
+  divided by ``rate``, whatever the others are doing, as the field's sessions arrive; only a safety cap
+  (``OPEN_LOOP_CAP``) bounds the sessions in flight. Think times between turns are as in closed loop.
 - History (``SessionHistory``): under ``live`` (the default) each turn resends the answers this replay
   received for the earlier turns, as the agent would have; under ``recorded`` the file's answers. A
   server whose answers differ from the recording holds KV for its own answer, so a recorded history
@@ -45,6 +48,11 @@ _OWNED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_optio
 REUSE_HEADER_PREFIX = "x-kvtether-"
 
 ThinkMode = Literal["recorded", "none", "scale", "fixed"]
+Arrivals = Literal["closed", "trace"]
+ARRIVALS: tuple[Arrivals, ...] = ("closed", "trace")
+# Open loop: sessions in flight at most, so a trace far beyond the target's capacity cannot exhaust this
+# process's sockets; past it, later sessions wait for a slot and no longer arrive as the trace's did.
+OPEN_LOOP_CAP = 1024
 
 HISTORY_MODES: tuple[History, ...] = ("live", "recorded")
 DEFAULT_HISTORY: History = "live"
@@ -112,6 +120,8 @@ class ReplayOptions:
     session_suffix: str = ""
     extra_headers: dict[str, str] = field(default_factory=dict)
     api_key: str = "kvtether-replay"
+    arrivals: Arrivals = "closed"
+    rate: float = 1.0  # open loop: start offsets are divided by this (think times are not)
 
 
 @dataclass(slots=True)
@@ -136,6 +146,9 @@ class TurnResult:
     cached_tokens: int | None = None
     reuse: dict[str, str] = field(default_factory=dict)  # the response's x-kvtether-* headers
     request_id: str | None = None
+    response_id: str | None = None  # the stream's `id` (vLLM: chatcmpl-<16 hex>)
+    # The engine's own TPOT for this answer (simulated runs: cost-model step times, free of this machine's load).
+    engine_tpot_ms: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,6 +160,8 @@ class ReplayRun:
     wall_s: float  # real seconds
     # A simulated run's counters, read from the gateway and the nodes before teardown (`SimGateway.counters`).
     counters: dict[str, Any] | None = None
+    # Whether `TurnResult.engine_tpot_ms` was joined from the decoding engines (simulated runs).
+    engine_tpot: bool = False
 
 
 def new_session_suffix() -> str:
@@ -446,6 +461,7 @@ async def _one_turn(
                 now = time.perf_counter_ns()  # first: nothing else may sit between arrival and stamp
                 if t_first_chunk is None:
                     t_first_chunk = now
+                    res.response_id = getattr(chunk, "id", None) or None
                 chunks += 1
                 if chunk.choices:
                     finish_reason = chunk.choices[0].finish_reason or finish_reason
@@ -525,6 +541,37 @@ async def _one_session(
         failed = not result.ok
 
 
+def start_offset_ms(session: SessionRecord) -> float:
+    """When the session arrived, ms since the trace's start (``metadata.start_offset_ms``); 0 if unknown."""
+    v = session.metadata.get("start_offset_ms")
+    if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+        return 0.0
+    return float(v)
+
+
+def arrival_delays_s(sessions: Sequence[SessionRecord], rate: float, time_scale: float) -> list[float]:
+    """Open loop: each session's start, real seconds after the run's start (offsets ÷ rate, in simulated time)."""
+    return [start_offset_ms(s) / rate / time_scale / 1000.0 for s in sessions]
+
+
+def join_engine_tpot(results: Sequence[TurnResult], tpot_by_request: dict[str, float]) -> int:
+    """Set each result's ``engine_tpot_ms`` from the engines' per-request TPOT; returns how many were joined.
+
+    vLLM's engine request id is the response id the client sees plus ``-<8 hex>`` (``sim/api.py`` does the
+    same), so a request whose id starts with ``<response id>-`` served that answer."""
+    by_response: dict[str, float] = {}
+    for rid, tpot in tpot_by_request.items():
+        base, sep, _ = rid.rpartition("-")
+        if sep:
+            by_response[base] = tpot
+    joined = 0
+    for r in results:
+        if r.response_id is not None and r.response_id in by_response:
+            r.engine_tpot_ms = by_response[r.response_id]
+            joined += 1
+    return joined
+
+
 async def run_replay(
     sessions: Sequence[SessionRecord],
     base_url: str,
@@ -535,6 +582,10 @@ async def run_replay(
         raise ValueError("concurrency must be >= 1")
     if opts.time_scale <= 0:
         raise ValueError("time scale must be > 0")
+    if opts.arrivals not in ARRIVALS:
+        raise ValueError(f"arrivals must be one of {ARRIVALS}, not {opts.arrivals!r}")
+    if opts.rate <= 0:
+        raise ValueError("rate must be > 0")
     results: list[TurnResult] = []
 
     def emit(r: TurnResult) -> None:
@@ -548,17 +599,22 @@ async def run_replay(
         max_retries=0,
         timeout=opts.timeout_s,
     )
-    limit = anyio.Semaphore(opts.concurrency)
+    open_loop = opts.arrivals == "trace"
+    limit = anyio.Semaphore(OPEN_LOOP_CAP if open_loop else opts.concurrency)
+    starts = arrival_delays_s(sessions, opts.rate, opts.time_scale) if open_loop else [0.0] * len(sessions)
     run_t0 = time.perf_counter_ns()
 
-    async def guarded(s: SessionRecord) -> None:
+    async def guarded(s: SessionRecord, start_s: float) -> None:
+        if start_s > 0:
+            # From the run's start, not from now: the task group may start this task late.
+            await anyio.sleep(max(0.0, start_s - (time.perf_counter_ns() - run_t0) / 1e9))
         async with limit:
             await _one_session(client, s, opts, run_t0, emit)
 
     try:
         async with anyio.create_task_group() as tg:
-            for s in sessions:
-                tg.start_soon(guarded, s)
+            for s, start_s in zip(sessions, starts, strict=True):
+                tg.start_soon(guarded, s, start_s)
     finally:
         await client.close()
     return ReplayRun(results=results, wall_s=(time.perf_counter_ns() - run_t0) / 1e9)
@@ -672,10 +728,20 @@ async def replay_sim(
     """Replay `sessions` on a fresh simulated cluster behind a gateway running `policy`.
 
     Times are simulated (``opts.time_scale`` is set to the target's speed); the model name defaults to the
-    simulator's (it serves one). The run's ``counters`` are read before the cluster stops.
+    simulator's (it serves one). The run's ``counters`` are read before the cluster stops. Each answer's
+    ``engine_tpot_ms`` is the decoding engine's own (``assess_topology.DecodeTimes``), which this machine's load
+    does not inflate as it does the client's.
     """
+    from kvtether.cli.assess_topology import DecodeTimes  # here: it imports this module
+
     async with sim_gateway(target, policy) as gw:
+        decode_times = DecodeTimes()
+        for node in gw.cluster.nodes:
+            if node.cfg.role != "prefill":
+                decode_times.watch(node.engine)
         run_opts = dataclasses.replace(opts, model=opts.model or gw.model, time_scale=target.speed)
         run = await run_replay(sessions, gw.url, run_opts, on_result)
         run.counters = gw.counters()
+    join_engine_tpot(run.results, decode_times.tpot_by_request())
+    run.engine_tpot = True
     return run

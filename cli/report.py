@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from kvtether.cli.replay import ReplayRun, TurnResult
 from kvtether.cli.stats import PERCENTILE_METHOD, p99_warning, summarize
@@ -171,6 +171,116 @@ def check_slos(run_summary: dict[str, Any], slos: list[Slo]) -> list[dict[str, A
     return out
 
 
+# --- per-turn objectives, attainment and goodput ---------------------------------------------------
+
+TpotSource = Literal["client", "engine"]
+TPOT_SOURCES: dict[TpotSource, str] = {
+    "client": "client-side TPOT (token chunks as received)",
+    "engine": "engine TPOT (the simulated decode node's own step times, free of this machine's load)",
+}
+# Goodput: the highest load at which at least this share of turns meets every objective.
+GOODPUT_ATTAINMENT = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class Objectives:
+    """Per-turn latency objectives, ms; None: no objective on that metric."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.ttft_ms is not None or self.tpot_ms is not None
+
+    def describe(self) -> str:
+        parts = [f"{m} <= {v:g} ms" for m, v in (("TTFT", self.ttft_ms), ("TPOT", self.tpot_ms)) if v is not None]
+        return " and ".join(parts)
+
+
+def parse_objectives(specs: list[str]) -> Objectives:
+    """``ttft=2000``, ``tpot=25`` (ms, ``<=`` also accepted); a metric given twice keeps the last."""
+    values: dict[str, float] = {}
+    for spec in specs:
+        key, sep, value = spec.replace("<=", "=").partition("=")
+        key = key.strip().lower()
+        try:
+            limit = float(value)
+        except ValueError:
+            limit = float("nan")
+        if not sep or key not in ("ttft", "tpot") or limit != limit or limit < 0:
+            raise ValueError(f"bad objective {spec!r} (expected ttft=MS or tpot=MS)")
+        values[key] = limit
+    return Objectives(ttft_ms=values.get("ttft"), tpot_ms=values.get("tpot"))
+
+
+def _turn_tpot(r: TurnResult, source: TpotSource) -> tuple[bool, float | None]:
+    """(measured, TPOT): an answer of one token has no TPOT and is measured (it meets any objective)."""
+    if r.completion_tokens is not None and r.completion_tokens <= 1:
+        return True, None
+    tpot = r.engine_tpot_ms if source == "engine" else r.tpot_ms
+    if source == "client" and r.ok and not r.empty and tpot is None:
+        return True, None  # the client counted one token chunk: no inter-token time to judge
+    return tpot is not None, tpot
+
+
+def attainment(results: list[TurnResult], objectives: Objectives, source: TpotSource) -> dict[str, Any]:
+    """The share of the run's turns that meet every objective.
+
+    Every turn of the sessions counts: a failed turn, an empty answer (no token, so no TTFT) and a turn skipped
+    after its session failed meet none. A turn meets TPOT when its TPOT is within the objective; an answer of
+    one token has none and meets it. ``tpot_unmeasured``: multi-token answers without a TPOT from `source`
+    (engine TPOT not joined to the answer); they do not meet a TPOT objective."""
+    met = met_ttft = met_tpot = unmeasured = 0
+    for r in results:
+        served = r.ok and not r.skipped and not r.empty
+        ttft_ok = served and (objectives.ttft_ms is None or (r.ttft_ms is not None and r.ttft_ms <= objectives.ttft_ms))
+        measured, tpot = _turn_tpot(r, source) if served else (True, None)
+        unmeasured += 0 if measured else 1
+        tpot_ok = served and measured and (objectives.tpot_ms is None or tpot is None or tpot <= objectives.tpot_ms)
+        met_ttft += ttft_ok
+        met_tpot += tpot_ok
+        met += ttft_ok and tpot_ok
+    n = len(results)
+    return {
+        "objectives": {"ttft_ms": objectives.ttft_ms, "tpot_ms": objectives.tpot_ms},
+        "tpot_source": source,
+        "turns": n,
+        "met": met,
+        "met_ttft": met_ttft,
+        "met_tpot": met_tpot,
+        "tpot_unmeasured": unmeasured,
+        "attainment": met / n if n else None,
+    }
+
+
+def goodput(levels: list[tuple[float, float | None]], threshold: float = GOODPUT_ATTAINMENT) -> float | None:
+    """The highest rate multiplier whose attainment reaches `threshold`; None when no level does."""
+    passing = [rate for rate, share in levels if share is not None and share >= threshold]
+    return max(passing) if passing else None
+
+
+def goodput_report(runs: list[tuple[str, float, dict[str, Any]]]) -> dict[str, Any]:
+    """Per policy, the attainment at each rate and the goodput, from (policy, rate, run summary with
+    ``attainment``) in run order."""
+    policies: dict[str, list[dict[str, Any]]] = {}
+    for policy, rate, s in runs:
+        a = s["attainment"]
+        policies.setdefault(policy, []).append(
+            {"rate": rate, "attainment": a["attainment"], "met": a["met"], "turns": a["turns"],
+             "errors": s["errors"], "label": s["label"]}
+        )
+    first = runs[0][2]["attainment"] if runs else None
+    return {
+        "threshold": GOODPUT_ATTAINMENT,
+        "objectives": first["objectives"] if first else None,
+        "tpot_source": first["tpot_source"] if first else None,
+        "policies": [
+            {"policy": p, "levels": levels, "goodput": goodput([(x["rate"], x["attainment"]) for x in levels])}
+            for p, levels in policies.items()
+        ],
+    }
+
+
 # --- rendering --------------------------------------------------------------------------------------
 
 
@@ -222,8 +332,55 @@ def _render_tail(console: Console, s: dict[str, Any]) -> None:
         console.print(f"  errors: {s['errors_by_kind']}")
         for line in s["first_errors"]:
             console.print(f"    {line}", markup=False, soft_wrap=True)
+    if "attainment" in s:
+        console.print(f"  {escape(attainment_line(s['attainment']))}", soft_wrap=True, highlight=False)
     for w in s["warnings"]:
         console.print(f"  [yellow]note:[/] {escape(w)}", soft_wrap=True)
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{v:.1%}"
+
+
+def attainment_line(a: dict[str, Any]) -> str:
+    o = Objectives(a["objectives"]["ttft_ms"], a["objectives"]["tpot_ms"])
+    n = a["turns"]
+    line = (
+        f"SLO attainment ({o.describe()}; {TPOT_SOURCES[a['tpot_source']]}): {_pct(a['attainment'])} of {n} turns "
+        f"(TTFT met {_pct(a['met_ttft'] / n if n else None)}, TPOT met {_pct(a['met_tpot'] / n if n else None)})"
+    )
+    if a["tpot_unmeasured"]:
+        line += f"; {a['tpot_unmeasured']} answer(s) without a {a['tpot_source']} TPOT counted as missed"
+    return line
+
+
+def render_goodput(console: Console, report: dict[str, Any], time_note: str) -> None:
+    """Attainment per rate multiplier (rows) and policy (columns), and each policy's goodput."""
+    rates = sorted({x["rate"] for p in report["policies"] for x in p["levels"]})
+    t = Table(title=f"SLO attainment by arrival rate (open loop; {time_note})", title_justify="left")
+    t.add_column("rate ×", justify="right")
+    for p in report["policies"]:
+        t.add_column(p["policy"], justify="right")
+    for rate in rates:
+        cells = []
+        for p in report["policies"]:
+            x = next((x for x in p["levels"] if x["rate"] == rate), None)
+            cells.append("–" if x is None else f"{_pct(x['attainment'])} of {x['turns']}")
+        t.add_row(f"{rate:g}", *cells)
+    t.add_row(
+        f"goodput (≥ {report['threshold']:.0%})",
+        *["none" if p["goodput"] is None else f"× {p['goodput']:g}" for p in report["policies"]],
+    )
+    console.print(t)
+    o = report["objectives"]
+    if o is not None:
+        objectives = Objectives(o["ttft_ms"], o["tpot_ms"]).describe()
+        source = TPOT_SOURCES[report["tpot_source"]]
+        console.print(f"  objectives per turn: {objectives}; {source}", soft_wrap=True, highlight=False)
+    for p in report["policies"]:
+        if p["goodput"] is None:
+            share = f"{report['threshold']:.0%}"
+            console.print(f"  {escape(p['policy'])}: no rate met the objectives for {share} of turns", soft_wrap=True)
 
 
 def render_compare(console: Console, runs: list[dict[str, Any]], time_note: str) -> None:
@@ -236,6 +393,8 @@ def render_compare(console: Console, runs: list[dict[str, Any]], time_note: str)
         for stat in ("p50", "p95", "p99"):
             t.add_row(f"{m.upper()} {stat}", *[_f(s[f"{m}_ms"][stat]) for s in runs])
     t.add_row("errors", *[f"{s['errors']} ({s['error_rate']:.1%})" for s in runs])
+    if all("attainment" in s for s in runs):
+        t.add_row("SLO attainment", *[_pct(s["attainment"]["attainment"]) for s in runs])
     t.add_row(
         "cached fraction",
         *["–" if s["reuse"]["cached_fraction"] is None else f"{s['reuse']['cached_fraction']:.1%}" for s in runs],
