@@ -429,7 +429,7 @@ def _recorded(prompt_tokens: int | None, completion_tokens: int | None) -> Recor
 def _trace_metadata(reqs: Sequence[TraceRequest], block_size: int, sessions_from: str) -> dict[str, Any]:
     meta: dict[str, Any] = {"imported_from": "mooncake", "sessions_from": sessions_from, "block_size": block_size,
                             "trace_lines": [r.line for r in reqs]}
-    # The replay starts every session at once (within --concurrency); the trace's arrival times are kept here.
+    # The trace's arrival times: `replay --arrivals trace` starts each session at its start offset.
     if reqs[0].timestamp is not None:
         meta["start_offset_ms"] = reqs[0].timestamp
     if all(r.timestamp is not None for r in reqs):
