@@ -345,8 +345,10 @@ def _pct(v: float | None) -> str:
 def attainment_line(a: dict[str, Any]) -> str:
     o = Objectives(a["objectives"]["ttft_ms"], a["objectives"]["tpot_ms"])
     n = a["turns"]
+    # The TPOT's source matters only where a TPOT objective judges it.
+    source = f"; {TPOT_SOURCES[a['tpot_source']]}" if o.tpot_ms is not None else ""
     line = (
-        f"SLO attainment ({o.describe()}; {TPOT_SOURCES[a['tpot_source']]}): {_pct(a['attainment'])} of {n} turns "
+        f"SLO attainment ({o.describe()}{source}): {_pct(a['attainment'])} of {n} turns "
         f"(TTFT met {_pct(a['met_ttft'] / n if n else None)}, TPOT met {_pct(a['met_tpot'] / n if n else None)})"
     )
     if a["tpot_unmeasured"]:
