@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -24,8 +25,8 @@ from kvtether.sdk.sessionfile import SessionRecord, write_sessions
 from typer.testing import CliRunner
 
 
-def _turn(ttft: float | None = 100.0, tpot: float | None = 10.0, tokens: int | None = 20, **kw: object) -> TurnResult:
-    fields: dict = {"session_id": "s", "turn": 0, "ok": True, "ttft_ms": ttft, "tpot_ms": tpot,
+def _turn(ttft: float | None = 100.0, tpot: float | None = 10.0, tokens: int | None = 20, **kw: Any) -> TurnResult:
+    fields: dict[str, Any] = {"session_id": "s", "turn": 0, "ok": True, "ttft_ms": ttft, "tpot_ms": tpot,
                     "completion_tokens": tokens, **kw}
     return TurnResult(**fields)
 
@@ -82,7 +83,7 @@ def test_goodput_is_the_highest_passing_rate() -> None:
 
 
 def test_goodput_report_per_policy() -> None:
-    def summary(label: str, share: float) -> dict:
+    def summary(label: str, share: float) -> dict[str, Any]:
         return {"label": label, "errors": 0,
                 "attainment": {"attainment": share, "met": int(share * 10), "turns": 10, "tpot_source": "engine",
                                "objectives": {"ttft_ms": 2000.0, "tpot_ms": 25.0}}}
