@@ -365,7 +365,7 @@ def build_app(node: SimNode) -> Starlette:
                     404, f"The model `{body.get('model')}` does not exist.", param="model", kind="NotFoundError"
                 )
             parsed = parse_request(node.tokenizer, body, chat=chat, max_model_len=node.cfg.max_model_len,
-                                   tool_format=node.tool_format)
+                                   tool_format=node.tool_format, callable_tools=node.cfg.callable_tools)
         except BadRequest as e:
             return error_response(400, str(e), param=e.param)
         if node.faults.take_fail():

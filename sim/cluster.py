@@ -46,6 +46,7 @@ class ClusterSpec:
     # The same for each decode-role node: a small D cache shows what its holds cost (queued and preempted work).
     decode_num_gpu_blocks: int | None = None
     tool_call_parser: str | None = None  # vLLM --tool-call-parser on every node; None: the preset's
+    callable_tools: tuple[str, ...] | None = None  # the functions the simulated model may call (NodeConfig)
 
     def node_configs(self) -> list[NodeConfig]:
         get_preset(self.preset)  # fail early with UnknownPreset
@@ -70,6 +71,7 @@ class ClusterSpec:
                     "decode": self.decode_num_gpu_blocks,
                 }.get(role),
                 tool_call_parser=self.tool_call_parser,
+                callable_tools=self.callable_tools,
             )
             for role in roles
         ]

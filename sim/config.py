@@ -43,6 +43,10 @@ class NodeConfig:
     num_gpu_blocks_override: int | None = None
     # vLLM --tool-call-parser: "hermes" (Qwen3) or "glm47" (GLM-4.7 / GLM-5). None: the preset's model's.
     tool_call_parser: str | None = None
+    # The function names the simulated model may call (no vLLM counterpart): an agent run on the simulator offers
+    # all its tools, which are rendered into the prompt as ever, but a random call of a sub-agent or shell tool
+    # would make the run an agent's, not the gateway's, experiment. None: any tool offered.
+    callable_tools: tuple[str, ...] | None = None
 
     def validate(self) -> None:
         if self.role not in ROLES:

@@ -96,9 +96,16 @@ def completion_prompt_ids(tok: Tokenizer, body: Mapping[str, Any]) -> list[int]:
     raise BadRequest("prompt must be a string or a list of token ids (one prompt only)", "prompt")
 
 
+def _function_name(tool: Mapping[str, Any]) -> Any:
+    fn = tool.get("function", tool)
+    return fn.get("name") if isinstance(fn, Mapping) else None
+
+
 def parse_request(
-    tok: Tokenizer, body: Any, *, chat: bool, max_model_len: int, tool_format: str = HERMES
+    tok: Tokenizer, body: Any, *, chat: bool, max_model_len: int, tool_format: str = HERMES,
+    callable_tools: tuple[str, ...] | None = None,
 ) -> ParsedRequest:
+    """``callable_tools``: the only functions the simulated model calls (NodeConfig.callable_tools)."""
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
     n = _int(body, "n", 1, minimum=1)
@@ -162,7 +169,8 @@ def parse_request(
         raise BadRequest("stop_token_ids must be a list of integers", "stop_token_ids")
     spec = GenerationSpec(
         chat=chat,
-        tools=tuple(t for t in tools if isinstance(t, Mapping)),
+        tools=tuple(t for t in tools if isinstance(t, Mapping)
+                    and (callable_tools is None or _function_name(t) in callable_tools)),
         tool_choice=tool_choice,
         enable_thinking=bool(chat and isinstance(kwargs, Mapping) and kwargs.get("enable_thinking", False)),
         temperature=float(temperature),

@@ -30,6 +30,7 @@ from kvtether.sdk.apis.messages import (
     sse,
     thinking_signature,
     to_chat,
+    translate,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ GLOB_SCHEMA = {"type": "object", "properties": {"pattern": {"type": "string"}}, 
 
 
 def claude_code_request() -> dict[str, Any]:
-    """Shaped like Claude Code 2.1's requests (agent-apis.md, Appendix): a billing-header system block, later
+    """Shaped like Claude Code 2.1's requests (docs/agent-apis.md): a billing-header system block, later
     blocks with cache_control, context_management/output_config/metadata, streamed, and a history with a
     tool loop, parallel tool calls, thinking and redacted thinking, an image and multi-part text."""
     return {
@@ -418,6 +419,82 @@ def test_invalid_requests_name_the_field(mutate: Any, names: list[str]) -> None:
     for name in names:
         assert name in err.message
     assert err.body() == {"type": "error", "error": {"type": "invalid_request_error", "message": err.message}}
+
+
+ANTHROPIC_DEFINED = [WEB_SEARCH, {"type": "web_fetch_20250910", "name": "web_fetch"},
+                     {"type": "code_execution_20250825", "name": "code_execution"},
+                     {"type": "bash_20250124", "name": "bash"},
+                     {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"},
+                     {"type": "computer_20250124", "name": "computer", "display_width_px": 8,
+                      "display_height_px": 8},
+                     {"type": "memory_20250818", "name": "memory"},
+                     {"type": "tool_search_tool_regex_20251119", "name": "tool_search_tool_regex"},
+                     {"type": "mcp_toolset", "mcp_server_name": "x"}]
+
+
+def test_dropping_anthropic_defined_tools_leaves_the_turn_the_custom_tools_alone_would_make() -> None:
+    body = _base()
+    body["tools"] = [ANTHROPIC_DEFINED[0], *body["tools"], *ANTHROPIC_DEFINED[1:]]
+    body["tool_choice"] = {"type": "auto"}
+    got = translate(body, hosted_tools="drop")
+    assert got.chat == to_chat({**body, "tools": _base()["tools"]})
+    assert got.dropped == tuple(t["type"] for t in ANTHROPIC_DEFINED)
+    # Refuse mode is to_chat's (vLLM 0.34's): the first one is a 400 naming it.
+    with pytest.raises(MessagesError, match=r"tools\[0\].*web_search_20250305"):
+        translate(body, hosted_tools="refuse")
+    # count_tokens counts the prompt the turn renders: without them too.
+    assert count_tokens_body(body, hosted_tools="drop") == count_tokens_body({**body, "tools": _base()["tools"]})
+    with pytest.raises(MessagesError, match="web_search"):
+        count_tokens_body(body)
+
+
+@pytest.mark.parametrize("choice", [None, {"type": "auto"}, {"type": "none"}])
+def test_only_anthropic_defined_tools_dropped_leave_no_tools(choice: Any) -> None:
+    body = {**_base(), "tools": [WEB_SEARCH], **({"tool_choice": choice} if choice else {})}
+    got = translate(body, hosted_tools="drop")
+    assert "tools" not in got.chat and "tool_choice" not in got.chat, got.chat
+    assert got.chat == to_chat({k: v for k, v in body.items() if k != "tools"})
+    assert got.dropped == ("web_search_20250305",)
+
+
+@pytest.mark.parametrize(("tools", "choice", "words"), [
+    ([WEB_SEARCH, {"name": "Read", "input_schema": READ_SCHEMA}], {"type": "tool", "name": "web_search"},
+     ["tool_choice.name", "'web_search'", "web_search_20250305"]),
+    ([WEB_SEARCH], {"type": "tool", "name": "web_search"}, ["tool_choice.name", "web_search_20250305"]),
+    ([WEB_SEARCH, ANTHROPIC_DEFINED[3]], {"type": "any"}, ["\"any\" needs a tool",
+                                                           "web_search_20250305, bash_20250124"]),
+])
+def test_a_tool_choice_the_dropped_tools_cannot_satisfy_is_refused(tools: Any, choice: Any,
+                                                                   words: list[str]) -> None:
+    with pytest.raises(MessagesError) as caught:
+        translate({**_base(), "tools": tools, "tool_choice": choice}, hosted_tools="drop")
+    assert (caught.value.status, caught.value.type) == (400, "invalid_request_error")
+    for word in words:
+        assert word in caught.value.message, caught.value.message
+
+
+def test_tool_changes_naming_a_dropped_tool_change_nothing() -> None:
+    """A tool_addition of an Anthropic-defined tool is dropped with the rest; a tool_removal or addition by
+    reference of a dropped tool has nothing left to act on."""
+    body = {**_base(), "tools": [*_base()["tools"], WEB_SEARCH]}
+    body["messages"].append({"role": "system", "content": [
+        {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": ANTHROPIC_DEFINED[1]}},
+        {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "web_search"}},
+        {"type": "tool_addition", "tool": {"type": "tool_reference", "name": "web_fetch"}}]})
+    got = translate(body, hosted_tools="drop")
+    assert [t["function"]["name"] for t in got.chat["tools"]] == ["Read"]
+    assert got.dropped == ("web_search_20250305", "web_fetch_20250910")
+    with pytest.raises(MessagesError, match="web_fetch_20250910"):
+        translate(body, hosted_tools="refuse")
+
+
+@pytest.mark.parametrize("kind", ["custom_tool", "web_search", "bash_2025", "websearch_20250305",
+                                  "bash_２０２５０１２４"])
+def test_other_tool_types_are_refused_in_either_mode(kind: str) -> None:
+    body = {**_base(), "tools": [{"type": kind, "name": "x", "input_schema": READ_SCHEMA}]}
+    for mode in ("drop", "refuse"):
+        with pytest.raises(MessagesError, match=r"tools\[0\]"):
+            translate(body, hosted_tools=mode)  # type: ignore[arg-type]
 
 
 def test_tool_removal_of_an_undeclared_tool_is_refused() -> None:

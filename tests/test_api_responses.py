@@ -29,6 +29,7 @@ from kvtether.sdk.apis.responses import (
     skeleton,
     sse,
     to_chat,
+    translate,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,6 +207,75 @@ def test_refusals_name_the_field(mutate: Any, param: str) -> None:
 def test_hosted_tool_refusal_says_what_to_do() -> None:
     with pytest.raises(ResponsesError, match=r"web_search.*not served.*disabled"):
         to_chat({"model": "m", "input": "hi", "tools": [{"type": "web_search"}]}, seal=SEAL)
+
+
+FUNCTION = {"type": "function", "name": "run", "description": "Run a command", "parameters": SCHEMA}
+HOSTED = [{"type": "web_search", "external_web_access": False}, {"type": "file_search", "vector_store_ids": ["v"]},
+          {"type": "web_search_preview_2025_03_11"}, {"type": "code_interpreter", "container": {"type": "auto"}},
+          {"type": "computer_use_preview", "display_width": 8, "display_height": 8, "environment": "linux"},
+          {"type": "image_generation"}, {"type": "mcp", "server_label": "x", "server_url": "https://mcp.example"},
+          {"type": "local_shell"}, {"type": "web_search"}]
+
+
+def test_dropping_hosted_tools_leaves_the_turn_the_function_tools_alone_would_make() -> None:
+    body = {"model": "m", "input": "hi", "tools": [HOSTED[0], FUNCTION, *HOSTED[1:]], "tool_choice": "auto"}
+    got = translate(body, seal=SEAL, hosted_tools="drop")
+    assert got.chat == to_chat({**body, "tools": [FUNCTION]}, seal=SEAL)
+    # Each type once, in the order the client sent them.
+    assert got.dropped == ("web_search", "file_search", "web_search_preview_2025_03_11", "code_interpreter",
+                           "computer_use_preview", "image_generation", "mcp", "local_shell")
+    # Refuse mode is to_chat's (vLLM's): the first hosted tool is a 400 naming it.
+    with pytest.raises(ResponsesError) as err:
+        translate(body, seal=SEAL, hosted_tools="refuse")
+    assert err.value.status == 400 and err.value.param == "tools[0]" and "web_search" in err.value.message
+    # Nothing hosted: both modes give what to_chat gives, and drop nothing.
+    plain = {**body, "tools": [FUNCTION]}
+    assert translate(plain, seal=SEAL, hosted_tools="drop") == translate(plain, seal=SEAL) == \
+        translate(plain, seal=SEAL, hosted_tools="refuse")
+    assert translate(plain, seal=SEAL, hosted_tools="drop").dropped == ()
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "none"])
+def test_only_hosted_tools_dropped_leave_no_tools_and_no_tool_choice(choice: Any) -> None:
+    body = {"model": "m", "input": "hi", "tools": HOSTED[:2], **({"tool_choice": choice} if choice else {})}
+    got = translate(body, seal=SEAL, hosted_tools="drop")
+    assert "tools" not in got.chat and "tool_choice" not in got.chat, got.chat
+    assert got.chat == to_chat({"model": "m", "input": "hi"}, seal=SEAL)
+    assert got.dropped == ("web_search", "file_search")
+
+
+@pytest.mark.parametrize(("tools", "choice", "words"), [
+    ([HOSTED[0], FUNCTION], {"type": "web_search"}, ["names the hosted tool `web_search`"]),
+    ([FUNCTION], {"type": "web_search_preview"}, ["web_search_preview"]),
+    ([HOSTED[1], FUNCTION], {"type": "file_search"}, ["file_search"]),
+    ([HOSTED[6]], {"type": "mcp", "server_label": "x"}, ["`mcp`"]),
+    (HOSTED[:2], "required", ["needs a tool", "web_search, file_search"]),
+    ([HOSTED[0]], {"type": "function", "name": "run"}, ["needs a tool", "web_search"]),
+])
+def test_a_tool_choice_the_dropped_tools_cannot_satisfy_is_refused(tools: Any, choice: Any,
+                                                                   words: list[str]) -> None:
+    with pytest.raises(ResponsesError) as err:
+        translate({"model": "m", "input": "hi", "tools": tools, "tool_choice": choice}, seal=SEAL,
+                  hosted_tools="drop")
+    assert (err.value.status, err.value.param) == (400, "tool_choice")
+    for word in words:
+        assert word in err.value.message, err.value.message
+
+
+def test_required_with_a_function_tool_left_is_kept() -> None:
+    body = {"model": "m", "input": "hi", "tools": [HOSTED[0], FUNCTION], "tool_choice": "required"}
+    got = translate(body, seal=SEAL, hosted_tools="drop")
+    assert got.chat["tool_choice"] == "required" and [t["function"]["name"] for t in got.chat["tools"]] == ["run"]
+
+
+@pytest.mark.parametrize("kind", ["function_tool", "tool_search", "web_searching", "web_search_2025", "custom_x",
+                                  "web_search_٢٠٢٥_٠٣_١١"])
+def test_unknown_tool_types_are_refused_in_either_mode(kind: str) -> None:
+    body = {"model": "m", "input": "hi", "tools": [{"type": kind}, FUNCTION]}
+    for mode in ("drop", "refuse"):
+        with pytest.raises(ResponsesError) as err:
+            translate(body, seal=SEAL, hosted_tools=mode)  # type: ignore[arg-type]
+        assert err.value.param == "tools[0]"
 
 
 def test_the_seal_round_trips_and_refuses_tampering() -> None:

@@ -107,6 +107,15 @@ items = st.lists(st.fixed_dictionaries(
               "call_id": json_values, "name": json_values, "arguments": json_values, "output": json_values,
               "summary": json_values, "encrypted_content": json_values, "namespace": json_values,
               "status": json_values}), min_size=0, max_size=4)
+# Function-like and hosted tool types (dropped by default), and tool choices that name them or need a tool.
+TOOL_TYPES = ["function", "custom", "namespace", "web_search", "web_search_preview", "file_search", "mcp",
+              "code_interpreter", "local_shell", "image_generation", "computer_use_preview", "tool_search", ""]
+tools = st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(TOOL_TYPES)},
+    optional={"name": st.sampled_from(["f", "g", ""]) | json_values, "parameters": json_values,
+              "tools": json_values, "format": json_values}), min_size=0, max_size=3)
+tool_choices = st.sampled_from(["auto", "none", "required", {"type": "web_search"}, {"type": "file_search"},
+                                {"type": "function", "name": "f"}, {"type": "mcp", "server_label": "x"}])
 
 
 @st.composite
@@ -117,6 +126,10 @@ def responses_requests(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, str]]
             del body[name]
         elif name == "input":
             body[name] = draw(items)
+        elif name == "tools":
+            body[name] = draw(tools | json_values)
+        elif name == "tool_choice":
+            body[name] = draw(tool_choices | json_values)
         else:
             body[name] = draw(json_values)
     headers = draw(st.dictionaries(st.sampled_from(["thread-id", "session-id", "x-codex-turn-metadata",

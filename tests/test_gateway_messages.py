@@ -161,10 +161,14 @@ async def test_errors_come_in_anthropics_shape() -> None:
                                   headers={"x-api-key": "key-messages-01"})
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
         assert "max_tokens" in bad.json()["error"]["message"]
-        server_tool = {**body, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}
+        # Server tools are dropped by default (tests/test_gateway_hosted_tools.py); a tool_choice naming one is
+        # still refused.
+        server_tool = {**body, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+                       "tool_choice": {"type": "tool", "name": "web_search"}}
         refused = await r.client.post(f"{r.url}/v1/messages", json=server_tool,
                                       headers={"x-api-key": "key-messages-01"})
         assert refused.status_code == 400 and "web_search" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["type"] == "invalid_request_error"
         unknown = await r.client.post(f"{r.url}/v1/messages", json={**body, "model": "claude-opus-4"},
                                       headers={"x-api-key": "key-messages-01"})
         assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"

@@ -305,3 +305,27 @@ def test_the_glm5_preset_serves_glm47_tool_calls_and_the_others_hermes() -> None
     assert SimNode(NodeConfig(preset="glm-5-fp8-h200-tp8", tool_call_parser="hermes")).tool_format == "hermes"
     with pytest.raises(ValueError, match="tool_call_parser"):
         NodeConfig(tool_call_parser="pythonic").validate()
+
+
+@pytest.mark.anyio
+async def test_callable_tools_limit_what_the_model_calls_not_what_the_prompt_offers(http: httpx.AsyncClient) -> None:
+    """NodeConfig.callable_tools (the agent runs' knob): every tool offered is still rendered into the prompt,
+    but the model only ever calls the ones named; with none of them offered it answers in text."""
+    shell = {"type": "function", "function": {"name": "exec_command", "parameters": {
+        "type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}}
+    async with SimCluster(prefill=0, decode=0, aggregated=1, speed=200, callable_tools=("get_weather",)) as c, \
+            SimCluster(prefill=0, decode=0, aggregated=1, speed=200) as free:
+        node = c.aggregated_urls[0]
+        body = {"messages": MSGS, "tools": [shell, *TOOLS]}
+        ids = [(await http.post(f"{u}/tokenize", json=body)).json()["tokens"] for u in (node, free.aggregated_urls[0])]
+        assert ids[0] == ids[1]
+        called = set()
+        for seed in range(12):
+            got = (await http.post(f"{node}/v1/chat/completions",
+                                   json={**body, "tool_choice": "required", "seed": seed})).json()
+            called.update(t["function"]["name"] for t in got["choices"][0]["message"].get("tool_calls") or ())
+        assert called == {"get_weather"}
+        only_shell = (await http.post(f"{node}/v1/chat/completions",
+                                      json={**body, "tools": [shell], "tool_choice": "required"})).json()
+        message = only_shell["choices"][0]["message"]
+        assert not message.get("tool_calls") and message["content"]

@@ -127,6 +127,7 @@ class Answer:
     source: str  # x-kvtether-reuse-source ("" when absent)
     reuse_tokens: int  # x-kvtether-reuse-tokens
     response: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # the answer's x-kvtether-* headers
 
     @property
     def output(self) -> list[dict[str, Any]]:
@@ -145,7 +146,8 @@ def _answer(response: dict[str, Any], headers: httpx.Headers) -> Answer:
                   input_tokens=int(usage["input_tokens"]),
                   cached_tokens=int(usage["input_tokens_details"]["cached_tokens"]),
                   source=headers.get("x-kvtether-reuse-source", ""),
-                  reuse_tokens=int(headers.get("x-kvtether-reuse-tokens") or 0), response=response)
+                  reuse_tokens=int(headers.get("x-kvtether-reuse-tokens") or 0), response=response,
+                  headers={k: v for k, v in headers.items() if k.startswith("x-kvtether-")})
 
 
 async def send(r: Rig, body: dict[str, Any], headers: dict[str, str] | None = None) -> Answer:
@@ -203,8 +205,9 @@ async def vllm_responses(client: httpx.AsyncClient, b: Backend, body: dict[str, 
 
 async def prompt_ids(client: httpx.AsyncClient, b: Backend, body: dict[str, Any], seal: R.ReasoningSeal
                      ) -> list[int]:
-    """The prompt P renders for the gateway's chat translation of a stateless Responses request."""
-    payload = B.tokenize_body("chat", R.to_chat({**body, "stream": False}, seal=seal))
+    """The prompt P renders for the gateway's chat translation of a stateless Responses request (hosted tools
+    left out, as the gateway leaves them by default)."""
+    payload = B.tokenize_body("chat", R.translate({**body, "stream": False}, seal=seal, hosted_tools="drop").chat)
     assert payload is not None
     resp = await client.post(b.prefill_url + "/tokenize", json=payload)
     assert resp.status_code == 200, resp.text
@@ -412,21 +415,23 @@ async def test_an_edited_responses_history_is_caught_by_the_guard_and_answered_a
 
 
 async def test_refusals_come_in_openais_shape_and_nothing_leaks_kv_transfer_params(vllm_pair: Backend) -> None:
-    """Hosted tools the model cannot call through a chat template (which vLLM's own endpoint silently accepts
-    and drops here), a client's kv_transfer_params and an unknown previous_response_id are refused before any
-    leg runs, in OpenAI's `{"error": {message, type, param, code}}`, naming what was refused; no refusal makes a
-    session. The answers of a whole and a streamed turn (checked line by line in `send`) carry no
-    kv_transfer_params, though D returned one to the gateway."""
+    """A tool_choice naming a hosted tool the model cannot call through a chat template (the gateway leaves
+    hosted tools themselves out of the turn: below), or needing a tool when only hosted ones were given, a
+    client's kv_transfer_params and an unknown previous_response_id are refused before any leg runs, in OpenAI's
+    `{"error": {message, type, param, code}}`, naming what was refused; no refusal makes a session. The answers
+    of a whole and a streamed turn (checked line by line in `send`) carry no kv_transfer_params, though D
+    returned one to the gateway."""
     b = vllm_pair
     async with gateway(b) as r:
         tag = f"err-{uuid.uuid4().hex[:6]}"
         body = codex_body(b.model, first_items(tag), stream=False, tag=tag, max_output_tokens=8)
         cases = [
-            ({**body, "tools": [*TOOLS, {"type": "web_search"}]}, 400, "web_search", "tools[3]"),
-            ({**body, "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, 400, "file_search",
-             "tools[0]"),
-            ({**body, "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, 400,
-             "code_interpreter", "tools[0]"),
+            ({**body, "tools": [*TOOLS, {"type": "web_search"}], "tool_choice": {"type": "web_search"}}, 400,
+             "web_search", "tool_choice"),
+            ({**body, "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}], "tool_choice": "required"},
+             400, "file_search", "tool_choice"),
+            ({**body, "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}],
+              "tool_choice": {"type": "code_interpreter"}}, 400, "code_interpreter", "tool_choice"),
             ({**body, "kv_transfer_params": {"do_remote_prefill": True}}, 400, "kv_transfer_params",
              "kv_transfer_params"),
             ({**body, "store": True, "previous_response_id": "resp_nope"}, 404, "resp_nope", "previous_response_id"),
@@ -445,6 +450,24 @@ async def test_refusals_come_in_openais_shape_and_nothing_leaks_kv_transfer_para
         assert session["session_id"] == tag and session["has_handle"] is True, session
         got = await send(r, {**body, "stream": True}, codex_headers(tag))
         assert got.kinds == ["message"], got
+
+
+async def test_a_hosted_tool_is_left_out_and_the_turn_is_vllm_own_answer(vllm_pair: Backend) -> None:
+    """Codex's web_search, which the model behind vLLM cannot call, sent with its other tools: the gateway
+    (hosted_tools "drop", the default) leaves it out of the turn and says so, and the turn, whole and streamed,
+    is vLLM's own /v1/responses answer to the very same body, web_search included, from a prompt equal token for
+    token."""
+    b = vllm_pair
+    async with gateway(b) as r:
+        tag = f"hosted-{uuid.uuid4().hex[:6]}"
+        web_search = {"type": "web_search", "external_web_access": False}
+        for stream in (False, True):
+            body = {**codex_body(b.model, first_items(tag), stream=stream, tag=tag), "tools": [*TOOLS, web_search]}
+            got = await send(r, body, codex_headers(tag))
+            assert got.headers.get("x-kvtether-dropped-tools") == "web_search", got.headers
+            why = await answer_mismatch(r, body, got)
+            assert why is None, f"{'streamed' if stream else 'whole'}: {why}"
+        assert await metric(r.client, r.url, "kvtether_dropped_tools_total", type="web_search") == 2
 
 
 async def test_tool_choice_auto_needs_a_tool_parser_on_the_nodes(vllm_pair: Backend) -> None:

@@ -2,20 +2,23 @@
 
 Installs the Codex CLI from npm (once, into ``.cache/agents``), starts a simulated P/D cluster and the gateway in
 this process, and runs ``codex exec`` against the gateway's ``/v1/responses`` in a scratch directory, configured
-only through a scratch ``CODEX_HOME/config.toml`` (``CONFIG`` below: a custom model provider with
-``wire_api = "responses"``). Three prompts in one Codex thread (the later two ``codex exec resume <thread>`` it),
-so every model call of the session resends a growing history. Prints what Codex answered, then the gateway's
-turns: how many, where each one's KV came from, and the tokens reused.
+only through a scratch ``CODEX_HOME/config.toml`` (``CONFIG`` below: the configuration a user writes, a custom
+model provider with ``wire_api = "responses"`` and nothing else of Codex's turned off). Three prompts in one
+Codex thread (the later two ``codex exec resume <thread>`` it), so every model call of the session resends a
+growing history. Prints what Codex answered, then the gateway's turns: how many, where each one's KV came from,
+the tokens reused, and the hosted tools the gateway left out (Codex sends ``web_search`` on every call; the
+gateway drops it, ``hosted_tools = "drop"``).
 
     .venv/bin/python examples/agents/codex.py [--speed 20] [--json]
 
-The simulated model calls a random one of the tools offered on about 60 % of its answers, with random words as
-arguments, so Codex's shell tool is off (a random word run as a command can be ``yes`` or ``find``), and so are
-web search and its sub-agent and goal tools. What stays is ``view_image`` (a random word as the path names no
-image in the scratch directory) and ``request_user_input`` (refused outside Plan mode); the sandbox is read-only
-anyway. The model reasons (``model_reasoning_effort``), so Codex keeps and resends reasoning items too. Needs
-Node.js and npm (the npm registry); no network otherwise: with plugins, apps, analytics and the update check
-off, Codex connects to nothing but the gateway.
+Codex offers all of its tools (shell, sub-agents, goals, web search…). The simulated model calls a random tool
+on about 60 % of its answers, with random words as arguments, so it is told to call only two harmless ones
+(``CALLABLE``): ``view_image`` (a random word as the path names no image in the scratch directory) and
+``request_user_input`` (refused outside Plan mode). A random shell command (``yes``, ``find``) or sub-agent would
+make the run Codex's experiment, not the gateway's; the sandbox is read-only anyway. The model reasons
+(``model_reasoning_effort``), so Codex keeps and resends reasoning items too. Needs Node.js and npm (the npm
+registry); no network otherwise: with analytics, the update check and the plugin marketplace off, Codex connects
+to nothing but the gateway.
 """
 
 from __future__ import annotations
@@ -38,36 +41,31 @@ from kvtether.gateway import telemetry as T
 PACKAGE = "@openai/codex@0.171.0"  # the version these runs were checked with
 
 # CODEX_HOME/config.toml. The first two lines and the [model_providers.kvtether] table are all a user needs to
-# point Codex at kvtether. The rest is this example's: the simulated model reasons (so the reasoning items Codex
-# resends, with their encrypted_content, go through the gateway too), Codex runs unattended in a read-only
-# sandbox, its random tool calls stay harmless (see the module's docstring), and it stays off the network.
+# point Codex at kvtether (docs/clients/codex.md). The rest is this example's, and turns no tool off: the
+# simulated model reasons (so the reasoning items Codex resends, with their encrypted_content, go through the
+# gateway too), Codex runs unattended in a read-only sandbox, and it stays off the network (no update check, no
+# analytics, and no plugin marketplace sync, which is a `git ls-remote` of github.com at start-up).
 CONFIG = """\
 model = "{model}"
 model_provider = "kvtether"
 model_reasoning_effort = "low"
 approval_policy = "never"
 sandbox_mode = "read-only"
-web_search = "disabled"
 check_for_update_on_startup = false
 
 [model_providers.kvtether]
 name = "kvtether"
 base_url = "{base_url}"
 wire_api = "responses"
-env_key = "KVTETHER_API_KEY"
 
 [features]
-shell_tool = false
-goals = false
 plugins = false
-apps = false
-
-[agents]
-enabled = false
 
 [analytics]
 enabled = false
 """
+# The only tools the simulated model calls (see the module's docstring); Codex offers all of its own.
+CALLABLE = ("view_image", "request_user_input")
 
 PROMPTS = (
     "Read README.txt and summarise the project.",
@@ -90,7 +88,8 @@ async def run(speed: float = 20.0, binary: Path | None = None, *, learn_estimate
     runs: list[dict[str, Any]] = []
     thread: str | None = None
     tracer, spans = T.in_memory_provider()  # the gateway's spans: each turn's session and KV reuse
-    async with simulated_gateway(speed, learn_estimates=learn_estimates, tracer_provider=tracer) as (url, client):
+    async with simulated_gateway(speed, learn_estimates=learn_estimates, tracer_provider=tracer,
+                                 callable_tools=CALLABLE) as (url, client):
         with tempfile.TemporaryDirectory(prefix="kvtether-codex-") as scratch:
             work, home = Path(scratch, "work"), Path(scratch, "home")
             codex_home = home / ".codex"
@@ -100,8 +99,7 @@ async def run(speed: float = 20.0, binary: Path | None = None, *, learn_estimate
             await anyio.Path(work / "notes.txt").write_text("Notes: the project has no code yet.\n")
             config = CONFIG.format(model="kvtether-sim", base_url=f"{url}/v1")
             await anyio.Path(codex_home / "config.toml").write_text(config)
-            env = agent_env(dict(os.environ), home, ("OPENAI_", "CODEX_"), CODEX_HOME=str(codex_home),
-                            KVTETHER_API_KEY="sk-kvtether-local", NO_COLOR="1")
+            env = agent_env(dict(os.environ), home, ("OPENAI_", "CODEX_"), CODEX_HOME=str(codex_home), NO_COLOR="1")
             for i, prompt in enumerate(PROMPTS):
                 # `codex exec [options] resume <thread> <prompt>`: every prompt runs with the same options.
                 argv = [str(binary), "exec", "--json", "--skip-git-repo-check", "--strict-config", "-C", str(work)]
@@ -219,6 +217,8 @@ def main() -> None:
         print("gateway turns by reuse source:", {k: int(v) for k, v in out["turns_by_source"].items() if v})
         print(f"tokens pulled back from decode handles (decode_pull turns): {int(out['reused_tokens'])}; reasoning "
               f"items Codex kept and resent: {out['reasoning_items']}")
+        print("hosted tools the gateway left out of Codex's calls (x-kvtether-dropped-tools):",
+              out["dropped_tools"] or "none")
     sys.exit(0 if out["runs"] and len(out["runs"]) == len(PROMPTS) and all(completed(r) for r in out["runs"])
              else 1)
 

@@ -45,11 +45,13 @@ def npm_install(package: str, binary: str) -> Path:
 @contextlib.asynccontextmanager
 async def simulated_gateway(speed: float, *, learn_estimates: bool = True,
                             tracer_provider: trace.TracerProvider | None = None,
+                            callable_tools: tuple[str, ...] | None = None,
                             ) -> AsyncIterator[tuple[str, httpx.AsyncClient]]:
     """A gateway (policy auto) on a simulated 1P 1D cluster; its URL and a client. ``learn_estimates=False``: the
     cost policy decides from its seeds alone, so a busy machine's timings do not change which turns reuse.
-    ``tracer_provider``: where the gateway's spans go (``traced_turns`` reads the turns back from them)."""
-    spec = ClusterSpec(prefill=1, decode=1, speed=speed, prefill_prefix_caching=False)
+    ``tracer_provider``: where the gateway's spans go (``traced_turns`` reads the turns back from them).
+    ``callable_tools``: the only functions the simulated model calls (the agent still offers all of its own)."""
+    spec = ClusterSpec(prefill=1, decode=1, speed=speed, prefill_prefix_caching=False, callable_tools=callable_tools)
     async with SimCluster(spec) as cluster:
         cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
                           metrics_poll_interval_s=0.5, learn_estimates=learn_estimates)
@@ -59,13 +61,16 @@ async def simulated_gateway(speed: float, *, learn_estimates: bool = True,
 
 
 async def gateway_summary(client: httpx.AsyncClient, url: str, route: str) -> dict[str, Any]:
-    """The gateway's sessions, its turns by where their KV came from, and its requests on `route`."""
+    """The gateway's sessions, its turns by where their KV came from, its requests on `route`, and the hosted
+    tools it left out of them, by type."""
     text = (await client.get(f"{url}/metrics")).text
+    dropped = {kind: sample_sum(text, T.M_DROPPED_TOOLS, type=kind) for kind in T.DROPPED_TOOL_TYPES}
     return {
         "sessions": (await client.get(f"{url}/admin/sessions")).json(),
         "turns_by_source": {s: sample_sum(text, "kvtether_ttft_seconds_count", reuse_source=s) for s in SOURCES},
         "reused_tokens": sample_sum(text, "kvtether_reused_tokens_total"),
         "requests": sample_sum(text, "kvtether_requests_total", route=route),
+        "dropped_tools": {kind: int(n) for kind, n in dropped.items() if n},
     }
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from kvtether.gateway.shell.edge import EdgeResponse
 from kvtether.gateway.shell.errors import GatewayError
 from kvtether.sdk.apis import messages as M
+from kvtether.sdk.apis.common import HostedTools
 from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers
 from starlette.responses import Response
 
@@ -25,17 +26,19 @@ CLAUDE_AGENT_HEADER = "x-claude-code-agent-id"
 _MAX_SESSION_ID = 256
 
 
-def lower(body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """The chat body and headers for a Messages request (a 400 in the gateway's error type when it is bad)."""
+def lower(body: dict[str, Any], headers: dict[str, str], hosted_tools: HostedTools = "drop"
+          ) -> tuple[dict[str, Any], dict[str, str], tuple[str, ...]]:
+    """The chat body and headers for a Messages request (a 400 in the gateway's error type when it is bad), and
+    the Anthropic-defined tool types left out of it (``hosted_tools``: the gateway's setting)."""
     try:
-        chat = M.to_chat(body)
+        lowered = M.translate(body, hosted_tools=hosted_tools)
     except M.MessagesError as err:
         raise GatewayError(err.status, str(err)) from None
     out = dict(headers)
     named = session_for(body, headers)
     if named is not None:
         out[SESSION_HEADER] = named
-    return chat, out
+    return lowered.chat, out, lowered.dropped
 
 
 def session_for(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:

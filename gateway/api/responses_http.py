@@ -33,6 +33,7 @@ from kvtether.gateway.shell.errors import GatewayError
 from kvtether.gateway.stores.failsafe import StoreUnavailable
 from kvtether.gateway.stores.sessions import SessionStore
 from kvtether.sdk.apis import responses as R
+from kvtether.sdk.apis.common import HostedTools
 from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers
 from starlette.responses import JSONResponse, Response
 
@@ -97,6 +98,7 @@ class Pending:
     session: str | None = None  # the session the chat path served it in (unscoped), once known
     final: dict[str, Any] | None = None
     input_items: list[Any] = field(default_factory=list)
+    dropped: tuple[str, ...] = ()  # hosted tool types left out of the turn (hosted_tools = "drop")
 
     @property
     def seal(self) -> R.ReasoningSeal | None:
@@ -121,10 +123,10 @@ class Pending:
                                  {"messages": history, "session": self.session})
 
 
-async def lower(state: ResponsesState, body: dict[str, Any], headers: dict[str, str], tenant: str | None
-                ) -> tuple[dict[str, Any], dict[str, str], Pending]:
+async def lower(state: ResponsesState, body: dict[str, Any], headers: dict[str, str], tenant: str | None,
+                hosted_tools: HostedTools = "drop") -> tuple[dict[str, Any], dict[str, str], Pending]:
     """The chat body and headers for a Responses request, and what its answer needs (a GatewayError when the
-    request is bad or names a response the gateway does not hold)."""
+    request is bad or names a response the gateway does not hold). ``hosted_tools``: the gateway's setting."""
     previous = body.get("previous_response_id")
     conversation = R.conversation_id(body.get("conversation"))
     if previous is not None and (not isinstance(previous, str) or not previous):
@@ -147,9 +149,10 @@ async def lower(state: ResponsesState, body: dict[str, Any], headers: dict[str, 
         history = list(record.get("messages") or []) if record else []
         chain_session = (record or {}).get("session") or f"conv-{conversation}"
     try:
-        chat = R.to_chat(body, seal=state.seal, history=history)
+        lowered = R.translate(body, seal=state.seal, history=history, hosted_tools=hosted_tools)
     except R.ResponsesError as err:
         raise GatewayError(err.status, err.message, param=err.param, code=err.code) from None
+    chat = lowered.chat
     instructions = 1 if isinstance(body.get("instructions"), str) and body["instructions"] else 0
     out = dict(headers)
     named = session_for(body, headers, chain_session)
@@ -159,7 +162,8 @@ async def lower(state: ResponsesState, body: dict[str, Any], headers: dict[str, 
     raw_input = body.get("input")
     items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw_input}]}] \
         if isinstance(raw_input, str) else list(raw_input or [])
-    pending = Pending(body, tenant, state, base, chat["messages"][instructions:], conversation, input_items=items)
+    pending = Pending(body, tenant, state, base, chat["messages"][instructions:], conversation, input_items=items,
+                      dropped=lowered.dropped)
     return chat, out, pending
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import httpx
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.api import anthropic, responses_http
+from kvtether.gateway.api import anthropic, hosted, responses_http
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.nodes.cluster import Cluster
 from kvtether.gateway.nodes.health import probe_forever
@@ -92,6 +92,7 @@ class Gateway:
         self.retention = Retention(config, self.cluster, self.store, self.metrics, self.client)
         self.responses = responses_http.ResponsesState(self.store, config.responses_ttl_s,
                                                        responses_http.seal_for(config.reasoning_key))
+        self.dropped_tools = hosted.DroppedTools(self.metrics.dropped_tools)
         self.orchestrator = Orchestrator(config, self.cluster, self.store, self.metrics, self.upstream,
                                          self.tokenize_client, tracer=self.tracer, retention=self.retention)
 
@@ -150,6 +151,14 @@ def _completion_route(kind: str, api: str | None = None) -> Callable[[Request], 
         response: Response | None = None
         model = ""
         pending: responses_http.Pending | None = None
+        dropped: tuple[str, ...] = ()  # hosted tools the API's translation left out of the turn
+        sessions: list[str] = []  # the session the turn was served in, once the chat path found it
+
+        def identified(session_id: str) -> None:
+            sessions.append(session_id)
+            if pending is not None:
+                pending.identified(session_id)
+
         try:
             try:
                 headers = {k.lower(): v for k, v in request.headers.items()}
@@ -157,9 +166,11 @@ def _completion_route(kind: str, api: str | None = None) -> Callable[[Request], 
                 body = await V.read_json(request, gw.config.max_body_bytes)
                 if api == "messages":
                     model = str(body.get("model") or "")
-                    body, headers = anthropic.lower(body, headers)
+                    body, headers, dropped = anthropic.lower(body, headers, gw.config.hosted_tools)
                 elif api == "responses":
-                    body, headers, pending = await responses_http.lower(gw.responses, body, headers, tenant)
+                    body, headers, pending = await responses_http.lower(gw.responses, body, headers, tenant,
+                                                                        gw.config.hosted_tools)
+                    dropped = pending.dropped
                 await _validate(gw, kind, body, headers)
                 salt = gw.auth.cache_salt(tenant, body.get("cache_salt"))
                 if salt is not None:
@@ -168,13 +179,16 @@ def _completion_route(kind: str, api: str | None = None) -> Callable[[Request], 
                                    T.GEN_AI_REQUEST_STREAM: body.get("stream") is True or None})
                 response = await gw.orchestrator.handle(
                     kind, body, headers, span, tenant=tenant, upstream_auth=gw.auth.upstream_authorization(headers),
-                    on_identified=pending.identified if pending is not None else None)
+                    on_identified=identified if api is not None else None)
             except GatewayError as err:
                 response = err.response()
             except Exception as exc:  # a bug must still answer in the API's shape, and be logged
                 log.exception("unhandled error")
                 response = GatewayError(500, f"internal gateway error: {type(exc).__name__}",
                                         type_="internal_error").response()
+            if dropped:
+                gw.dropped_tools.note(dropped, sessions[0] if sessions else None, path)
+                hosted.tell(response, dropped)
             if api == "messages":
                 return anthropic.raise_(response, model)
             return responses_http.raise_(response, pending) if pending is not None else response
@@ -313,7 +327,8 @@ async def count_tokens(request: Request) -> Response:
         gw.auth.tenant(headers)
         body = await V.read_json(request, gw.config.max_body_bytes)
         try:
-            chat = count_tokens_body(body)
+            # The prompt the turn would render: without the hosted tools the turn would leave out.
+            chat = count_tokens_body(body, hosted_tools=gw.config.hosted_tools)
         except MessagesError as err:
             raise GatewayError(err.status, err.message) from None
         payload = B.tokenize_body("chat", chat)

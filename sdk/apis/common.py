@@ -1,8 +1,39 @@
-"""What the API translations share with the gateway's guard."""
+"""What the API translations share with the gateway's guard and with each other."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+# What a translation does with a hosted tool (one the API's provider runs, or a built-in the model only knows
+# natively: no chat template can render it): "refuse" answers 400 naming it, as vLLM's own endpoints do;
+# "drop" leaves it out of the turn and reports it (the gateway's default, so a client that always sends one,
+# as Codex sends web_search, still gets its turns).
+HostedTools = Literal["drop", "refuse"]
+HOSTED_TOOLS: Final[tuple[HostedTools, ...]] = ("drop", "refuse")
+
+# A tool type's version or preview suffix: Anthropic's `_20250305`, OpenAI's `_2025_03_11` and `_preview`.
+_VERSION = re.compile(r"(_preview)?(_[0-9]{8}|_[0-9]{4}_[0-9]{2}_[0-9]{2})?$")
+
+
+@dataclass(frozen=True, slots=True)
+class Translation:
+    """A request lowered to a chat request, and the hosted tool types it left out (request order, each once)."""
+
+    chat: dict[str, Any]
+    dropped: tuple[str, ...] = ()
+
+
+def tool_family(kind: str) -> str:
+    """A hosted tool type without its version: ``web_search_20250305`` and ``web_search_preview_2025_03_11``
+    are ``web_search``, ``computer_use_preview`` is ``computer_use`` (a metric label from a closed set)."""
+    return _VERSION.sub("", kind, count=1)
+
+
+def once(kinds: list[str]) -> tuple[str, ...]:
+    """Each type once, in first-seen order."""
+    return tuple(dict.fromkeys(kinds))
 
 
 def effort_in_template_kwargs(out: dict[str, Any], effort: Any) -> None:

@@ -41,9 +41,15 @@ stream                 honoured     ``stream`` (+ ``stream_options: {include_usa
 tools                  honoured     custom tools → function tools (``input_schema`` → ``parameters``, a
                                     missing schema ``type`` set to ``"object"``; ``strict``,
                                     ``defer_loading`` kept)
-  server tools         refused      any tool whose ``type`` is neither absent nor ``"custom"``
-                                    (``web_search_*``, ``bash_*``, ``text_editor_*``,
-                                    ``code_execution_*``, …): 400 naming the tool, as vLLM 0.34 does
+  Anthropic-defined    refused or   a tool with a versioned ``type`` and no ``input_schema``: the server
+  tools                dropped      tools (``web_search_*``, ``web_fetch_*``, ``code_execution_*``,
+                                    ``tool_search_tool_*``, ``mcp_toolset``) and the client-run tools the
+                                    model knows natively (``bash_*``, ``text_editor_*``, ``computer_*``,
+                                    ``memory_*``), none of which vLLM translates: :func:`to_chat` refuses
+                                    them (400 naming the tool, as vLLM 0.34 does); :func:`translate` with
+                                    ``hosted_tools="drop"`` (the gateway's default) leaves them out and
+                                    reports their types (a ``tool_choice`` naming one stays a 400). Any
+                                    other ``type`` but ``"custom"`` is a 400 either way
 tool_choice            honoured     auto → ``"auto"``, any → ``"required"``, tool → named function,
                                     none → ``"none"``; ``disable_parallel_tool_use`` →
                                     ``parallel_tool_calls``; ``"auto"`` when tools are given without it
@@ -87,11 +93,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Any, Final
 
-from kvtether.sdk.apis.common import effort_in_template_kwargs
+from kvtether.sdk.apis.common import HostedTools, Translation, effort_in_template_kwargs, once
 
 Event = tuple[str, dict[str, Any]]
 
@@ -103,6 +110,12 @@ DISABLED_THINKING_EFFORTS: Final = ("none", *EFFORTS)
 BLOCK_TYPES: Final = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking",
                       "redacted_thinking", "tool_addition", "tool_removal")
 _TOOL_CHANGES: Final = ("tool_addition", "tool_removal")
+# Anthropic-defined tools (a versioned type, no input_schema). Anthropic runs the server tools (web search and
+# fetch, code execution, tool search, MCP toolsets); bash, text_editor, computer and memory run in the client,
+# but the model knows their schemas natively, so no chat template can show them to another model. vLLM
+# translates none of them (0.34 refuses every one).
+_ANTHROPIC_DEFINED: Final = re.compile(r"(web_search|web_fetch|code_execution|computer|bash|text_editor|memory"
+                                       r"|tool_search_tool_regex|tool_search_tool_bm25)_[0-9]{8}|mcp_toolset")
 # vLLM's Anthropic stop-reason vocabulary, keyed by the chat finish reason it maps from.
 STOP_REASONS: Final = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -203,26 +216,42 @@ def to_chat(body: Mapping[str, Any], *, merge_inline_system: bool = False,
     its ``auto`` probes the template and picks ``"none"`` or ``"low"``). P and D must agree on both, so they
     are the caller's to resolve once, not this module's to guess.
 
-    Raises :class:`MessagesError` (400) naming the field of a request vLLM would refuse, or this gateway does.
+    Raises :class:`MessagesError` (400) naming the field of a request vLLM would refuse, or this gateway does;
+    an Anthropic-defined tool is refused, as vLLM refuses it.
     """
     return _translate(body, count=False, merge_inline_system=merge_inline_system,
-                      disabled_thinking_effort=disabled_thinking_effort)
+                      disabled_thinking_effort=disabled_thinking_effort, hosted_tools="refuse").chat
+
+
+def translate(body: Mapping[str, Any], *, hosted_tools: HostedTools = "refuse", merge_inline_system: bool = False,
+              disabled_thinking_effort: str = "none") -> Translation:
+    """:func:`to_chat`, with a choice of what becomes of Anthropic-defined tools: ``"refuse"`` (400) or
+    ``"drop"`` (left out of the turn, their types reported in ``dropped``)."""
+    return _translate(body, count=False, merge_inline_system=merge_inline_system,
+                      disabled_thinking_effort=disabled_thinking_effort, hosted_tools=hosted_tools)
 
 
 def count_tokens_body(body: Mapping[str, Any], *, merge_inline_system: bool = False,
-                      disabled_thinking_effort: str = "none") -> dict[str, Any]:
+                      disabled_thinking_effort: str = "none", hosted_tools: HostedTools = "refuse"
+                      ) -> dict[str, Any]:
     """The chat body to tokenize for ``/v1/messages/count_tokens``: the same translation without the sampling
     fields (no ``max_tokens`` needed, none sent). vLLM's chat request turns ``reasoning_effort`` into the
     template kwargs ``reasoning_effort`` and ``enable_thinking``; ``/tokenize`` has no such field, so they are
     also folded into ``chat_template_kwargs`` here — the count is then the same through either endpoint."""
     out = _translate(body, count=True, merge_inline_system=merge_inline_system,
-                     disabled_thinking_effort=disabled_thinking_effort)
+                     disabled_thinking_effort=disabled_thinking_effort, hosted_tools=hosted_tools).chat
     effort_in_template_kwargs(out, out.get("reasoning_effort"))
     return out
 
 
+def is_anthropic_defined(tool: Any) -> bool:
+    """Whether a tool is one of Anthropic's own (server tools, and the client tools the model knows natively)."""
+    kind = tool.get("type") if isinstance(tool, Mapping) else None
+    return isinstance(kind, str) and _ANTHROPIC_DEFINED.fullmatch(kind) is not None
+
+
 def _translate(body: Mapping[str, Any], *, count: bool, merge_inline_system: bool,
-               disabled_thinking_effort: str) -> dict[str, Any]:
+               disabled_thinking_effort: str, hosted_tools: HostedTools) -> Translation:
     if not isinstance(body, Mapping):
         raise _invalid("the request body must be a JSON object")
     if disabled_thinking_effort not in DISABLED_THINKING_EFFORTS:
@@ -232,9 +261,11 @@ def _translate(body: Mapping[str, Any], *, count: bool, merge_inline_system: boo
     if not isinstance(model, str) or not model:
         raise _invalid("model: required, a non-empty string")
     max_tokens = None if count else _max_tokens(body.get("max_tokens"))
-    messages = _check_messages(body.get("messages"))
+    drop = hosted_tools == "drop"
+    messages = _check_messages(body.get("messages"), drop_hosted=drop)
     system = _check_system(body.get("system"))
-    tools = _resolve_tools(_check_tools(body.get("tools")), messages)
+    declared, dropped = _check_tools(body.get("tools"), drop_hosted=drop)
+    tools = _resolve_tools(declared, messages, dropped)
     tool_choice = _check_tool_choice(body.get("tool_choice"))
     thinking = _check_thinking(body.get("thinking"), max_tokens)
     effort, response_format = _check_output_config(body.get("output_config"))
@@ -269,8 +300,8 @@ def _translate(body: Mapping[str, Any], *, count: bool, merge_inline_system: boo
             out["reasoning_effort"] = disabled_thinking_effort
         elif kind == "enabled" and not count:
             out["thinking_token_budget"] = thinking["budget_tokens"]
-    _convert_tools(tools, tool_choice, out)
-    return out
+    _convert_tools(tools, tool_choice, out, dropped)
+    return Translation(out, once([str(t.get("type")) for t in dropped]))
 
 
 def _refuse_unserved(body: Mapping[str, Any]) -> None:
@@ -331,7 +362,7 @@ def _copy_sampling(body: Mapping[str, Any], out: dict[str, Any]) -> None:
 # --- validation of the request's shape (every message names the field) -----------------------------------
 
 
-def _check_messages(messages: Any) -> list[Mapping[str, Any]]:
+def _check_messages(messages: Any, *, drop_hosted: bool = False) -> list[Mapping[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise _invalid("messages: required, a non-empty list of {role, content}")
     for i, msg in enumerate(messages):
@@ -348,7 +379,7 @@ def _check_messages(messages: Any) -> list[Mapping[str, Any]]:
         if not isinstance(content, list):
             raise _invalid(f"{where}.content: required, a string or a list of content blocks")
         for j, block in enumerate(content):
-            _check_block(block, f"{where}.content[{j}]", role=role)
+            _check_block(block, f"{where}.content[{j}]", role=role, drop_hosted=drop_hosted)
     return messages
 
 
@@ -362,7 +393,7 @@ def _check_system(system: Any) -> str | list[Mapping[str, Any]] | None:
     return system
 
 
-def _check_block(block: Any, where: str, *, role: str) -> None:
+def _check_block(block: Any, where: str, *, role: str, drop_hosted: bool = False) -> None:
     if not isinstance(block, Mapping):
         raise _invalid(f"{where}: must be a content block object with a type")
     kind = block.get("type")
@@ -411,7 +442,8 @@ def _check_block(block: Any, where: str, *, role: str) -> None:
             if not isinstance(tool.get("name"), str):
                 raise _invalid(f"{where}.tool.name: required, a string")
         elif tool.get("type") == "tool_definition" and kind == "tool_addition":
-            _check_tool(tool.get("definition"), f"{where}.tool.definition")
+            if not (drop_hosted and is_anthropic_defined(tool.get("definition"))):
+                _check_tool(tool.get("definition"), f"{where}.tool.definition")
         else:
             allowed = "tool_reference" if kind == "tool_removal" else "tool_reference or tool_definition"
             raise _invalid(f"{where}.tool.type: must be {allowed}")
@@ -422,14 +454,22 @@ def _optional_str(block: Mapping[str, Any], key: str, where: str) -> None:
         raise _invalid(f"{where}.{key}: must be a string")
 
 
-def _check_tools(tools: Any) -> list[Mapping[str, Any]] | None:
+def _check_tools(tools: Any, *, drop_hosted: bool = False
+                 ) -> tuple[list[Mapping[str, Any]] | None, list[Mapping[str, Any]]]:
+    """The declared tools, checked; with ``drop_hosted``, without the Anthropic-defined ones (the second list)."""
     if tools is None:
-        return None
+        return None, []
     if not isinstance(tools, list):
         raise _invalid("tools: must be a list of tools")
+    kept: list[Mapping[str, Any]] = []
+    dropped: list[Mapping[str, Any]] = []
     for i, tool in enumerate(tools):
-        _check_tool(tool, f"tools[{i}]")
-    return tools
+        if drop_hosted and is_anthropic_defined(tool):
+            dropped.append(tool)
+        else:
+            _check_tool(tool, f"tools[{i}]")
+            kept.append(tool)
+    return kept, dropped
 
 
 def _check_tool(tool: Any, where: str) -> None:
@@ -438,9 +478,9 @@ def _check_tool(tool: Any, where: str) -> None:
     kind = tool.get("type")
     name = tool.get("name")
     if kind not in (None, "custom"):
-        # Anthropic-defined (server) tools carry a versioned type and no input_schema; nothing here runs them.
-        raise _invalid(f"{where}: tool {name!r} has type {kind!r}, an Anthropic server tool, which is not "
-                       "served here; only custom tools with an input_schema are")
+        # Anthropic-defined tools carry a versioned type and no input_schema; nothing here runs them.
+        raise _invalid(f"{where}: tool {name!r} has type {kind!r}, an Anthropic-defined or server tool, which is "
+                       "not served here; only custom tools with an input_schema are")
     if not isinstance(name, str) or not name:
         raise _invalid(f"{where}.name: required, a non-empty string")
     if not isinstance(tool.get("input_schema"), Mapping):
@@ -641,11 +681,12 @@ def _convert_tool_result(block: Mapping[str, Any], out: list[dict[str, Any]]) ->
         out.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in images]})
 
 
-def _resolve_tools(tools: list[Mapping[str, Any]] | None,
-                   messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]] | None:
+def _resolve_tools(tools: list[Mapping[str, Any]] | None, messages: Sequence[Mapping[str, Any]],
+                   dropped: list[Mapping[str, Any]]) -> list[Mapping[str, Any]] | None:
     """The tools in effect at the end of the conversation, after its tool_addition / tool_removal blocks
     (chat templates see one tool list): added by reference → no longer deferred, added by value → declared,
-    removed → gone."""
+    removed → gone. An Anthropic-defined tool added by value joins ``dropped`` (only there when they are
+    dropped: refused otherwise), and changes that name a dropped tool change nothing."""
     changes = [b for m in messages if not isinstance(m["content"], str)
                for b in m["content"] if b.get("type") in _TOOL_CHANGES]
     if not changes:
@@ -654,11 +695,16 @@ def _resolve_tools(tools: list[Mapping[str, Any]] | None,
     removed: set[str] = set()
     for block in changes:
         change = block["tool"]
+        if change["type"] == "tool_definition" and is_anthropic_defined(change["definition"]):
+            dropped.append(change["definition"])
+            continue
         if change["type"] == "tool_definition":
             name = change["definition"]["name"]
             by_name[name] = change["definition"]
         else:
             name = change["name"]
+            if name not in by_name and any(t.get("name") == name for t in dropped):
+                continue
             if name not in by_name:
                 raise _invalid(f"{block['type']} references tool {name!r}, which is not declared in tools")
             if block["type"] == "tool_addition":
@@ -671,9 +717,11 @@ def _resolve_tools(tools: list[Mapping[str, Any]] | None,
 
 
 def _convert_tools(tools: list[Mapping[str, Any]] | None, choice: Mapping[str, Any] | None,
-                   out: dict[str, Any]) -> None:
+                   out: dict[str, Any], dropped: Sequence[Mapping[str, Any]] = ()) -> None:
     if choice is not None:
         out["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use")
+    if dropped:
+        _check_choice_after_drop(choice, dropped, has_tools=bool(tools))
     if not tools:
         # vLLM renders no tool choice without tools; the chat API refuses one (and an empty tool list) outright.
         return
@@ -697,6 +745,25 @@ def _convert_tools(tools: list[Mapping[str, Any]] | None, choice: Mapping[str, A
         out["tool_choice"] = {"type": "function", "function": {"name": name}}
     else:
         out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[str(kind)]
+
+
+def _check_choice_after_drop(choice: Mapping[str, Any] | None, dropped: Sequence[Mapping[str, Any]], *,
+                             has_tools: bool) -> None:
+    """A tool_choice that cannot hold once the Anthropic-defined tools are gone is a 400: one naming such a
+    tool (the client asked for exactly the call the model cannot make), and ``any`` when only such tools were
+    given."""
+    kind = choice.get("type") if choice is not None else None
+    if kind == "tool" and choice is not None:
+        tool = next((t for t in dropped if t.get("name") == choice["name"]), None)
+        if tool is not None:
+            raise _invalid(f"tool_choice.name: {choice['name']!r} is the Anthropic-defined tool "
+                           f"{tool.get('type')!r}, which the model behind this gateway cannot call (the gateway "
+                           "leaves such tools out of the turn); name a custom tool, or use auto")
+    if kind == "any" and not has_tools:
+        types = ", ".join(once([str(t.get("type")) for t in dropped]))
+        raise _invalid(f"tool_choice: \"any\" needs a tool, but every tool given is an Anthropic-defined tool the "
+                       f"model behind this gateway cannot call ({types}; left out of the turn): give a custom "
+                       "tool, or use auto")
 
 
 # ---------------------------------------------------------------------------------------------------------

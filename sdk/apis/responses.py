@@ -22,7 +22,9 @@ own ``/v1/responses`` would (0.32–0.34). The rules, all from vLLM:
   ``<namespace>__<name>``; ``custom`` (freeform text; a grammar is refused, as vLLM refuses it) → a function
   taking one string ``input``. Hosted and built-in
   tools (``web_search``, ``file_search``, ``code_interpreter``, ``computer_use``, ``image_generation``,
-  ``local_shell``, ``mcp``…) have no model-side form here: refused with a 400 that names them.
+  ``local_shell``, ``mcp``…) have no model-side form here: :func:`to_chat` refuses them with a 400 that names
+  them, as the simulator's vLLM does; :func:`translate` with ``hosted_tools="drop"`` (the gateway's default)
+  leaves them out of the turn and reports which (a ``tool_choice`` that names one stays a 400).
 - ``reasoning.effort`` → the chat template's ``reasoning_effort`` and ``enable_thinking`` (unless the request's
   ``chat_template_kwargs`` set it), merged as vLLM's ``build_chat_params`` merges them.
 - A last item that is an assistant message or reasoning still ``in_progress``/``incomplete`` is continued
@@ -44,10 +46,13 @@ import base64
 import hashlib
 import hmac
 import json
+import re
 import uuid
 import zlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
+
+from kvtether.sdk.apis.common import HostedTools, Translation, once
 
 Event = tuple[str, dict[str, Any]]
 
@@ -69,6 +74,17 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "freq
              "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "chat_template_kwargs",
              "include_reasoning")
 FUNCTION_TOOL_TYPES = ("function", "namespace", "custom")
+# Hosted and built-in tools. OpenAI runs web_search, file_search, code_interpreter, image_generation and remote
+# mcp servers; computer_use, local_shell, shell and apply_patch run in the client, but the model calls them
+# natively, with no schema a chat template could show it. None has a form the model behind vLLM can call.
+HOSTED_TOOL_TYPES: Final = frozenset({"file_search", "code_interpreter", "computer_use_preview", "computer_use",
+                                      "computer", "image_generation", "mcp", "local_shell", "shell", "apply_patch"})
+_WEB_SEARCH: Final = re.compile(r"web_search(_preview)?(_[0-9]{4}_[0-9]{2}_[0-9]{2})?")
+
+
+def is_hosted_tool(kind: Any) -> bool:
+    """Whether a tool (or tool_choice) ``type`` names a hosted or built-in tool."""
+    return isinstance(kind, str) and (kind in HOSTED_TOOL_TYPES or _WEB_SEARCH.fullmatch(kind) is not None)
 
 
 class ResponsesError(Exception):
@@ -128,7 +144,15 @@ class ReasoningSeal:
 def to_chat(body: Mapping[str, Any], *, seal: ReasoningSeal, history: Sequence[Mapping[str, Any]] = ()
             ) -> dict[str, Any]:
     """The chat completion request for a Responses request; ``history``: the chat messages of the chain it
-    continues (``previous_response_id`` / ``conversation``), put between its instructions and its input."""
+    continues (``previous_response_id`` / ``conversation``), put between its instructions and its input. A
+    hosted tool is refused (400), as vLLM refuses it."""
+    return translate(body, seal=seal, history=history).chat
+
+
+def translate(body: Mapping[str, Any], *, seal: ReasoningSeal, history: Sequence[Mapping[str, Any]] = (),
+              hosted_tools: HostedTools = "refuse") -> Translation:
+    """:func:`to_chat`, with a choice of what becomes of hosted tools: ``"refuse"`` (400) or ``"drop"`` (left
+    out of the turn, their types reported in ``dropped``)."""
     if "kv_transfer_params" in body:
         raise ResponsesError(400, "kv_transfer_params is set by the gateway, not by clients", "kv_transfer_params",
                              "forbidden_parameter")
@@ -167,12 +191,7 @@ def to_chat(body: Mapping[str, Any], *, seal: ReasoningSeal, history: Sequence[M
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise _invalid("`max_output_tokens` must be an integer >= 1", "max_output_tokens")
         chat["max_tokens"] = limit
-    tools = body.get("tools")
-    if tools:
-        chat["tools"] = chat_tools(tools)
-    choice = body.get("tool_choice")
-    if choice is not None and tools:
-        chat["tool_choice"] = chat_tool_choice(choice)
+    dropped = _add_tools(chat, body.get("tools"), body.get("tool_choice"), hosted_tools)
     kwargs = template_kwargs(body)
     if kwargs is not None:
         chat["chat_template_kwargs"] = kwargs
@@ -190,7 +209,50 @@ def to_chat(body: Mapping[str, Any], *, seal: ReasoningSeal, history: Sequence[M
         chat["stream_options"] = {"include_usage": True}
     elif body.get("stream") not in (None, False):
         raise _invalid("`stream` must be a boolean", "stream")
-    return chat
+    return Translation(chat, dropped)
+
+
+def _add_tools(chat: dict[str, Any], tools: Any, choice: Any, hosted_tools: HostedTools) -> tuple[str, ...]:
+    """The request's tools and tool_choice on the chat request; the hosted tool types dropped."""
+    if not tools:
+        return ()
+    dropped: tuple[str, ...] = ()
+    if hosted_tools == "drop":
+        tools, dropped = without_hosted_tools(tools)
+    converted = chat_tools(tools)
+    if hosted_tools == "drop":
+        check_choice_after_drop(choice, dropped, has_tools=bool(converted))
+    if not converted and dropped:
+        return dropped  # no tools left: none sent (the chat API refuses an empty list), nor a tool_choice
+    chat["tools"] = converted
+    if choice is not None:
+        chat["tool_choice"] = chat_tool_choice(choice)
+    return dropped
+
+
+def without_hosted_tools(tools: Any) -> tuple[Any, tuple[str, ...]]:
+    """The tools without the hosted ones, and the hosted types left out (a non-list is returned as it is, for
+    :func:`chat_tools` to refuse)."""
+    if not isinstance(tools, list):
+        return tools, ()
+    kept = [t for t in tools if not (isinstance(t, Mapping) and is_hosted_tool(t.get("type")))]
+    return kept, once([t["type"] for t in tools if isinstance(t, Mapping) and is_hosted_tool(t.get("type"))])
+
+
+def check_choice_after_drop(choice: Any, dropped: Sequence[str], *, has_tools: bool) -> None:
+    """A tool_choice that cannot hold once the hosted tools are gone is a 400: one that names a hosted tool
+    (the client asked for exactly the call the model cannot make), and one that needs a tool when only hosted
+    ones were given."""
+    kind = choice.get("type") if isinstance(choice, Mapping) else None
+    if is_hosted_tool(kind):
+        raise _invalid(f"`tool_choice` names the hosted tool `{kind}`, which the model behind this gateway cannot "
+                       "call (the gateway leaves hosted tools out of the turn); name a function tool, or use auto",
+                       "tool_choice")
+    if has_tools or not dropped or choice in (None, "auto", "none"):
+        return
+    raise _invalid(f"`tool_choice` needs a tool, but every tool given is a hosted tool the model behind this "
+                   f"gateway cannot call ({', '.join(dropped)}; left out of the turn): give a function tool, or "
+                   "use auto", "tool_choice")
 
 
 def input_messages(items: Sequence[Any], seal: ReasoningSeal) -> list[dict[str, Any]]:

@@ -1,0 +1,73 @@
+"""Hosted tools the gateway left out of an agent-API turn (``hosted_tools = "drop"``): how it says so.
+
+The translations (``kvtether.sdk.apis``) decide what is dropped and report the types; here the answer carries
+them in a header, the metric counts them by type, and the log says it once per session — a client such as Codex
+sends the same hosted tool on every call of every turn, and one line per call would drown the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvtether.gateway import telemetry as T
+from kvtether.sdk.apis.common import tool_family
+from prometheus_client import Counter
+from starlette.responses import Response
+
+log = logging.getLogger(__name__)
+
+# Sessions remembered as warned about; the least recently seen are forgotten first (then warned about again).
+WARNED_SESSIONS = 10_000
+
+
+def header_value(dropped: Sequence[str]) -> str:
+    """The dropped-tools header: the types as the client sent them (the translations drop only known types,
+    whose names are plain ASCII), comma-separated."""
+    return ",".join(dropped)
+
+
+def metric_type(kind: str) -> str:
+    """The metric's label for a dropped type: its family, from a closed set (a client's spelling never becomes a
+    series of its own)."""
+    family = tool_family(kind)
+    return family if family in T.DROPPED_TOOL_TYPES else "other"
+
+
+class DroppedTools:
+    """Counts the hosted tools each turn dropped and warns once per session (a bounded memory of the sessions
+    already warned about, so a long-running gateway's memory does not grow with its sessions)."""
+
+    def __init__(self, counter: Counter, capacity: int = WARNED_SESSIONS) -> None:
+        self._counter = counter
+        self._capacity = capacity
+        self._warned: OrderedDict[str, None] = OrderedDict()
+
+    def note(self, dropped: Sequence[str], session: str | None, route: str) -> bool:
+        """One turn's dropped tools: counted; logged if its session was not warned about yet (True then). A turn
+        the gateway never placed in a session (refused before) shares one key with every other such turn."""
+        for kind in dropped:
+            self._counter.labels(metric_type(kind)).inc()
+        if not dropped or not self._first(session or ""):
+            return False
+        log.warning("session %s: %s left hosted tools out of its turns (%s): the model behind the gateway cannot "
+                    "call them. Set hosted_tools = \"refuse\" to answer 400 instead; said once per session",
+                    session or "(none)", route, ", ".join(dropped))
+        return True
+
+    def _first(self, key: str) -> bool:
+        if key in self._warned:
+            self._warned.move_to_end(key)
+            return False
+        self._warned[key] = None
+        if len(self._warned) > self._capacity:
+            self._warned.popitem(last=False)
+        return True
+
+
+def tell(response: Response, dropped: Sequence[str]) -> Response:
+    """The answer with the dropped-tools header (before anything is sent: the header list is the one sent)."""
+    if dropped:
+        response.raw_headers.append((T.HEADER_DROPPED_TOOLS.encode(), header_value(dropped).encode("latin-1")))
+    return response
