@@ -1,0 +1,227 @@
+"""Goodput at equal GPU count: which serving option keeps the most turns within their objectives, and up to which load.
+
+For each workload and each option, the sessions are replayed open loop on a fresh simulated cluster: sessions
+arrive at their start offsets divided by the load multiplier, think times stay as recorded. Per run: the share of
+turns that meet both objectives (TTFT from the client, TPOT from the decoding engine's own step times, which this
+machine's load does not inflate), late-turn TTFT p50/p95/p99 and engine TPOT p95. Goodput is the highest load
+multiplier at which at least 90 % of turns meet both (DistServe's measure).
+
+Options (one GPU count: 1 prefill + 2 decode nodes, or 3 colocated nodes):
+
+  no-pull    classic P/D: P recomputes the history
+  reference  vLLM's reference proxy: round-robin, the handle attached whenever held
+  pull       kvtether, always pulling a verified handle
+  dynamo     Dynamo's conditional disaggregation (isl_bounding), no pull
+  llm-d      llm-d's prefix decider (nonCachedTokens 16), no pull
+  auto       kvtether's per-turn choice
+  colocated  3 aggregated nodes, sessions pinned to one (session affinity), prefix caching on
+
+Workloads: short-append chat; coding-agent sessions (long contexts, appends of 0.2–6k tokens, answers of
+50–2.5k, tool gaps of seconds); long documents (examples/sessions/aiperf-long-docs.jsonl); a production-style
+conversation trace in mooncake_trace format (examples/traces/mooncake-conversation-sample.jsonl). Generated
+workloads get Poisson session arrivals; the trace keeps its own.
+
+    python benchmarks/goodput.py                       # every workload, 3 loads (about 20-40 min here)
+    python benchmarks/goodput.py --workloads chat --loads 1,2 --options auto,colocated --sessions 4
+Writes benchmarks/results/goodput.json and goodput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONS = ("no-pull", "reference", "pull", "dynamo", "llm-d", "auto", "colocated")
+PD_OPTIONS = OPTIONS[:-1]
+WORKLOADS = ("chat", "coding", "long-docs", "trace")
+LATE_TURN = 3  # turns from this index on are "late": their history is what reuse is for
+
+
+@dataclass(frozen=True)
+class Settings:
+    preset: str = "qwen3-32b-h200-tp8"
+    # Simulated seconds per real second. TTFT is the client's clock × speed, so whatever this machine's load
+    # delays (the event loop, the other core's work) is multiplied too: keep it low, the machine quiet.
+    speed: float = 4.0
+    ttft_ms: float = 2000.0
+    tpot_ms: float = 25.0
+    sessions: int = 8
+    seed: int = 1
+
+
+def _with_arrivals(sessions: list[Any], mean_gap_ms: float, seed: int) -> list[Any]:
+    """Poisson session arrivals (start offsets in each session's metadata), for workloads that have none."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for s in sessions:
+        out.append(replace(s, metadata={**(s.metadata or {}), "start_offset_ms": t}))
+        t += rng.expovariate(1.0 / mean_gap_ms)
+    return out
+
+
+def workload(name: str, st: Settings) -> list[Any]:
+    from kvtether.cli.generate import GenParams, generate_sessions
+    from kvtether.cli.importers import import_file
+
+    model = "kvtether-sim"
+    if name == "chat":
+        s = generate_sessions(GenParams(sessions=st.sessions, turns=8, new_tokens="20-200", output_tokens="30-200",
+                                        system_tokens=1500, think_ms=4000.0, user_message_prob=1.0, seed=st.seed))
+        return _with_arrivals(s, 2000.0, st.seed)
+    if name == "coding":
+        s = generate_sessions(GenParams(sessions=st.sessions, turns=9, new_tokens="200-1500:0.8,3000-6000:0.2",
+                                        output_tokens="50-400:0.8,1000-2500:0.2", system_tokens=8000,
+                                        think_ms=6000.0, seed=st.seed + 1, id_prefix="code"))
+        return _with_arrivals(s, 3000.0, st.seed + 1)
+    if name == "long-docs":
+        s = import_file(ROOT / "examples/sessions/aiperf-long-docs.jsonl", "aiperf", model=model)
+        return _with_arrivals(s[: st.sessions], 4000.0, st.seed + 2)
+    if name == "trace":
+        s = import_file(ROOT / "examples/traces/mooncake-conversation-sample.jsonl", "mooncake", model=model)
+        # The trace's first sessions, their arrivals as recorded; think times capped so a run fits here.
+        return [replace(x, turns=[replace(t, delay_ms=min(t.delay_ms, 20_000.0)) for t in x.turns])
+                for x in s[: st.sessions]]
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st: Settings) -> dict[str, Any]:
+    from kvtether.cli.assess_topology import DecodeTimes, option_gateway
+    from kvtether.cli.replay import ReplayOptions, join_engine_tpot, new_session_suffix, run_replay
+    from kvtether.cli.report import Objectives, attainment
+
+    decode_times = DecodeTimes()
+    t0 = time.perf_counter()
+    async with option_gateway(option, shape, st.speed, False, decode_times) as (url, model):
+        opts = ReplayOptions(arrivals="trace", rate=rate, time_scale=st.speed, model=model, history="live",
+                             timeout_s=300.0, session_suffix=new_session_suffix())
+        run = await run_replay(sessions, url, opts)
+    join_engine_tpot(run.results, decode_times.tpot_by_request())
+    a = attainment(run.results, Objectives(st.ttft_ms, st.tpot_ms), "engine")
+    late = sorted(r.ttft_ms for r in run.results if r.ok and r.ttft_ms is not None and r.turn >= LATE_TURN)
+    tpots = sorted(r.engine_tpot_ms for r in run.results if r.engine_tpot_ms is not None)
+    return {"option": option, "rate": rate, "attainment": a["attainment"], "met": a["met"], "turns": a["turns"],
+            "errors": sum(1 for r in run.results if not r.ok and not r.skipped),
+            "late_ttft_ms": {q: _pct(late, q) for q in ("p50", "p95", "p99")},
+            "tpot_p95_ms": _pct(tpots, "p95"), "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def _pct(xs: list[float], q: str) -> float | None:
+    if not xs:
+        return None
+    k = {"p50": 0.5, "p95": 0.95, "p99": 0.99}[q]
+    return round(xs[min(len(xs) - 1, int(k * len(xs)))], 1)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from kvtether.cli.assess_cluster import build_shape
+    from kvtether.cli.report import goodput
+
+    st = Settings(preset=args.preset, speed=args.speed, ttft_ms=args.ttft, tpot_ms=args.tpot, sessions=args.sessions,
+                  seed=args.seed)
+    shape = build_shape(st.preset, prefill=1, decode=2)
+    loads = [float(x) for x in args.loads.split(",")]
+    out: dict[str, Any] = {"settings": st.__dict__, "shape": "1P 2D (P/D options) vs 3 colocated nodes",
+                           "loads": loads, "workloads": {}}
+    for w in args.workloads.split(","):
+        sessions = workload(w, st)
+        rows = []
+        for option in args.options.split(","):
+            for rate in loads:
+                row = await run_one(option, sessions, shape, rate, st)
+                rows.append(row)
+                print(f"{w:9} {option:9} ×{rate:<4g} attainment {_share(row['attainment'])} "
+                      f"late TTFT p95 {row['late_ttft_ms']['p95']} ms, TPOT p95 {row['tpot_p95_ms']} ms, "
+                      f"errors {row['errors']} ({row['wall_s']} s)", flush=True)
+        gp = {o: goodput([(r["rate"], r["attainment"]) for r in rows if r["option"] == o])
+              for o in args.options.split(",")}
+        out["workloads"][w] = {"sessions": len(sessions), "turns": sum(len(s.turns) for s in sessions),
+                               "runs": rows, "goodput": gp}
+    return out
+
+
+def _load(g: float | None) -> str:
+    return "none" if g is None else f"×{g:g}"
+
+
+def _share(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f} %"
+
+
+def render(out: dict[str, Any]) -> str:
+    lines = []
+    loads = out["loads"]
+    for w, res in out["workloads"].items():
+        lines.append(f"\n## {w} ({res['sessions']} sessions, {res['turns']} turns)\n")
+        lines.append("| option | " + " | ".join(f"attain. ×{x:g}" for x in loads)
+                     + " | goodput | late TTFT p50/p95/p99 ms (×1) | TPOT p95 ms (×1) |")
+        lines.append("|---" * (len(loads) + 4) + "|")
+        for o, g in res["goodput"].items():
+            runs = {r["rate"]: r for r in res["runs"] if r["option"] == o}
+            base = runs.get(1.0) or next(iter(runs.values()))
+            t = base["late_ttft_ms"]
+            lines.append(f"| {o} | " + " | ".join(_share(runs[x]["attainment"]) if x in runs else "–" for x in loads)
+                         + f" | {_load(g)} | {t['p50']} / {t['p95']} / {t['p99']} | "
+                         f"{base['tpot_p95_ms']} |")
+    return "\n".join(lines)
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(out["workloads"])
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
+    for ax, w in zip(axes[0], names, strict=True):
+        runs = out["workloads"][w]["runs"]
+        for o in dict.fromkeys(r["option"] for r in runs):
+            pts = sorted((r["rate"], r["attainment"] or 0.0) for r in runs if r["option"] == o)
+            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=o)
+        ax.axhline(90, color="grey", linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_title(w)
+        ax.set_xlabel("load (arrival-rate multiplier)")
+        ax.set_ylim(0, 102)
+    axes[0][0].set_ylabel("turns meeting TTFT and TPOT (%)")
+    axes[0][-1].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--options", default=",".join(OPTIONS))
+    ap.add_argument("--loads", default="0.5,1,2")
+    ap.add_argument("--preset", default=Settings.preset)
+    ap.add_argument("--speed", type=float, default=Settings.speed)
+    ap.add_argument("--ttft", type=float, default=Settings.ttft_ms, help="TTFT objective, ms")
+    ap.add_argument("--tpot", type=float, default=Settings.tpot_ms, help="TPOT objective, ms")
+    ap.add_argument("--sessions", type=int, default=Settings.sessions)
+    ap.add_argument("--seed", type=int, default=Settings.seed)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = ap.parse_args()
+    unknown = set(args.options.split(",")) - set(OPTIONS)
+    if unknown:
+        ap.error(f"unknown options {sorted(unknown)}; known: {', '.join(OPTIONS)}")
+    out = anyio.run(main_async, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "goodput.json").write_text(json.dumps(out, indent=1))
+    plot(out, args.out / "goodput.png")
+    print(render(out))
+    print(f"\nobjectives: TTFT <= {args.ttft:g} ms and TPOT <= {args.tpot:g} ms (engine); goodput: the highest load "
+          f"with >= 90 % of turns meeting both; written {args.out / 'goodput.json'} and goodput.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
