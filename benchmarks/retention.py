@@ -12,7 +12,7 @@ gateway against a fresh simulated cluster per run:
                   nothing ever released (every hold lasts until a pull or the TTL; release_handles has no
                   effect there)
   auto            kvtether's cost-based placement with the retention manager (gateway defaults: held_kv_budget
-                  0.5, idle release, the session's last turn released)
+                  0.5, releases when D's memory is wanted or a handle expires, the session's last turn released)
   auto-unlimited  the same on decode nodes with the preset's full KV (millions of tokens): nothing is ever
                   short of memory, so its reuse is the ceiling of what auto can reuse on these sessions
 
@@ -36,8 +36,9 @@ prints what that would take (at the defaults 2.7× both D's at peak, 1.5× on av
 Time: two factors, both printed with the results. ``--time-scale`` F (default 3) divides every time of the
 workload and of retention: arrivals, think times (1–10 s becomes 0.33–3.3 s), the engine's
 decoder_kv_blocks_ttl (480 → 160 s) and the gateway's session_ttl_s (450), engine_kv_ttl_s (480),
-idle_release_s (180), retention_interval_s (1), the retention policy's 10 s idle floor (a constant in
-gateway/policy/retention.py, set on the running gateway) and sweep_interval_s (10). Compute is not scaled: the
+retention_interval_s (1), the retention policy's expected gap of a session with one turn so far (180 s, a
+constant in gateway/policy/retention.py that orders releases, set on the running gateway) and sweep_interval_s
+(10). Compute is not scaled: the
 preset's GPU times stay, so the sessions offer F times the load per simulated second they would unscaled (200
 sessions over 200 s instead of 600 s); at F = 3 the one prefill node is ~45 % busy on average under no-pull
 (~60 % while all sessions are in), at F = 4 it saturated. ``--speed`` S (default 1) is then the simulator's
@@ -78,7 +79,7 @@ import httpx
 from kvtether.cli.generate import parse_mix
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import PolicyKnobs
-from kvtether.gateway.policy.retention import IDLE_MIN_S, RELEASE_REASONS
+from kvtether.gateway.policy.retention import RELEASE_REASONS, RetentionKnobs
 from kvtether.gateway.shell.app import create_app
 from kvtether.gateway.shell.server import serve_gateway
 from kvtether.gateway.telemetry import HANDLE_OUTCOMES, RELEASE_FAILURES
@@ -99,7 +100,7 @@ RUNS = ("no-pull", "reference", "auto", "auto-unlimited")
 BASES = ("no-pull", "reference", "pull", "auto", "auto-unlimited")
 # Gateway defaults (GatewayConfig), in seconds before --time-scale; the gateway gets them ÷ time scale ÷ speed.
 SESSION_TTL_MARGIN_S = 30.0  # session_ttl_s = TTL − this (450 at vLLM's 480, the gateway's default)
-IDLE_RELEASE_S = 180.0
+FIRST_GAP_S = RetentionKnobs().first_gap_s
 RETENTION_INTERVAL_S = 1.0
 SWEEP_S = 10.0
 # The gateway polls the nodes' /metrics (load, KV capacity) this often, real seconds: it follows the engines'
@@ -167,7 +168,7 @@ def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
 
 
 def human(args: argparse.Namespace, seconds: float) -> float:
-    """A workload or retention time (think time, TTL, idle release, ...) in simulated seconds: ÷ --time-scale."""
+    """A workload or retention time (think time, TTL, review interval, ...) in simulated seconds: ÷ --time-scale."""
     return seconds / args.time_scale
 
 
@@ -331,7 +332,6 @@ def gateway_settings(policy: str, args: argparse.Namespace, preset: str) -> dict
         "bidirectional_prefill": policy != "no-pull",
         "session_ttl_s": human(args, args.ttl_s - SESSION_TTL_MARGIN_S) / sp,
         "engine_kv_ttl_s": human(args, args.ttl_s) / sp,
-        "idle_release_s": human(args, IDLE_RELEASE_S) / sp,
         "retention_interval_s": human(args, RETENTION_INTERVAL_S) / sp,
         "sweep_interval_s": human(args, SWEEP_S) / sp,
         "metrics_poll_interval_s": METRICS_POLL_REAL_S,
@@ -406,9 +406,9 @@ async def run_one(name: str, plans: list[SessionPlan], system: str, args: argpar
                           **{**gateway_settings(policy, args, args.preset), **knobs})
         app = create_app(cfg)
         retention = app.state.gateway.retention
-        # The retention policy's idle floor is a constant in gateway seconds: scaled like the other retention times.
-        floor = human(args, IDLE_MIN_S) / args.speed
-        retention.knobs = dataclasses.replace(retention.knobs, idle_min_s=min(floor, retention.knobs.idle_max_s))
+        # The retention policy's expected first gap is a constant in gateway seconds: scaled like the other
+        # retention times.
+        retention.knobs = dataclasses.replace(retention.knobs, first_gap_s=human(args, FIRST_GAP_S) / args.speed)
         # A budget only means something where handles are kept for a pull (no-pull keeps none).
         result.budget = retention.knobs.budget_share if retention.enabled and policy in ("auto", "pull") else None
         d0 = cluster.node(cluster.decode_urls[0]).engine
@@ -586,9 +586,9 @@ def header(args: argparse.Namespace, plans: list[SessionPlan]) -> str:
         f"at peak, {mean:,.0f} on average: {peak / cap:.1f}× / {mean / cap:.1f}× the decode nodes' KV.\n"
         f"Time scaling: the workload's and the retention's times ÷ {f:g} (--time-scale), in simulated s: "
         f"arrivals and think times, decoder_kv_blocks_ttl {both(args.ttl_s)}, and the gateway's session_ttl_s "
-        f"{both(args.ttl_s - SESSION_TTL_MARGIN_S)}, engine_kv_ttl_s {both(args.ttl_s)}, idle_release_s "
-        f"{both(IDLE_RELEASE_S)}, retention_interval_s {both(RETENTION_INTERVAL_S)}, the idle floor "
-        f"{both(IDLE_MIN_S)}, sweep_interval_s {both(SWEEP_S)}; compute is not scaled (the preset's GPU times). "
+        f"{both(args.ttl_s - SESSION_TTL_MARGIN_S)}, engine_kv_ttl_s {both(args.ttl_s)}, retention_interval_s "
+        f"{both(RETENTION_INTERVAL_S)}, the expected first gap {both(FIRST_GAP_S)}, sweep_interval_s "
+        f"{both(SWEEP_S)}; compute is not scaled (the preset's GPU times). "
         f"The simulator runs at speed {sp:g} (simulated s per real s): the gateway gets each of those times as "
         f"simulated / {sp:g} real s, its estimator seeds and TPOT budget likewise; its /metrics poll every "
         f"{METRICS_POLL_REAL_S:g} real s. Every reported time is SIMULATED (client real × {sp:g}).\n"
@@ -631,7 +631,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-prefix-caching", choices=("off", "on"), default="off")
     ap.add_argument("--time-scale", type=float, default=3.0,
                     help="divide every workload and retention time (arrivals, think times, the engine's TTL, the "
-                         "gateway's session TTL, idle release, review interval) by this; compute is not scaled")
+                         "gateway's session TTL, review interval) by this; compute is not scaled")
     ap.add_argument("--speed", type=float, default=1.0, help="simulated seconds per real second")
     ap.add_argument("--sample-s", type=float, default=1.0, help="D's memory is sampled every this many simulated s")
     ap.add_argument("--late-turn", type=int, default=5, help="late turns: this index on (0-based)")

@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtether.cli.stats import percentile
-from kvtether.gateway.policy.retention import HeldHandle, ReleaseReason, RetentionKnobs, held_blocks_tokens, review
+from kvtether.gateway.policy.retention import (
+    DecodeMemory,
+    HeldHandle,
+    ReleaseReason,
+    RetentionKnobs,
+    held_blocks_tokens,
+    review,
+)
 from kvtether.sim.cost import CostModel
 
 GBIT = 1e9 / 8
@@ -244,7 +251,9 @@ class RetentionSetup:
     review_interval_s: float = 1.0  # the gateway's retention_interval_s
 
 
-LOSS_CAUSES = ("expired", "released_idle", "released_budget", "evicted")
+LOSS_CAUSES = ("expired", "released_pressure", "released_budget", "evicted")
+_CAUSE = {ReleaseReason.EXPIRED: "expired", ReleaseReason.PRESSURE: "released_pressure",
+          ReleaseReason.BUDGET: "released_budget"}
 
 
 def turn_duration_s(t: TurnFacts, cost: CostModel, max_batched: int) -> float:
@@ -263,9 +272,10 @@ def retention(sessions: Sequence[Sequence[TurnFacts]], setup: RetentionSetup,
     (session, turn)) through the retention model and count, per turn after the first, whether its previous
     hold is still there when it arrives, and if not why. Each session is pinned to the decode node holding the
     least when it starts. Holds: from a turn's end to the next turn's start (then replaced), released at the
-    session's last turn; expired at the gateway's or the engine's TTL; released idle or over budget by
-    ``review`` (run every ``review_interval_s`` and at every arrival); evicted when a node's held KV plus the
-    KV of the turns running on it exceeds its capacity (oldest holds first)."""
+    session's last turn; expired at the gateway's or the engine's TTL; released by ``review`` (run every
+    ``review_interval_s`` and at every arrival) at their expiry, over budget, or for pressure when a node's held
+    KV plus the KV of the turns running on it exceeds its capacity (a turn would wait for memory); evicted
+    when the releases left it over (oldest holds first)."""
     # Gaps against the TTLs.
     gaps = [t.gap_s for s in sessions for t in s if t.index > 0]
     over_session_ttl = sum(1 for g in gaps if g >= setup.session_ttl_s)
@@ -295,12 +305,19 @@ def retention(sessions: Sequence[Sequence[TurnFacts]], setup: RetentionSetup,
                 del held[sid]
                 lost[sid] = "expired"
 
+    def memory(node: str) -> DecodeMemory:
+        """The node as its poll would show it: held KV and running turns' KV against its capacity, a turn
+        waiting when they do not fit (its usage then full)."""
+        used = total_held(node) + running[node]
+        usage = min(1.0, used / cap[node]) if cap[node] else 0.0
+        return DecodeMemory(capacity=cap[node], block_size=bs[node], usage=usage, waiting=float(used > cap[node]))
+
     def do_review(now: float) -> None:
         expire(now)
-        for rel in review(list(held.values()), cap, now, setup.knobs, bs):
+        for rel in review(list(held.values()), {n: memory(n) for n in nodes}, now, setup.knobs):
             if rel.session_id in held:
                 del held[rel.session_id]
-                lost[rel.session_id] = ("released_idle" if rel.reason == ReleaseReason.IDLE else "released_budget")
+                lost[rel.session_id] = _CAUSE.get(rel.reason, "released_budget")
         for n in nodes:
             over = total_held(n) + running[n] - cap[n]
             for h in sorted((h for h in held.values() if h.node == n), key=lambda h: h.stored_at):
@@ -390,7 +407,7 @@ def retention(sessions: Sequence[Sequence[TurnFacts]], setup: RetentionSetup,
                    f"({outcomes[worst]} turns); held KV peaks at {peak_share:.0%} of D's capacity"
                    + (": raise decoder_kv_blocks_ttl / session_ttl_s" if worst == "expired" else
                       ": raise held_kv_budget or add decode memory" if worst in ("released_budget", "evicted") else
-                      ": the sessions pause longer than their rhythm predicts"))
+                      ": the running turns need D's memory: add decode memory"))
     return {
         "gaps_s": _spread(gaps),
         "gaps": [round(g, 3) for g in gaps],

@@ -28,7 +28,6 @@ DEFAULT_PRESET = "llama-3.1-8b-h100"
 DEFAULT_SESSION_TTL_S = 450.0
 DEFAULT_MIN_REUSE_TOKENS = 64
 DEFAULT_HELD_KV_BUDGET = 0.5
-DEFAULT_IDLE_RELEASE_S = 180.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +42,6 @@ class ClusterShape:
     session_ttl_s: float = DEFAULT_SESSION_TTL_S  # the gateway stops sending a handle after this
     min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS
     held_kv_budget: float | None = DEFAULT_HELD_KV_BUDGET  # None: no budget (the reference proxy holds all)
-    idle_release_s: float = DEFAULT_IDLE_RELEASE_S
     # Off by default, as replay's simulated cluster (cli/replay.py): the simulated P serves only these sessions, so
     # with it on P would keep every history cached, which a P shared by a production cluster's other sessions does
     # not, and no-pull would look as if it reused what the pull moves. vLLM's own default is on; so are the
@@ -96,7 +94,7 @@ class ClusterShape:
             "max_num_batched_tokens": self.preset.max_num_batched_tokens,
             "decoder_kv_blocks_ttl_s": self.decoder_kv_blocks_ttl_s, "session_ttl_s": self.session_ttl_s,
             "min_reuse_tokens": self.min_reuse_tokens, "held_kv_budget": self.held_kv_budget,
-            "idle_release_s": self.idle_release_s, "prefill_prefix_caching": self.prefill_prefix_caching,
+            "prefill_prefix_caching": self.prefill_prefix_caching,
         }
 
 

@@ -73,8 +73,7 @@ def assess_sessions(sessions: list[SessionRecord], shape: ClusterShape, encode: 
     """Answers 1-3 (no simulation): token facts, then the pure analyses."""
     facts = turn_facts(sessions, encode)
     cost, preset = shape.cost, shape.preset
-    knobs = RetentionKnobs(idle_max_s=shape.idle_release_s, idle_min_s=min(10.0, shape.idle_release_s),
-                           budget_share=shape.held_kv_budget)
+    knobs = RetentionKnobs(budget_share=shape.held_kv_budget)
     setup = RetentionSetup(decode_nodes=shape.decode, kv_capacity_tokens=shape.kv_capacity_tokens,
                            block_size=preset.block_size, decoder_ttl_s=shape.decoder_kv_blocks_ttl_s,
                            session_ttl_s=shape.handle_lifetime_s, concurrency=concurrency, knobs=knobs)

@@ -125,7 +125,7 @@ async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_e
                     decode_times.watch(node.engine)
         timing = {
             "session_ttl_s": shape.session_ttl_s / speed, "engine_kv_ttl_s": shape.decoder_kv_blocks_ttl_s / speed,
-            "idle_release_s": shape.idle_release_s / speed, "retention_interval_s": max(0.05, 1.0 / speed),
+            "retention_interval_s": max(0.05, 1.0 / speed),
             "held_kv_budget": shape.held_kv_budget if shape.held_kv_budget is not None else 1.0,
             "metrics_poll_interval_s": 0.5, "learn_estimates": learn_estimates,
         }

@@ -119,8 +119,9 @@ class GatewayConfig:
     # A release pass started by the budget (or by decode_pressure_usage) goes on until held KV (D's usage) is
     # at this share of that mark.
     release_low_water: float = 0.9
-    # D's KV usage (holds included) at or above which requests waiting on it, or a preemption, mean its memory
-    # is wanted: handles are released there, least likely to be pulled first, whatever the budget.
+    # D's KV usage (holds included) at or above which requests waiting on it mean its memory is wanted (a
+    # preemption, or requests waiting for capacity with nothing running at two polls in a row, at any usage):
+    # handles are released there, least likely to be pulled first, whatever the budget.
     decode_pressure_usage: float = 0.9
     # Deprecated, ignored: handles are no longer released on a timer (a warning at start-up when set).
     idle_release_s: float | None = None

@@ -867,4 +867,6 @@ class Engine:
         m = self.metrics
         m.running.labels(*m.base).set(len(self.running))
         m.waiting.labels(*m.base).set(len(self.waiting) + len(self.loading))
+        m.waiting_by_reason.labels(*m.base, "capacity").set(len(self.waiting))
+        m.waiting_by_reason.labels(*m.base, "deferred").set(len(self.loading))
         m.kv_usage.labels(*m.base).set(self.pool.usage())

@@ -35,6 +35,10 @@ class NodeMetrics:
         self.base: tuple[str, str] = (model_name, ENGINE_INDEX)
         self.running = Gauge("vllm:num_requests_running", "Requests in execution batches", labels, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed", labels, registry=r)
+        # vLLM 0.32 on: "capacity" = waiting for scheduling capacity (blocks, a sequence slot, the token budget),
+        # "deferred" = blocked for now (a KV read in flight); they add up to num_requests_waiting.
+        self.waiting_by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason",
+                                       [*labels, "reason"], registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100 %", labels, registry=r)
         self.prefix_queries = Counter(
             "vllm:prefix_cache_queries", "Prefix-cache queries, in tokens", labels, registry=r

@@ -143,33 +143,36 @@ def durations(sessions: list[list[TurnFacts]], d: float = 1.0) -> dict[tuple[str
 def test_retention_expired_when_the_gap_outlasts_the_handle_ttl() -> None:
     s = [[tf("a", 0, 100, 0, held=110, gap=0.0), tf("a", 1, 200, 110, held=210, gap=5.0),
           tf("a", 2, 300, 210, gap=600.0)]]
-    q = retention(s, setup(idle_gap_factor=1000.0, idle_max_s=10_000.0, budget_share=None), durations(s))
-    assert q["outcomes"] == {"available": 1, "expired": 1, "released_idle": 0, "released_budget": 0, "evicted": 0}
+    q = retention(s, setup(budget_share=None), durations(s))
+    assert q["outcomes"] == {"available": 1, "expired": 1, "released_pressure": 0, "released_budget": 0,
+                             "evicted": 0}
     assert q["gaps_over_session_ttl"] == 1 and q["gaps_over_decoder_ttl"] == 1
     assert q["peak_held_tokens"] == {"D0": 210}
     assert "expired" in q["verdict"]
 
 
-def test_retention_releases_an_idle_session_on_its_rhythm() -> None:
-    # Mean gap 5 s after turn 1: idle after 4 × 5 = 20 s; the next turn comes after 100 s (well within the TTL).
+def test_retention_keeps_a_session_that_pauses_longer_than_its_rhythm_while_d_has_room() -> None:
+    # Mean gap 5 s after turn 1, then 100 s away (well within the TTL): the gateway once released such a hold as
+    # idle; with D's memory not wanted it is still there when the session comes back.
     s = [[tf("a", 0, 100, 0, gap=0.0), tf("a", 1, 200, 110, gap=5.0), tf("a", 2, 300, 210, gap=100.0)]]
     q = retention(s, setup(budget_share=None), durations(s))
-    assert q["outcomes"]["released_idle"] == 1 and q["outcomes"]["available"] == 1
-    assert q["gone_share"] == 0.5
+    assert q["outcomes"]["available"] == 2 and q["gone_share"] == 0.0
 
 
-def test_retention_budget_and_eviction() -> None:
+def test_retention_budget_and_pressure() -> None:
     # Two sessions at once on one decode node of 1000 tokens; each holds 400 after its first turn.
     s = [[tf("a", 0, 300, 0, held=400, gap=0.0), tf("a", 1, 500, 400, gap=2.0)],
          [tf("b", 0, 300, 0, held=400, gap=0.0), tf("b", 1, 500, 400, gap=2.0)]]
     q = retention(s, setup(capacity=1000, concurrency=2, budget_share=0.5), durations(s))
     # 800 held > 500 budget: one hold is released (the bigger-or-older first); the other is pulled.
     assert q["outcomes"]["released_budget"] == 1 and q["outcomes"]["available"] == 1
-    # No budget: at t = 3 a's second turn (700 tokens) runs beside b's hold: 400 + 700 > 1000, b's hold goes.
+    # No budget: at t = 3 a's second turn (700 tokens) runs beside b's hold: 400 + 700 > 1000, a turn would wait
+    # for memory, so the gateway releases b's hold for it.
     s2 = [[tf("a", 0, 300, 0, held=400, gap=0.0), tf("a", 1, 700, 400, gap=2.0)],
           [tf("b", 0, 300, 0, held=400, gap=0.0), tf("b", 1, 500, 400, gap=5.0)]]
     q2 = retention(s2, setup(capacity=1000, concurrency=2, budget_share=None), durations(s2))
-    assert q2["outcomes"]["evicted"] == 1 and q2["outcomes"]["available"] == 1
+    assert q2["outcomes"]["released_pressure"] == 1 and q2["outcomes"]["available"] == 1
+    assert q2["outcomes"]["evicted"] == 0
     assert q2["held_series"] and max(row["D0"] for row in q2["held_series"]) == 800
 
 
@@ -249,7 +252,7 @@ def test_gateway_counters_summarised() -> None:
         'kvtether_handle_outcomes_total{outcome="expired"} 1',
         'kvtether_handle_outcomes_total{outcome="missing"} 1',
         '# TYPE kvtether_handle_releases_total counter',
-        'kvtether_handle_releases_total{reason="idle"} 2',
+        'kvtether_handle_releases_total{reason="pressure"} 2',
         'kvtether_handle_releases_total{reason="final"} 3',
         '# TYPE kvtether_prompt_tokens_total counter',
         'kvtether_prompt_tokens_total 1000',
@@ -267,7 +270,7 @@ def test_gateway_counters_summarised() -> None:
     g = summarize_gateway(seen)
     assert g["handle_outcomes"] == {"attached": 6, "expired": 1, "missing": 1}
     assert g["gone_share"] == 0.25 and g["reused_share"] == 0.8
-    assert g["releases"] == {"idle": 2, "final": 3}
+    assert g["releases"] == {"pressure": 2, "final": 3}
     # p50: rank 5 lands on the top of the first bucket; p95: rank 9.5 is 90 % of the way through (0.1, 0.25].
     assert g["ttft_ms_by_source"]["decode_pull"]["p50"] == 100.0
     assert g["ttft_ms_by_source"]["decode_pull"]["p95"] == pytest.approx(235.0)

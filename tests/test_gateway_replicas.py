@@ -479,14 +479,14 @@ def test_serve_refuses_workers_without_a_shared_store(monkeypatch: pytest.Monkey
     assert r.exit_code == 2 and "store must be" in r.stderr
 
 
-async def test_replicas_release_each_idle_handle_once(tmp_path: Path) -> None:
-    """Two replicas review the same shared store for idle sessions: each handle is taken (conditionally) by
-    one of them and released once, never twice (counted on the decode nodes by request id)."""
+async def test_replicas_release_each_expiring_handle_once(tmp_path: Path) -> None:
+    """Two replicas review the same shared store for handles at their expiry: each handle is taken
+    (conditionally) by one of them and released once, never twice (counted on the decode nodes by request id)."""
     with running_redis(tmp_path / "redis") as redis:
         async with sim_and_oracle() as (cluster, _oracle, uses), contextlib.AsyncExitStack() as stack:
             settings = {"prefill": cluster.prefill_urls, "decode": cluster.decode_urls, "policy": "pull",
                         "store": redis.url, "store_timeout_s": 2.0, "metrics_poll_interval_s": 0.5,
-                        "idle_release_s": 1.5, "retention_interval_s": 0.05}
+                        "session_ttl_s": 3.0, "engine_kv_ttl_s": 4.0, "retention_interval_s": 0.05}
             urls = [await stack.enter_async_context(serve_gateway(load_config(None, **settings)))
                     for _ in range(2)]
             client = await stack.enter_async_context(httpx.AsyncClient(timeout=60, limits=LIMITS))
@@ -494,12 +494,12 @@ async def test_replicas_release_each_idle_handle_once(tmp_path: Path) -> None:
                 messages = first_messages(90 + s)
                 for turn in range(2):  # the turns of a session alternate between the replicas
                     got = await chat(client, urls[turn % 2], request_body(messages, stream=False),
-                                     {"x-session-id": f"idle-{s}"})
+                                     {"x-session-id": f"expiring-{s}"})
                     messages = next_messages(messages, got, 90 + s, turn)
 
             async def released() -> float:
                 return sum([sample_sum((await client.get(f"{u}/metrics")).text, "kvtether_handle_releases_total",
-                                       reason="idle") for u in urls])
+                                       reason="expired") for u in urls])
 
             for _ in range(200):
                 if await released() >= 4:

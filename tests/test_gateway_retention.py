@@ -1,6 +1,7 @@
 """Decode memory through the gateway on the simulator: every handle the gateway will not pull is released on
-its decode node (superseded, refused, unused, final, idle, budget, shutdown), the held-KV gauges say what the
-rest hold, and answers still equal the aggregated oracle's.
+its decode node (superseded, refused, unused, final, expired, budget, pressure, shutdown), a handle it may still
+pull is kept for as long as D has room for it, the held-KV gauges say what the rest hold, and answers still equal
+the aggregated oracle's.
 
 The simulator holds D's blocks as vLLM 0.32–0.34 does (tests/test_sim_retention.py): a P/D turn's hold until a
 pull, a one-token release or ``decoder_kv_blocks_ttl``. Its TTL is set far out here, so that every hold that
@@ -29,6 +30,9 @@ pytestmark = pytest.mark.anyio
 
 # Simulated seconds: at SPEED 50 a 480 s TTL would end in under 10 real seconds, inside a test.
 _NO_TTL = {"decoder_kv_blocks_ttl": 1e9}
+# The gateway's retention times as the simulator's clock sees them (the gateway's clock is real): its handle
+# expiry 450 s, the engine TTL it must stay under 480 s, its review every second.
+_SCALED = {"session_ttl_s": 450.0 / SPEED, "engine_kv_ttl_s": 480.0 / SPEED, "retention_interval_s": 0.05}
 
 
 async def holds(r: Rig, node: str | None = None) -> list[dict[str, Any]]:
@@ -113,16 +117,102 @@ async def test_a_handle_the_guard_refuses_is_released_at_once() -> None:
         assert after["request_id"] != before["request_id"]  # the new turn's hold is the one left
 
 
-async def test_idle_sessions_lose_their_handle_and_come_back_cold_but_right() -> None:
-    async with rig(sim=_NO_TTL, idle_release_s=1.0, retention_interval_s=0.1) as r:
-        h = {"x-session-id": "idle-1"}
-        messages = await turns(r, 5, 2, h)
-        await eventually(lambda: released(r, "idle"))
+async def paced(r: Rig, session: int, gaps_s: list[float], *, final: bool, start_s: float = 0.0) -> list[str]:
+    """A session of ``len(gaps_s) + 1`` turns from ``start_s``, each checked against the oracle, away ``gaps_s``
+    between them (a tool call, or a person reading and typing; simulated seconds); its last turn final when
+    asked. Returns each turn's reuse source."""
+    await anyio.sleep(start_s / SPEED)
+    headers = {"x-session-id": f"paced-{session}"}
+    messages = first_messages(session)
+    sources = []
+    for t in range(len(gaps_s) + 1):
+        last = t == len(gaps_s)
+        h = {**headers, FINAL_HEADER: "true"} if final and last else headers
+        seen: dict[str, str] = {}
+        got = await chat(r.client, r.url, request_body(messages, stream=t % 2 == 1), h, response_headers=seen)
+        want = await chat(r.client, r.oracle, request_body(messages, stream=False), clean=False)
+        assert comparable(got) == comparable(want), f"session {session} turn {t} differs from the oracle"
+        sources.append(seen.get("x-kvtether-reuse-source", ""))
+        if not last:
+            messages = next_messages(messages, got, session, t, result_words=40)
+            await anyio.sleep(gaps_s[t] / SPEED)
+    return sources
+
+
+# Coding agents' tool calls (0–20 s, a burst of fast ones then a slow build or test run) and people's replies
+# (minutes), in simulated seconds. The clock rule this gateway once had (away 4 of its mean gaps, 180 s at
+# most) released every one of these sessions' handles before its next turn.
+_TOOL_GAPS = [[0.2, 0.3, 0.1, 18.0, 0.5, 20.0], [2.0, 0.1, 12.0, 0.2, 19.0], [0.0, 5.0, 0.4, 16.0]]
+_HUMAN_GAPS = [[150.0, 290.0], [240.0, 60.0, 270.0]]
+
+
+async def test_sessions_that_stay_away_keep_their_handles_while_the_decode_node_has_room() -> None:
+    """Five sessions far apart in time on a decode node far below its budget: not one handle is released before
+    its session's next turn, however long the session stays away (within the handle's expiry), and every later
+    turn pulls. The sessions that end say so and are released; those that just stop keep their handles (until
+    their expiry: the coding sessions start late, so that every session's last turn is well within it at the
+    end)."""
+    async with rig(sim=_NO_TTL, **_SCALED) as r:
+        plans = [(g, i % 2 == 0, 400.0 if g in _TOOL_GAPS else 0.0) for i, g in enumerate(_TOOL_GAPS + _HUMAN_GAPS)]
+        got: dict[int, list[str]] = {}
+
+        async def one(i: int, gaps: list[float], final: bool, start_s: float) -> None:
+            got[i] = await paced(r, 100 + i, gaps, final=final, start_s=start_s)
+
+        async with anyio.create_task_group() as tg:
+            for i, (gaps, final, start_s) in enumerate(plans):
+                tg.start_soon(one, i, gaps, final, start_s)
+        later = sum(len(g) for g, _, _ in plans)
+        assert all(src == "decode_pull" for i in got for src in got[i][1:]), got
+        pulled = sum([await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome=o)
+                      for o in ("attached", "truncated")])
+        assert pulled == later
+        ended = sum(final for _, final, _ in plans)
+        await eventually(lambda: released(r, "final"))
+        await eventually(lambda: _count(holds(r), len(plans) - ended))
+        for reason in ("expired", "budget", "pressure", "unused", "superseded", "refused"):
+            assert await released(r, reason) == 0, reason
+        assert await released(r, "final") == ended
+        # The held KV is far below the budget: that is why nothing had to go.
+        d = r.cluster.decode_urls[0]
+        assert 0 < await metric(r.client, r.url, "kvtether_held_kv_share", node=d) < 0.1
+
+
+async def test_a_handle_is_released_at_its_expiry_not_left_to_the_engine() -> None:
+    """A session that just stops keeps its handle until the gateway's handle expiry (session_ttl_s); then the
+    gateway, which will never send it again, releases it, rather than leave D holding it to its own TTL (here
+    never): D holds nothing afterwards."""
+    async with rig(sim=_NO_TTL, session_ttl_s=1.5, engine_kv_ttl_s=2.0, retention_interval_s=0.05) as r:
+        await turns(r, 5, 2, {"x-session-id": "expiring-1"})
+        assert len(await holds(r)) == 1
+        await anyio.sleep(0.5)
+        assert len(await holds(r)) == 1 and await released(r, "expired") == 0  # not yet
+        await eventually(lambda: released(r, "expired"))
         await eventually(lambda: _count(holds(r), 0))
-        [s] = (await r.client.get(f"{r.url}/admin/sessions")).json()
-        assert s["session_id"] == "idle-1" and not s["has_handle"]  # still pinned, nothing held
-        await turns(r, 5, 1, h, messages=messages)  # cold, equal to the oracle
-        assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == 1
+        assert await released(r, "expired") == 1
+
+
+async def test_when_holds_fill_the_decode_node_pressure_releases_them_and_every_request_is_served() -> None:
+    """No budget (held_kv_budget 1), no engine TTL, and a decode node of 300 blocks that about ten sessions'
+    holds fill: the next decode leg cannot get its blocks and waits, with nothing running on D. Its memory is
+    wanted, so the gateway releases holds (the least likely to be pulled first) until the leg fits: every turn
+    is answered as the oracle answers it, and D is left with no request waiting."""
+    async with rig(sim={**_NO_TTL, "decode_num_gpu_blocks": 300}, held_kv_budget=1.0,
+                   retention_interval_s=0.05) as r:
+        d = r.cluster.decode_urls[0]
+        await eventually(lambda: _capacity_known(r, d))
+        sessions = 16
+        for s in range(sessions):
+            await turns(r, 200 + s, 1, {"x-session-id": f"full-{s}"})
+        assert await released(r, "pressure") > 0
+        assert await released(r, "budget") == 0 and await released(r, "expired") == 0
+        state = (await r.client.get(f"{d}/admin/state")).json()
+        assert state["waiting"] == 0 and state["running"] == 0
+        left = await holds(r)
+        assert 0 < len(left) < sessions
+        # The newest sessions kept theirs: the oldest (longest away) went first.
+        kept = {s["session_id"] for s in (await r.client.get(f"{r.url}/admin/sessions")).json() if s["has_handle"]}
+        assert f"full-{sessions - 1}" in kept and "full-0" not in kept
 
 
 async def test_each_decode_node_stays_under_its_budget() -> None:
@@ -160,7 +250,8 @@ async def test_no_pull_releases_every_handle_and_reference_keeps_them_all() -> N
             if policy == "no-pull":
                 await eventually(lambda r=r: released(r, "unused"))
             await eventually(lambda r=r, left=left: _count(holds(r), left))
-            assert sum([await released(r, reason) for reason in ("unused", "final", "idle", "budget")]) == 3 - left
+            reasons = ("unused", "final", "expired", "budget", "pressure")
+            assert sum([await released(r, reason) for reason in reasons]) == 3 - left
 
 
 async def test_shutdown_releases_what_the_gateway_holds() -> None:

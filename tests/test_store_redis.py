@@ -457,24 +457,25 @@ async def test_a_scan_under_concurrent_writes_misses_no_session_that_lived_throu
 @pytest.mark.anyio
 @pytest.mark.parametrize("kind", STORES)
 async def test_the_retention_review_covers_every_session_not_only_the_listed_ones(kind: str, tmp_path: Path) -> None:
-    """40 sessions hold a handle on one decode node, a store listing shows 5: 20 sessions are idle (their last
-    turn long ago), 20 busy. The review reads all of them in pages of 7: it releases the 20 idle ones' handles
-    and counts the 20 busy ones' blocks."""
+    """40 sessions hold a handle on one decode node, a store listing shows 5: 20 handles are at their expiry
+    (stored a session TTL ago), 20 fresh. The review reads all of them in pages of 7: it releases the 20
+    expiring handles and counts the 20 fresh ones' blocks."""
     d = "http://d1:8000"
-    cfg = load_config(None, prefill=["http://p1:8000"], decode=[d], policy="pull")
+    # The handle TTL of some_store's Redis store.
+    cfg = load_config(None, prefill=["http://p1:8000"], decode=[d], policy="pull", session_ttl_s=30.0)
     async with some_store(kind, tmp_path, list_limit=5) as st, httpx.AsyncClient() as client:
         now = time.monotonic()
         for i in range(40):
-            idle = i < 20
+            old = i < 20
             handle = {**HANDLE, "remote_request_id": f"req-{i}", "remote_num_tokens": 100}
-            await st.put(SessionState(f"t/s{i}", decode=d, handle=handle, handle_at=now - 1.0,
-                                      expires_at=now + 60, created_at=now - 600,
-                                      last_turn_at=now - (500.0 if idle else 1.0), mean_gap_s=5.0))
+            at = now - (cfg.session_ttl_s - 1.0 if old else 1.0)
+            await st.put(SessionState(f"t/s{i}", decode=d, handle=handle, handle_at=at,
+                                      expires_at=now + 60, created_at=now - 600, last_turn_at=at, mean_gap_s=5.0))
         metrics = T.Metrics()
         retention = Retention(cfg, Cluster(cfg, client), st, metrics, client, scan_page=7)
         releases = await retention.review_once()
         assert sorted(r.session_id for r in releases) == sorted(f"t/s{i}" for i in range(20))
-        assert {r.reason for r in releases} == {ReleaseReason.IDLE}
+        assert {r.reason for r in releases} == {ReleaseReason.EXPIRED}
         left = [s async for page in st.scan() for s in page if s.handle is not None]
         assert sorted(s.session_id for s in left) == sorted(f"t/s{i}" for i in range(20, 40))
         # 100 tokens in blocks of 16 (the default before any poll): 112 each, counted whole (D's prefix

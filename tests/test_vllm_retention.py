@@ -330,6 +330,45 @@ async def test_held_kv_returns_to_baseline_once_sessions_end(pair: Backend, poli
         assert finals >= SESSIONS, f"{finals} final releases for {SESSIONS} ended sessions"
 
 
+# The gateway's handle expiry for the next test: far below D's TTL (DECODE_TTL_S, 60 s by default), so that a
+# hold D frees within it was freed by the gateway's release, not by D's own reaper.
+EXPIRY_S = 8.0
+
+
+async def test_a_session_that_stops_keeps_its_hold_until_the_gateway_s_expiry_releases_it(pair: Backend) -> None:
+    """A session that stops without a word, on a D with room: the gateway keeps its handle while the session is
+    away (no release on a timer: D still holds its blocks and the gateway counts them), then releases it at
+    the gateway's own expiry (``session_ttl_s``, reason ``expired``), after which it would never send it:
+    D's used blocks are back at their baseline long before D's TTL would have freed them."""
+    async with gateway(pair, policy="pull", session_ttl_s=EXPIRY_S, retention_interval_s=0.5) as r:
+        d = await blocks_of(r.client, pair)
+        for _attempt in range(3):
+            expired = await metric_sum(r.client, pair.decode_url, M_EXPIRED)
+            baseline = await d.used()
+            released = await gw_metric(r, M_RELEASES, reason="expired")
+            prompt = token_prompt(uuid.uuid4().int, 300, pair.token_range)
+            resp = await r.client.post(r.url + "/v1/completions", json=token_request(pair.model, prompt),
+                                       headers={"x-session-id": f"stops-{uuid.uuid4().hex[:6]}"})
+            assert resp.status_code == 200, resp.text
+            stored = time.monotonic()
+            await anyio.sleep(EXPIRY_S / 2)  # away: the old clock rule would have released it by now
+            away = await d.used()
+            counted = await held_kv(r, pair.decode_url, want_zero=False, within_s=1.0)
+            kept = await gw_metric(r, M_RELEASES, reason="expired") == released
+            after = await d.until(baseline, within_s=EXPIRY_S + 5.0)
+            freed_at = time.monotonic() - stored
+            if await metric_sum(r.client, pair.decode_url, M_EXPIRED) == expired:
+                break
+        else:
+            pytest.fail("another hold on D reached its TTL in each of three measurement windows")
+        # 300 + 96 − 1 = 395 tokens: 4 blocks of 128, all new (a random prompt D never saw).
+        assert kept and away - baseline == 4 and counted == 4 * 128, (away, baseline, counted)
+        assert after == baseline, f"D still uses {after - baseline} blocks more than before, after the expiry"
+        assert EXPIRY_S - 2.0 <= freed_at < DECODE_TTL_S, freed_at
+        assert await gw_metric(r, M_RELEASES, reason="expired") == released + 1
+        assert await held_kv(r, pair.decode_url, want_zero=True, within_s=2.0) == 0
+
+
 # Runs after every other test: the untracked hold it makes stays on D until the pair stops.
 @pytest.mark.vllm_late
 async def test_local_turn_handles_leak_on_vllm(pair: Backend) -> None:

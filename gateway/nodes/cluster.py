@@ -1,6 +1,6 @@
 """The gateway's view of its nodes: role, health, load and capabilities, refreshed in the background.
 
-Load comes from each node's Prometheus ``/metrics`` (running + waiting requests, KV usage), the block
+Load comes from each node's Prometheus ``/metrics`` (running + waiting requests, KV usage, preemptions), the block
 size from ``vllm:cache_config_info``, the engine version from ``/version`` (streamed responses carry
 D's handle only from vLLM 0.33). A node that fails a request is marked unhealthy at once, so the next
 turn is re-placed without waiting for the next poll.
@@ -57,7 +57,12 @@ class Node:
     healthy: bool = True
     running: float = 0.0
     waiting: float = 0.0
+    # Of those, the ones waiting for scheduling capacity (vllm:num_requests_waiting_by_reason{reason="capacity"},
+    # vLLM 0.32 on): not its KV reads in flight, which vLLM counts as waiting too. None: not exported.
+    waiting_capacity: float | None = None
     kv_usage: float = 0.0
+    preemptions: float = 0.0  # vllm:num_preemptions_total as last polled (a counter: retention reads its rise)
+    polls: int = 0  # successful /metrics polls so far: tells a fresh poll's gauges from ones already read
     block_size: int | None = None
     # From vllm:cache_config_info: whether the node keeps finished requests' blocks for reuse, and its KV
     # cache size in tokens (num_gpu_blocks × block_size); None until a poll said.
@@ -127,7 +132,8 @@ def sample_sum(text: str, sample: str, **labels: str) -> float:
 
 
 _PLACEMENT_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                     "vllm:gpu_cache_usage_perc", "vllm:cache_config_info")
+                     "vllm:gpu_cache_usage_perc", "vllm:cache_config_info", "vllm:num_preemptions_total",
+                     "vllm:num_requests_waiting_by_reason")
 
 
 def _gauge_lines(text: str) -> str:
@@ -147,7 +153,7 @@ _KVTETHER_METRIC = "kvtether_requests_total"  # in every kvtether gateway's /met
 
 
 def parse_metrics(text: str) -> dict[str, float | int]:
-    """The few vLLM gauges placement uses, summed over label sets (one engine per node here)."""
+    """The few vLLM gauges placement and retention use, summed over label sets (one engine per node here)."""
     out: dict[str, float | int] = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
     for family in text_string_to_metric_families(_gauge_lines(text)):
         for sample in family.samples:
@@ -158,6 +164,10 @@ def parse_metrics(text: str) -> dict[str, float | int]:
                 out["waiting"] += sample.value
             elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
                 out["kv_usage"] = max(float(out["kv_usage"]), sample.value)
+            elif name == "vllm:num_preemptions_total":
+                out["preemptions"] = out.get("preemptions", 0.0) + sample.value
+            elif name == "vllm:num_requests_waiting_by_reason" and sample.labels.get("reason") == "capacity":
+                out["waiting_capacity"] = out.get("waiting_capacity", 0.0) + sample.value
             elif name == "vllm:cache_config_info":
                 bs = sample.labels.get("block_size")
                 blocks = sample.labels.get("num_gpu_blocks")
@@ -336,6 +346,10 @@ class Cluster:
             node.inflight_at_poll = node.inflight
             node.waiting = float(parsed["waiting"])
             node.kv_usage = float(parsed["kv_usage"])
+            node.preemptions = float(parsed.get("preemptions", 0.0))
+            capacity = parsed.get("waiting_capacity")
+            node.waiting_capacity = float(capacity) if capacity is not None else None
+            node.polls += 1
             if "block_size" in parsed:
                 node.block_size = int(parsed["block_size"])
             if "kv_capacity_tokens" in parsed:

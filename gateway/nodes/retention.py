@@ -10,10 +10,12 @@ Two ways in: the request path calls :meth:`Retention.release` when it knows a ha
 refused by the guard, left unused, the session's last); :meth:`Retention.review_forever` reads every live
 session of the store (page by page: a shared store may hold far more than one listing shows) every
 ``retention_interval_s``, refreshes the held-KV gauges, and releases what the pure policy
-(``policy/retention.py``) says: idle sessions' handles and those over a decode node's budget. Each is taken
-from the store first (conditionally: only while it is still the handle the review saw), so with replicas
-sharing a store exactly one of them releases it, and a turn that took it first simply has it. A review the
-store could not answer to the end decides nothing: a partial view would count too little held KV.
+(``policy/retention.py``) says: handles at their expiry, and where a decode node's memory is wanted (held KV
+over its budget, or its requests waiting or preempted with its KV nearly full, as its last poll said) the least
+likely to be pulled. Each is taken from the store first (conditionally: only while it is still the handle the
+review saw), so with replicas sharing a store exactly one of them releases it, and a turn that took it first
+simply has it. A review the store could not answer to the end decides nothing: a partial view would count too
+little held KV.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.guard.verify import handle_num_tokens, handle_request_id
-from kvtether.gateway.nodes.cluster import Cluster
+from kvtether.gateway.nodes.cluster import Cluster, Node
 from kvtether.gateway.policy.retention import (
-    IDLE_MIN_S,
+    DecodeMemory,
     HeldHandle,
     Release,
     ReleaseReason,
@@ -59,19 +61,25 @@ class _Job:
 
 
 def retention_knobs(config: GatewayConfig) -> RetentionKnobs:
-    return RetentionKnobs(idle_max_s=config.idle_release_s,
-                          idle_min_s=min(IDLE_MIN_S, config.idle_release_s),
-                          budget_share=config.held_kv_budget if config.held_kv_budget < 1.0 else None)
+    # Two review intervals before its expiry: the first review in that window releases a handle while the store
+    # still holds its session (it forgets the session at its expiry, no later than the handle's).
+    return RetentionKnobs(budget_share=config.held_kv_budget if config.held_kv_budget < 1.0 else None,
+                          low_water=config.release_low_water, pressure_usage=config.decode_pressure_usage,
+                          expiry_lead_s=2 * config.retention_interval_s)
 
 
 @dataclass(frozen=True, slots=True)
 class _DecodeView:
-    """What the review knows of each decode node: block size, KV capacity (tokens), whether its prefix cache
-    shares blocks between requests (vllm:cache_config_info; unknown until a poll said: counted as not)."""
+    """What the review knows of each decode node: its memory (size, block size, the last poll's usage, and
+    waiting requests and preemptions from a poll no review has acted on), and whether its prefix cache shares
+    blocks between requests (vllm:cache_config_info; unknown until a poll said: counted as not)."""
 
-    sizes: dict[str, int]
-    capacity: dict[str, int | None]
+    memory: dict[str, DecodeMemory]
     sharing: dict[str, bool]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {url: m.block_size for url, m in self.memory.items()}
 
 
 class Retention:
@@ -84,6 +92,10 @@ class Retention:
         # The reference policy models vLLM's reference proxy: it holds everything until the engine's TTL.
         self.enabled = config.release_handles and config.mode == "pd" and config.policy != "reference"
         self.knobs = retention_knobs(config)
+        if config.idle_release_s is not None and config.mode == "pd":
+            log.warning("idle_release_s is deprecated and ignored: a handle is released when its decode node's "
+                        "memory is wanted (held_kv_budget, decode_pressure_usage) or at its expiry (session_ttl_s), "
+                        "not on a timer")
         send, receive = anyio.create_memory_object_stream[_Job](QUEUE_SIZE)
         self._send: MemoryObjectSendStream[_Job] = send
         self._receive: MemoryObjectReceiveStream[_Job] = receive
@@ -91,6 +103,10 @@ class Retention:
         self._idle = anyio.Event()
         self._idle.set()
         self._rr = 0
+        # Per decode node, what the last review read of its last poll: the poll's count, the preemption counter,
+        # and how many polls in a row had shown requests waiting for capacity with none running. A poll's
+        # waiting requests and preemptions ask for releases once.
+        self._seen: dict[str, tuple[int, float, int]] = {}
 
     # ---- the request path's releases ---------------------------------------------------------------
 
@@ -189,15 +205,17 @@ class Retention:
         """Refresh the held-KV view and gauges; release what the policy says (when releasing is on)."""
         now = self.clock()
         decodes = self.cluster.role("decode")
-        view = _DecodeView(sizes={n.url: self.cluster.block_size(n.url) for n in decodes},
-                           capacity={n.url: n.kv_capacity_tokens for n in decodes},
+        view = _DecodeView(memory={n.url: self._memory(n) for n in decodes},
                            sharing={n.url: n.prefix_caching is True for n in decodes})
         try:
             handles = await self._handles(view)
         except StoreUnavailable:
             log.info("retention review skipped: the session store did not answer to the end")
             return []
-        releases = review(handles, view.capacity, now, self.knobs, view.sizes) if self.enabled else []
+        for n in decodes:
+            if self._seen.get(n.url, (0,))[0] != n.polls:  # a poll read now: its facts are spent
+                self._seen[n.url] = (n.polls, n.preemptions, view.memory[n.url].blocked_polls)
+        releases = review(handles, view.memory, now, self.knobs) if self.enabled else []
         gone: set[str] = set()
         for r in releases:
             taken = await self.store.take_handle(r.session_id, r.request_id)
@@ -211,6 +229,19 @@ class Retention:
             if n.kv_capacity_tokens:
                 self.metrics.held_kv_share.labels(n.url).set(n.held_kv_tokens / n.kv_capacity_tokens)
         return releases
+
+    def _memory(self, n: Node) -> DecodeMemory:
+        """Node ``n``'s memory as the policy sees it: waiting requests and preemptions only from a poll no review
+        has read yet, so that the releases a poll asked for are not asked for again before a poll shows them."""
+        polls, preemptions, blocked = self._seen.get(n.url, (0, n.preemptions, 0))
+        if n.polls == polls:
+            return DecodeMemory(capacity=n.kv_capacity_tokens, block_size=self.cluster.block_size(n.url),
+                                usage=n.kv_usage)
+        waiting = n.waiting_capacity if n.waiting_capacity is not None else n.waiting
+        blocked_now = n.waiting_capacity is not None and n.waiting_capacity > 0 and n.running == 0
+        return DecodeMemory(capacity=n.kv_capacity_tokens, block_size=self.cluster.block_size(n.url),
+                            usage=n.kv_usage, waiting=waiting, preempted=max(0.0, n.preemptions - preemptions),
+                            blocked_polls=blocked + 1 if blocked_now else 0)
 
     async def _handles(self, view: _DecodeView) -> list[HeldHandle]:
         """Every handle of every live session, read page by page (only what the policy needs is kept)."""

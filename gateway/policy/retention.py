@@ -3,12 +3,26 @@
 Every handle pins blocks on its decode node until a prefill pulls it, the gateway releases it, or the engine's
 ``decoder_kv_blocks_ttl`` runs out (480 s by default, never renewed). Held blocks count as used KV, the
 prefix-cache LRU cannot evict them and vLLM's scheduler preempts running requests rather than touch them
-(docs/operations.md, "Decode memory"), so a handle the gateway will not pull is memory D lacks for nothing.
+(docs/protocol.md §5). Yet a held handle costs nothing while nobody wants D's memory, and every handle released
+early is a turn that recomputes its history. So a handle is released for memory, never for the clock:
 
-The shell (``gateway/nodes/retention.py``) lists the handles the session store holds, asks :func:`review` which to
-release, and carries the releases out off the request path. Releases decided on the request path (a handle
-superseded, refused by the guard, left unused, or the session's last) need no review: the shell sends them at
-once with their reason. Here: no I/O, no clock read; times are the gateway clock's seconds.
+- ``budget``: D's held KV (counted as :func:`held_by_node` does) is above ``budget_share`` of its capacity, the
+  high-water mark; the least likely to be pulled go until it is at ``low_water`` of that mark;
+- ``pressure``: D's own gauges say its requests want its memory (:func:`memory_wanted`): preempted since the
+  previous poll, or waiting while its KV usage (holds included) is at ``pressure_usage`` or above, or waiting for
+  capacity with nothing running there, poll after poll; the least likely go until its usage, less what they free, is at
+  ``low_water`` of that mark (of its usage when under it: each poll that still shows D short frees more);
+- ``expired``: the handle is within ``expiry_lead_s`` of the gateway's handle expiry (``session_ttl_s``, below
+  the engine's TTL): the gateway will never send it again, and D would hold it to its own TTL for nothing.
+
+A session that stops without a word keeps its handle until one of these happens; one that signals its end is
+released at once by the request path.
+
+The shell (``gateway/nodes/retention.py``) lists the handles the session store holds and what each decode node's
+last poll said of its memory, asks :func:`review` which to release, and carries the releases out off the
+request path. Releases decided on the request path (a handle superseded, refused by the guard, left unused, or
+the session's last) need no review: the shell sends them at once with their reason. Here: no I/O, no clock
+read; times are the gateway clock's seconds.
 
 Held KV is counted by block, each block once. D's prefix cache keys a full block by a hash of every token up to
 its end (and the request's ``cache_salt`` and LoRA adapter): two handles on one D whose sequences begin with the
@@ -33,35 +47,62 @@ class ReleaseReason(StrEnum):
     REFUSED = "refused"  # the guard found the new prompt does not extend it (enough)
     UNUSED = "unused"  # the plan went cold without it (auto's choice, or a policy that never pulls)
     FINAL = "final"  # the session ended (its last turn, or an explicit end)
-    IDLE = "idle"  # the session did not come back within what its own gaps predict
+    EXPIRED = "expired"  # it reached the gateway's handle expiry: never sent again, D held it for nothing
     BUDGET = "budget"  # its decode node held more than its budget
+    PRESSURE = "pressure"  # its decode node's requests wanted the memory (waiting or preempted, KV nearly full)
     SHUTDOWN = "shutdown"  # the gateway stopped, and nothing else will use it
 
 
 RELEASE_REASONS: tuple[str, ...] = tuple(r.value for r in ReleaseReason)
 
 
-IDLE_MIN_S = 10.0
+@dataclass(frozen=True, slots=True)
+class RetentionKnobs:
+    # The high-water mark of held KV on each decode node, as a share of its KV capacity: above it the least
+    # likely to be pulled go. None: no budget.
+    budget_share: float | None = 0.5
+    # A release pass, once started by a mark, goes on to this share of that mark (hysteresis: the handles that
+    # arrive meanwhile do not start a pass per review).
+    low_water: float = 0.9
+    # D's KV usage (holds included) at or above which requests waiting on D mean its memory is wanted. Below it
+    # a waiting request may wait for something else: a sequence slot, the step's token budget, or (where the
+    # engine does not tell them apart) a KV read in flight.
+    pressure_usage: float = 0.9
+    # A handle this close to its expiry is released: the review runs every interval, the store forgets the
+    # session at its expiry, so the shell sets this above one review interval.
+    expiry_lead_s: float = 2.0
+    # What a session that has not come back yet is expected to stay away, for the order of releases only.
+    first_gap_s: float = 180.0
+    # Polls in a row that must show requests waiting for capacity with nothing running on D before that counts
+    # as memory wanted at any usage: one may catch a request that arrived between two engine steps.
+    blocked_polls: int = 2
+
+    def __post_init__(self) -> None:
+        if self.budget_share is not None and not 0.0 < self.budget_share <= 1.0:
+            raise ValueError("retention: budget_share must be in (0, 1]")
+        if not 0.0 < self.low_water <= 1.0 or not 0.0 < self.pressure_usage <= 1.0:
+            raise ValueError("retention: low_water and pressure_usage must be in (0, 1]")
+        if self.expiry_lead_s < 0 or self.first_gap_s <= 0 or self.blocked_polls < 1:
+            raise ValueError("retention: expiry_lead_s must be >= 0, first_gap_s > 0 and blocked_polls >= 1")
 
 
 @dataclass(frozen=True, slots=True)
-class RetentionKnobs:
-    # A session is idle once it has been away this many times its mean inter-turn gap: agent loops come back
-    # after a tool call or a user's reply, and their gaps vary by a few times around their mean.
-    idle_gap_factor: float = 4.0
-    # Never idle sooner than this (a burst of fast turns gives a tiny mean gap; a tool call may still run).
-    idle_min_s: float = IDLE_MIN_S
-    # Idle at the latest after this long, and this long for a session with no gap yet (one turn so far).
-    idle_max_s: float = 180.0
-    # Held KV each decode node may carry, as a share of its KV capacity; above it the least likely to be
-    # pulled go first. None: no budget.
-    budget_share: float | None = 0.5
+class DecodeMemory:
+    """What the gateway knows of one decode node's memory: its size, and its last poll of ``/metrics``."""
 
-    def __post_init__(self) -> None:
-        if self.idle_gap_factor <= 0 or self.idle_min_s < 0 or self.idle_max_s < self.idle_min_s:
-            raise ValueError("retention: idle_gap_factor must be > 0 and 0 <= idle_min_s <= idle_max_s")
-        if self.budget_share is not None and not 0.0 < self.budget_share <= 1.0:
-            raise ValueError("retention: budget_share must be in (0, 1]")
+    capacity: int | None = None  # KV tokens (num_gpu_blocks × block_size); None: unknown, nothing to release for
+    block_size: int = 0  # tokens per block; below 1: count tokens
+    usage: float = 0.0  # vllm:kv_cache_usage_perc, holds included
+    # Requests waiting on D, and preemptions (vllm:num_preemptions_total) since the poll before, and how many
+    # polls in a row (this one included) showed requests waiting for scheduling capacity with none running
+    # there: all from a poll no review has acted on yet (the shell passes 0 for one already seen, so that the
+    # releases one poll asked for are not asked again before D shows their effect). Waiting: those waiting for
+    # capacity where the engine tells them apart (vLLM's num_requests_waiting_by_reason{reason="capacity"}, not
+    # its KV reads in flight, which it counts as waiting too), else all of them; blocked polls: 0 where it does
+    # not tell them apart.
+    waiting: float = 0.0
+    preempted: float = 0.0
+    blocked_polls: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,17 +207,8 @@ class NodeBlocks:
 
 
 def expected_gap_s(h: HeldHandle, knobs: RetentionKnobs) -> float:
-    """How long the session is expected to stay away: idle_max_s until it has shown a gap."""
-    return h.mean_gap_s if h.mean_gap_s is not None else knobs.idle_max_s
-
-
-def idle_at(h: HeldHandle, knobs: RetentionKnobs) -> float:
-    """When the session counts as gone: ``idle_gap_factor`` times its mean gap after its last turn, bounded."""
-    if h.mean_gap_s is None:
-        wait = knobs.idle_max_s
-    else:
-        wait = min(knobs.idle_max_s, max(knobs.idle_min_s, knobs.idle_gap_factor * h.mean_gap_s))
-    return h.last_turn_at + wait
+    """How long the session is expected to stay away: ``first_gap_s`` until it has shown a gap."""
+    return h.mean_gap_s if h.mean_gap_s is not None else knobs.first_gap_s
 
 
 def pull_unlikeliness(h: HeldHandle, now: float, knobs: RetentionKnobs) -> tuple[int, float, int]:
@@ -186,6 +218,21 @@ def pull_unlikeliness(h: HeldHandle, now: float, knobs: RetentionKnobs) -> tuple
     gap = max(expected_gap_s(h, knobs), 1e-3)
     returns_too_late = h.last_turn_at + gap > h.expires_at
     return (0 if returns_too_late else 1, -(now - h.last_turn_at) / gap, -h.tokens)
+
+
+def expiring(h: HeldHandle, now: float, knobs: RetentionKnobs) -> bool:
+    """Whether the gateway is done with ``h`` for good: within ``expiry_lead_s`` of its expiry."""
+    return now >= h.expires_at - knobs.expiry_lead_s
+
+
+def memory_wanted(m: DecodeMemory, knobs: RetentionKnobs) -> bool:
+    """Whether D's requests want its memory: vLLM preempted one (it does only when a running request cannot get
+    a block), some wait while its KV is nearly full, or some keep waiting for capacity while nothing runs (no
+    sequence slot or token budget is taken then: only memory, which holds may fill alone, keeps them out)."""
+    if not m.capacity:
+        return False
+    return (m.preempted > 0 or (m.waiting > 0 and m.usage >= knobs.pressure_usage)
+            or m.blocked_polls >= knobs.blocked_polls)
 
 
 def _by_node(handles: Iterable[HeldHandle]) -> dict[str, list[HeldHandle]]:
@@ -209,49 +256,61 @@ def held_by_node(handles: Iterable[HeldHandle], block_size: Mapping[str, int] | 
     return out
 
 
-def review(handles: Sequence[HeldHandle], capacity: Mapping[str, int | None], now: float, knobs: RetentionKnobs,
-           block_size: Mapping[str, int] | None = None) -> list[Release]:
-    """The handles to release now: every idle session's, then, per decode node still above its budget
-    (``budget_share`` of ``capacity``, its KV in tokens; unknown capacity: no budget; held KV counted as
-    :func:`held_by_node` does), the least likely to be pulled among those whose release frees blocks, until the
-    node is back under it."""
+def review(handles: Sequence[HeldHandle], nodes: Mapping[str, DecodeMemory], now: float,
+           knobs: RetentionKnobs) -> list[Release]:
+    """The handles to release now: those at their expiry, then per decode node whose memory is wanted (held KV
+    over its budget, or its requests short of KV: :func:`make_room`) the least likely to be pulled, until it
+    is not. A node ``nodes`` does not know is never short of memory."""
     out: list[Release] = []
     kept: list[HeldHandle] = []
     for h in handles:
-        if now >= idle_at(h, knobs):
-            out.append(_release(h, ReleaseReason.IDLE))
+        if expiring(h, now, knobs):
+            out.append(_release(h, ReleaseReason.EXPIRED))
         else:
             kept.append(h)
-    if knobs.budget_share is None:
-        return out
-    sizes = block_size or {}
     for node, hs in sorted(_by_node(kept).items()):
-        cap = capacity.get(node)
-        if cap:
-            out.extend(over_budget(hs, knobs.budget_share * cap, sizes.get(node, 0), now, knobs))
+        out.extend(make_room(hs, nodes.get(node, DecodeMemory()), now, knobs))
     return out
 
 
-def over_budget(handles: Sequence[HeldHandle], budget: float, block_size: int, now: float,
-                knobs: RetentionKnobs) -> list[Release]:
-    """The handles of one decode node to release to bring what they hold to ``budget`` tokens or below.
+def make_room(handles: Sequence[HeldHandle], memory: DecodeMemory, now: float,
+              knobs: RetentionKnobs) -> list[Release]:
+    """The handles of one decode node to release so that its memory is no longer wanted; none while it is not.
+
+    Over its budget (held KV above ``budget_share`` of its capacity): released (``budget``) until held KV is at
+    ``low_water`` of the budget. Its requests short of KV (:func:`memory_wanted`): released (``pressure``)
+    until its usage less what the releases free is at ``low_water`` of ``pressure_usage``, or of its usage if
+    lower (a request may need more than what is free under the mark: the next poll that shows it still short
+    frees as much again). Both in one order.
 
     A release frees only the blocks no kept handle shares, so the next to go is the least likely to be pulled
     among those whose release frees something (a handle whose blocks all other handles hold would cost its
     session its reuse for no memory). When none frees anything alone (every block held twice), the least
     likely goes anyway: that makes its partners' blocks theirs alone. The handles are few per node and nearly
     every one frees its own partial block, so the scan from the front rarely looks past the first."""
-    fps = [footprint(h, block_size) for h in handles]
-    held = NodeBlocks(block_size)
+    capacity = memory.capacity
+    if not capacity:
+        return []
+    fps = [footprint(h, memory.block_size) for h in handles]
+    held = NodeBlocks(memory.block_size)
     for fp in fps:
         held.add(fp)
+    high = knobs.budget_share * capacity if knobs.budget_share is not None else math.inf
+    budget_target = knobs.low_water * high if held.tokens > high else math.inf
+    wanted = memory_wanted(memory, knobs)
+    usage_target = knobs.low_water * min(memory.usage, knobs.pressure_usage) if wanted else math.inf
+    usage = memory.usage
     out: list[Release] = []
     queue = sorted(range(len(handles)), key=lambda i: pull_unlikeliness(handles[i], now, knobs))
-    while held.tokens > budget and queue:
+    while queue:
+        over_budget = held.tokens > budget_target
+        if not over_budget and usage <= usage_target:
+            break
         at = next((at for at, i in enumerate(queue) if held.freed_by(fps[i]) > 0), 0)
         i = queue.pop(at)
+        usage -= held.freed_by(fps[i]) * held.unit / capacity
         held.remove(fps[i])
-        out.append(_release(handles[i], ReleaseReason.BUDGET))
+        out.append(_release(handles[i], ReleaseReason.BUDGET if over_budget else ReleaseReason.PRESSURE))
     return out
 
 
