@@ -21,7 +21,7 @@ from kvtether.gateway.policy import stallquota as SQ
 from kvtether.gateway.policy.estimates import Estimator, EstimatorSeeds, EstimatorSnapshot, LearningParams
 from kvtether.gateway.policy.knobs import PolicyKnobs
 from kvtether.gateway.policy.placement import HandleAction, Plan
-from kvtether.gateway.policy.steps import ChunkTimes, step_start
+from kvtether.gateway.policy.steps import ChunkTimes, mixed_step_s
 from kvtether.gateway.policy.tail import TailTracker
 
 log = logging.getLogger(__name__)
@@ -204,5 +204,4 @@ class Learning:
             return None
         # Chunks of one step arrive within relay jitter of each other; a step apart, a decode step or more.
         same_step = 0.5 * self.estimator.snapshot(now).tpot_s(s.node, running)
-        start = step_start(s.arrivals_before_first, s.sent_at, s.first_chunk_at, same_step)
-        return None if start is None else s.first_chunk_at - start
+        return mixed_step_s(s.arrivals_before_first, s.sent_at, s.first_chunk_at, same_step)

@@ -8,25 +8,36 @@ the signal to learn a local prefill's cost (and so its stall) from. The turn's o
 not: it also holds D's request handling and the wait for the step in flight when it arrived, which the
 running requests do not lose.
 
+Relaying is not instantaneous: on a loaded gateway the turn's own first chunk may be read well after the
+other streams' chunks of the same step. The mixed step is therefore found as the longest step seen, not as
+the one that ends at the turn's first chunk (that would take the relay delay for the step).
+
 Pure apart from a bounded per-node record the shell appends to; times come from the caller's clock.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 
 
-def step_start(arrivals: Sequence[float], sent_at: float, first_at: float, min_gap_s: float) -> float | None:
-    """The end of the step before the one that produced a chunk at `first_at`, or None if not seen.
+def mixed_step_s(arrivals: Sequence[float], sent_at: float, first_at: float, min_gap_s: float) -> float | None:
+    """How long the step that prefilled a turn sent at `sent_at` took, read off other streams' chunks on the
+    node; None when no step boundary was seen.
 
-    `arrivals`: other streams' chunk times on the same node (any order). Those within `min_gap_s` before
-    `first_at` came out of the same step (relay jitter); the latest one before that ends the previous step.
-    Arrivals before `sent_at` are not counted: the turn's mixed step cannot have begun before it was sent,
-    and without a burst in between (nothing else streaming there) there is no step boundary to read.
+    `arrivals`: other streams' chunk times on the same node (any order); `first_at`: the turn's own first
+    chunk. Only the steps that ended after the send count: the first arrival after it ends the step in flight
+    (whose start is unknown), and each gap from one arrival to the next, up to `first_at`, is a step. The
+    mixed step is the longest of them: the others are the running batch's plain decode steps while D took the
+    request in, and a gap to a first chunk relayed late is relay delay, not a step. Gaps of `min_gap_s` or
+    less are chunks of one step (relay jitter): with no longer one (nothing else streaming there, or only
+    chunks of the mixed step itself) there is nothing to read.
     """
-    cut = first_at - max(0.0, min_gap_s)
-    return max((a for a in arrivals if sent_at < a < cut), default=None)
+    points = sorted(a for a in arrivals if sent_at < a < first_at)
+    points.append(first_at)
+    longest = max((b - a for a, b in itertools.pairwise(points)), default=0.0)
+    return longest if longest > max(0.0, min_gap_s) else None
 
 
 class ChunkTimes:
