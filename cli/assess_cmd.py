@@ -36,6 +36,7 @@ from kvtether.cli.assess_gateway import scrape, summarize_gateway
 from kvtether.cli.assess_report import render_console, render_html
 from kvtether.cli.assess_tokens import Encoder, hf_encoder, sim_encoder, turn_facts
 from kvtether.cli.assess_topology import DESCRIPTIONS, OPTIONS, RunSettings, run_option, timings
+from kvtether.cli.cluster_logs import ClusterLogs
 from kvtether.cli.importers import FORMATS, ImportFormatError
 from kvtether.cli.options import FLAG, kvtether_version
 from kvtether.cli.replay import DEFAULT_PREFILL_PREFIX_CACHING
@@ -134,6 +135,10 @@ def register(app: typer.Typer) -> None:
                                            help="HTML report path (default: SESSIONS.assess.html)."),
         as_json: bool = typer.Option(False, "--json/--no-json", metavar=FLAG, help="The whole document to stdout."),
         quiet: bool = typer.Option(False, "--quiet/--no-quiet", "-q", metavar=FLAG, help="No console summary."),
+        engine_log: str | None = typer.Option(
+            None, "--engine-log", metavar="FILE",
+            help="Write the simulated clusters' logs (vLLM nodes, in-process gateway) to FILE, - for stderr "
+            "(default: dropped, errors still shown)."),
     ) -> None:
         """Answer the four adoption questions (prefix share, pull vs recompute, retention, TTFT by topology)."""
         err = Console(stderr=True)
@@ -210,11 +215,16 @@ def register(app: typer.Typer) -> None:
             runs: dict[str, list[TurnTiming]] = {}
             tpots: dict[str, list[float]] = {}
             t0 = time.monotonic()
+            try:
+                cluster_logs = ClusterLogs(engine_log)
+            except OSError as e:
+                _fail(err, EXIT_USAGE, f"--engine-log: cannot write {engine_log} ({e})")
             for option in run_options:
                 if not quiet:
                     err.print(f"  simulating {option} …", highlight=False)
                 try:
-                    run = anyio.run(lambda o=option: run_option(o, sessions, shape, settings))  # type: ignore[misc]
+                    with cluster_logs:
+                        run = anyio.run(lambda o=option: run_option(o, sessions, shape, settings))  # type: ignore[misc]
                 except (OSError, ValueError) as e:
                     _fail(err, EXIT_FAILED, f"the simulated {option} run failed to start: {e}")
                 runs[option] = timings(run.replay)

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import anyio
 import typer
+from kvtether.cli.cluster_logs import ClusterLogs
 from kvtether.cli.importers import FORMATS, ImportFormatError, import_file
 from kvtether.cli.options import FLAG, kvtether_version
 from kvtether.cli.replay import (
@@ -213,6 +214,11 @@ def register(app: typer.Typer) -> None:
                                       help="A progress bar on stderr (only when stderr is a terminal)."),
         quiet: bool = typer.Option(False, "--quiet/--no-quiet", "-q", metavar=FLAG,
                                    help="No tables on stderr (errors only)."),
+        engine_log: str | None = typer.Option(
+            None, "--engine-log", metavar="FILE",
+            help="--sim: write the simulated cluster's logs (vLLM nodes, in-process gateway) to FILE, - for stderr "
+            "(default: dropped, errors still shown).",
+        ),
     ) -> None:
         """Replay recorded agent sessions and report TTFT per turn index, TTFC, TPOT, E2E, reuse and errors."""
         err = Console(stderr=True)
@@ -225,6 +231,8 @@ def register(app: typer.Typer) -> None:
             _fail(err, EXIT_USAGE, "give exactly one of --gateway URL or --sim PRESET")
         if compare and sim is None:
             _fail(err, EXIT_USAGE, "--compare needs --sim: an external gateway runs one policy, fixed at its start")
+        if engine_log is not None and sim is None:
+            _fail(err, EXIT_USAGE, "--engine-log needs --sim: a gateway given by URL logs where it runs")
         if policy not in KNOWN_POLICIES:
             _fail(err, EXIT_USAGE, f"unknown policy {policy!r}; known: {', '.join(KNOWN_POLICIES)}")
         if history not in HISTORY_MODES:
@@ -354,9 +362,14 @@ def register(app: typer.Typer) -> None:
             announce()
             return await replay_sim(sessions, target, label, opts, tick)
 
+        try:
+            cluster_logs = ClusterLogs(engine_log)
+        except OSError as e:
+            _fail(err, EXIT_USAGE, f"--engine-log: cannot write {engine_log} ({e})")
         started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         try:
-            runs = anyio.run(run_all)
+            with cluster_logs:
+                runs = anyio.run(run_all)
         except Unreachable as e:
             _fail(err, EXIT_FAILED, f"{e}; is the gateway running? (kvtether serve …)")
         except ModuleNotFoundError as e:

@@ -129,3 +129,19 @@ async def test_assess_reads_a_running_gateway(tmp_path: Path) -> None:
     assert doc["cluster"]["prefill_nodes"] == 1 and doc["cluster"]["decode_nodes"] == 1  # read from /ready
     assert "q1" in doc["answers"] and "q4" not in doc["answers"]
     assert "What the gateway" in report.read_text()
+
+
+def test_the_simulated_runs_log_to_the_engine_log_not_the_console(tmp_path: Path) -> None:
+    """Each option's simulated cluster logs (the gateway every turn, the vLLM nodes their holds' fate); with
+    --engine-log FILE all of it goes there, across the runs of every option, and none to the console."""
+    sessions, log = tmp_path / "s.jsonl", tmp_path / "engines.log"
+    run_cli("gen", "--sessions", "1", "--turns", "2", "--system-tokens", "50", "--new-tokens", "20-40",
+            "--output-tokens", "4", "--think-ms", "0", "-o", str(sessions))
+    result = CliRunner().invoke(app, ["assess", str(sessions), "--preset", "toy", "--options", "reference,no-pull",
+                                      "--speed", "50", "--report", str(tmp_path / "r.html"), "--engine-log", str(log)])
+    assert result.exit_code == 0, result.output
+    assert "simulating no-pull" in result.stderr  # the console still says what runs
+    assert "kvtether.gateway" not in result.stdout + result.stderr
+    turns = [line for line in log.read_text().splitlines() if "INFO kvtether.gateway.turn.remember: turn " in line]
+    sessions = {line.split(" of ")[1].split(":")[0] for line in turns}
+    assert len(sessions) == 2, turns  # one session, replayed once per option (each run's own session id suffix)

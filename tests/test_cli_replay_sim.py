@@ -30,3 +30,40 @@ def test_compare_three_policies_on_sim(tmp_path: Path) -> None:
         assert run["ttft_ms"]["n"] >= 1 and run["ttft_ms"]["p50"] is not None
         assert {"p50", "p95", "p99"} <= set(run["ttft_ms"])
     assert "policies side by side" in r.stderr and "no-pull" in r.stderr
+
+
+def test_the_simulated_clusters_logs_stay_off_the_console_unless_sent_to_a_file(tmp_path: Path) -> None:
+    """Think times past D's decoder_kv_blocks_ttl (600 s against 480): the simulated vLLM node releases each
+    session's hold at its TTL and logs it, as vLLM does, and the gateway logs every turn. A user who asked for a
+    table gets none of it on the console; --engine-log FILE gets all of it, the table still on stderr."""
+    f = tmp_path / "g.jsonl"
+    params = GenParams(sessions=1, turns=2, new_tokens="20-40", output_tokens="4", think_ms=0, system_tokens=50)
+    write_sessions(f, generate_sessions(params))
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    cmd_replay.register(app)
+    argv = ["replay", str(f), "--sim", "toy", "--speed", "500", "--think-time", "fixed:600000",
+            "--max-error-rate", "1", "--no-progress"]
+    log = tmp_path / "engines.log"
+    by_default = CliRunner().invoke(app, argv)
+    to_file = CliRunner().invoke(app, [*argv, "--engine-log", str(log)])
+    for r in (by_default, to_file):
+        assert r.exit_code == 0, r.stderr
+        assert "latency in ms" in r.stderr  # the table
+        console = r.stdout + r.stderr
+        assert "Releasing expired KV blocks" not in console and "kvtether.gateway" not in console, console
+    written = log.read_text()
+    assert "WARNING kvtether.sim.engine: Releasing expired KV blocks for request" in written
+    assert "INFO kvtether.gateway.turn.remember: turn 0 of" in written
+
+
+def test_engine_log_needs_the_simulator(tmp_path: Path) -> None:
+    f = tmp_path / "g.jsonl"
+    write_sessions(f, generate_sessions(GenParams(sessions=1, turns=1)))
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    cmd_replay.register(app)
+    r = CliRunner().invoke(app, ["replay", str(f), "--gateway", "http://127.0.0.1:9", "--engine-log", "x.log"])
+    assert r.exit_code == 2 and "--engine-log needs --sim" in r.stderr
+    r = CliRunner().invoke(app, ["replay", str(f), "--sim", "toy", "--engine-log", str(tmp_path / "no" / "x.log")])
+    assert r.exit_code == 2 and "--engine-log: cannot write" in r.stderr
