@@ -359,8 +359,8 @@ async def pad_block_tail(client: httpx.AsyncClient, b: Backend, body: dict[str, 
 
 
 def assert_pulls(rows: list[Any], sources: list[str], stream_handles: bool) -> None:
-    """Turns 1–3 of a pull-policy session whose turn 1 is streamed: each turn after a whole one attached its
-    handle and P read at least vLLM's kv_recompute_threshold (64) tokens from D over NIXL; after a streamed one
+    """Turns 1–3 of a pull-policy session whose turn 1 is streamed: each turn after a whole one sent its handle
+    and P read at least vLLM's kv_recompute_threshold (64) tokens from D over NIXL; after a streamed one
     (vLLM 0.32 returns no handle on streams, ``stream_handles`` false) the handle is missing and nothing is read.
     ``rows[t]``: (streamed, outcome deltas, p2p tokens, NIXL transfers) of turn t."""
     pulled = []
@@ -369,7 +369,9 @@ def assert_pulls(rows: list[Any], sources: list[str], stream_handles: bool) -> N
         if rows[turn - 1][0] and not stream_handles:
             assert delta["missing"] == 1 and p2p == 0, (turn, rows)
             continue
-        assert delta["attached"] == 1, (turn, rows)
+        # The handle is sent whole, or cut to what the guard verified (seen on some prompts: the re-rendered
+        # history leaves D's tokens a few tokens before the handle's end); either way P must read the rest from D.
+        assert delta["attached"] + delta["truncated"] == 1, (turn, rows)
         assert sources[turn] == "decode_pull", (turn, sources)
         assert p2p >= 64 and xfers >= 1, f"turn {turn}: P read nothing from D over NIXL ({rows})"
         pulled.append(turn)
