@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import pairwise
@@ -44,6 +44,18 @@ class ImportFormatError(ValueError):
         super().__init__(f"{where}: {problem}")
         self.where = where
         self.problem = problem
+
+
+def _json_lines(lines: Iterable[str], where: str) -> Iterator[tuple[int, str, Any]]:
+    """A JSONL file's objects: (line number, "where:line" for errors, the parsed value); blank lines skipped."""
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        at = f"{where}:{n}"
+        try:
+            yield n, at, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ImportFormatError(at, f"not valid JSON ({e.msg} at column {e.colno})") from None
 
 
 def _text_content(value: Any) -> str:
@@ -134,14 +146,7 @@ def import_aiperf(
     by_id: dict[str, SessionRecord] = {}
     last_ts: dict[str, float] = {}
     n_anon = 0
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        at = f"{where}:{n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ImportFormatError(at, f"not valid JSON ({e.msg} at column {e.colno})") from None
+    for _, at, obj in _json_lines(lines, where):
         if not isinstance(obj, dict) or not isinstance(obj.get("turns"), list) or not obj["turns"]:
             raise ImportFormatError(at, "expected an object with a non-empty 'turns' list")
         sid = obj.get("session_id")
@@ -487,14 +492,7 @@ def _id_session(sid: str, reqs: Sequence[TraceRequest], o: _TraceOptions) -> Ses
 
 def _parse_trace(lines: Iterable[str], where: str, block_size: int) -> list[TraceRequest]:
     out: list[TraceRequest] = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        at = f"{where}:{n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ImportFormatError(at, f"not valid JSON ({e.msg} at column {e.colno})") from None
+    for n, at, obj in _json_lines(lines, where):
         out.append(parse_trace_line(obj, line=n, block_size=block_size, at=at))
     return out
 

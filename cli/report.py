@@ -137,15 +137,20 @@ class Slo:
         return self.metric if self.stat is None else f"{self.metric}_{self.stat}"
 
 
-def parse_slo(spec: str) -> Slo:
-    """``ttft_p95=500`` or ``ttft_p95<=500`` (milliseconds); ``error_rate=0.01`` (a fraction)."""
+def _key_limit(spec: str) -> tuple[str, float | None]:
+    """``KEY=VALUE`` or ``KEY<=VALUE``: the lower-cased key and the limit (None: no ``=``, or not a number >= 0)."""
     key, sep, value = spec.replace("<=", "=").partition("=")
-    key = key.strip().lower()
     try:
         limit = float(value)
     except ValueError:
-        limit = float("nan")
-    if not sep or limit != limit or limit < 0:
+        return key.strip().lower(), None
+    return key.strip().lower(), limit if sep and limit == limit and limit >= 0 else None
+
+
+def parse_slo(spec: str) -> Slo:
+    """``ttft_p95=500`` or ``ttft_p95<=500`` (milliseconds); ``error_rate=0.01`` (a fraction)."""
+    key, limit = _key_limit(spec)
+    if limit is None:
         raise ValueError(f"bad SLO {spec!r} (expected e.g. ttft_p95=500, in ms, or error_rate=0.01)")
     if key == "error_rate":
         return Slo("error_rate", None, limit)
@@ -201,13 +206,8 @@ def parse_objectives(specs: list[str]) -> Objectives:
     """``ttft=2000``, ``tpot=25`` (ms, ``<=`` also accepted); a metric given twice keeps the last."""
     values: dict[str, float] = {}
     for spec in specs:
-        key, sep, value = spec.replace("<=", "=").partition("=")
-        key = key.strip().lower()
-        try:
-            limit = float(value)
-        except ValueError:
-            limit = float("nan")
-        if not sep or key not in ("ttft", "tpot") or limit != limit or limit < 0:
+        key, limit = _key_limit(spec)
+        if limit is None or key not in ("ttft", "tpot"):
             raise ValueError(f"bad objective {spec!r} (expected ttft=MS or tpot=MS)")
         values[key] = limit
     return Objectives(ttft_ms=values.get("ttft"), tpot_ms=values.get("tpot"))
