@@ -228,6 +228,11 @@ class GatewayConfig:
         return self.policy in ("pull", "auto")
 
     @property
+    def marks_local_turns(self) -> bool:
+        """Decode-local turns go out marked for retention (a handle back): only under a policy that pulls it."""
+        return self.local_turn_handles and self.policy == "auto"
+
+    @property
     def cache_aware(self) -> bool:
         """Policies that weigh what the session's decode node holds in its prefix cache (and so want D's token
         ids, and the prompt's when there is a cached sequence to compare it with)."""

@@ -231,7 +231,7 @@ class Services:
         """Whether a decode-local turn on `decode` would come back with a handle: marked (config), on a D not
         seen to drop marks, and not a stream on vLLM < 0.33 (whose streams carry no handle)."""
         node = self.cluster.nodes.get(decode) if decode is not None else None
-        if not self.config.local_turn_handles or node is None or node.local_handles is False:
+        if not self.config.marks_local_turns or node is None or node.local_handles is False:
             return False
         return not ctx.stream or node.stream_handles
 

@@ -105,8 +105,7 @@ class Orchestrator:
                 # for retention, it returns a handle of the whole sequence (config.local_turn_handles); token
                 # ids tell what its prefix cache now holds.
                 source = "decode_local"
-                # Only a policy that pulls marks a local turn for retention (the peer rules never read it).
-                mark = B.LOCAL_RETAIN_PARAMS if sv.config.local_turn_handles and sv.config.policy == "auto" else None
+                mark = B.LOCAL_RETAIN_PARAMS if sv.config.marks_local_turns else None
                 d_body = B.decode_body(ctx.body, mark, want_token_ids=True)
                 reused = ctx.decode_cached
             else:

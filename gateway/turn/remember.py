@@ -185,7 +185,7 @@ def _handle_after(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRes
             sv.metrics.stream_handles_missing.inc()
             return None, None, None
         return (*_kept(sv, result, result.handle, the_plan.decode, block_size, _previous(ctx)), None)
-    if local and result.ok and result.handle is not None and sv.config.local_turn_handles:
+    if local and result.ok and result.handle is not None and sv.config.marks_local_turns:
         # D kept the marked local turn's blocks: a handle of the whole sequence, newer than the one this turn
         # did not use (that one is never pulled now; D frees it at its TTL).
         sv.cluster.note_local_handles(the_plan.decode, True)
