@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from kvtether.gateway.guard.readback import reported_cached_tokens
 from kvtether.sdk.apis.common import effort_in_template_kwargs
 from kvtether.sdk.contract import Chain, rendering_fields
 
@@ -284,12 +285,8 @@ def literal_prompt_ids(kind: str, body: Mapping[str, Any]) -> list[int] | None:
 
 
 def cached_tokens(usage: Any) -> int:
-    if not isinstance(usage, Mapping):
-        return 0
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, Mapping) and isinstance(details.get("cached_tokens"), int):
-        return int(details["cached_tokens"])
-    return 0
+    """The node's reported cached prompt tokens, 0 when it reports none."""
+    return reported_cached_tokens(usage) or 0
 
 
 def response_identity(data: Mapping[str, Any]) -> tuple[str | None, str | None]:

@@ -46,9 +46,9 @@ async def finish(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResu
         if the_plan.prefill is None:
             # The node that prefilled is the one that answered: its usage says what it did not compute (a P/D
             # turn's prefill leg was counted when P answered).
-            if source == "none" and B.cached_tokens(usage):
-                source = "prefill_cache"
             cached = reported_cached_tokens(usage)
+            if source == "none" and cached:
+                source = "prefill_cache"
             if cached is not None:
                 sv.metrics.reused_tokens.labels(source).inc(cached)
         T.set_attrs(span, {T.GEN_AI_RESPONSE_FINISH_REASONS: result.finish_reasons or None,
