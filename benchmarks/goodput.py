@@ -99,7 +99,7 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
 
     decode_times = DecodeTimes()
     t0 = time.perf_counter()
-    async with option_gateway(option, shape, st.speed, False, decode_times) as (url, model):
+    async with option_gateway(option, shape, st.speed, False, decode_times, st.tpot_ms) as (url, model):
         opts = ReplayOptions(arrivals="trace", rate=rate, time_scale=st.speed, model=model, history="live",
                              timeout_s=300.0, session_suffix=new_session_suffix())
         run = await run_replay(sessions, url, opts)

@@ -211,7 +211,8 @@ def register(app: typer.Typer) -> None:
             answers.update(got)
         time_note = ""
         if sessions and simulate:
-            settings = RunSettings(speed=speed, concurrency=n_conc, think_scale=think_scale, max_think_ms=max_think_ms)
+            settings = RunSettings(speed=speed, concurrency=n_conc, think_scale=think_scale, max_think_ms=max_think_ms,
+                                   tpot_objective_ms=tpot_slo if tpot_slo > 0 else None)
             runs: dict[str, list[TurnTiming]] = {}
             tpots: dict[str, list[float]] = {}
             t0 = time.monotonic()

@@ -59,6 +59,7 @@ class RunSettings:
     # Off: auto decides from the seeds calibrated on the cost model, as the gateway would on a cluster whose
     # speed it has measured; learning from this process's timings would teach it the machine's load instead.
     learn_estimates: bool = False
+    tpot_objective_ms: float | None = None  # what auto holds decode-local turns to (None: the gateway's default)
 
 
 class DecodeTimes:
@@ -105,9 +106,11 @@ class DecodeTimes:
 
 @asynccontextmanager
 async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_estimates: bool = True,
-                         decode_times: DecodeTimes | None = None) -> AsyncIterator[tuple[str, str]]:
+                         decode_times: DecodeTimes | None = None,
+                         tpot_objective_ms: float | None = None) -> AsyncIterator[tuple[str, str]]:
     """A fresh simulated cluster for `option` and an in-process gateway in front; yields (URL, model name).
-    `decode_times`, when given, watches the nodes that decode (decode and aggregated)."""
+    `decode_times`, when given, watches the nodes that decode (decode and aggregated). `tpot_objective_ms`:
+    the TPOT objective (simulated ms) the auto policy holds decode-local turns to (its tpot_budget_s)."""
     from kvtether.gateway.config import load_config
     from kvtether.gateway.shell.server import serve_gateway
     from kvtether.sim.cluster import ClusterSpec, SimCluster
@@ -132,8 +135,10 @@ async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_e
         if option == COLOCATED:
             config = load_config(None, aggregated=list(cluster.aggregated_urls), **timing)
         else:
+            # The gateway runs on the real clock, the engines at `speed`: a simulated objective is 1/speed of it.
+            objective = {"tpot_budget_s": tpot_objective_ms / 1000.0 / speed} if tpot_objective_ms else {}
             config = load_config(None, prefill=list(cluster.prefill_urls), decode=list(cluster.decode_urls),
-                                 policy=option, **timing, **calibrated_seeds(shape.preset, speed))
+                                 policy=option, **timing, **objective, **calibrated_seeds(shape.preset, speed))
         async with serve_gateway(config) as url:
             yield str(url), spec.model_name
 
@@ -156,7 +161,8 @@ async def run_option(option: str, sessions: Sequence[SessionRecord], shape: Clus
         session_suffix=new_session_suffix(),
     )
     decode_times = DecodeTimes()
-    async with option_gateway(option, shape, settings.speed, settings.learn_estimates, decode_times) as (url, model):
+    async with option_gateway(option, shape, settings.speed, settings.learn_estimates, decode_times,
+                              settings.tpot_objective_ms) as (url, model):
         opts.model = model
         run = await run_replay(sessions, url, opts, on_result)
     return OptionRun(run, decode_times.tpot_ms())

@@ -299,7 +299,8 @@ def test_a_local_turn_that_keeps_a_handle_leaves_the_next_turn_a_whole_history_p
     assert local.horizon_s == pytest.approx(pull.horizon_s), marked.reason
     short = history_turn(20000, 400, local_keeps_handle=True)
     empty = choose(short, D0, (p(P0),), (d(D0, kv_usage=0.2),), SNAP, knobs())
-    full = choose(short, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP, knobs())
+    # The KV-pressure veto off: the look-ahead's eviction term alone.
+    full = choose(short, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP, knobs(local_kv_veto=1.0))
     assert next(o for o in full.options if o.option == "decode_local").horizon_s == pytest.approx(
         next(o for o in empty.options if o.option == "decode_local").horizon_s)
 
@@ -309,9 +310,20 @@ def test_horizon_accounts_for_eviction_risk_on_full_decode() -> None:
     # is likely gone by the next turn, so the look-ahead costs a local turn more than on an empty D.
     turn = history_turn(20000, 400)
     empty = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.2),), SNAP, knobs())
-    full = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP, knobs())
+    full = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP, knobs(local_kv_veto=1.0))  # veto off
     assert full.scores_s["decode_local"] > empty.scores_s["decode_local"]
     assert full.scores_s["pull"] == pytest.approx(empty.scores_s["pull"])
+
+
+def test_a_decode_node_near_full_kv_vetoes_a_local_prefill() -> None:
+    """At D's pressure mark a local suffix's blocks would come chunk by chunk beside the running requests' and
+    preempt one of them: the turn goes to P however cheap it would be on D; below the mark it stays local."""
+    turn = history_turn(20000, 400)
+    below = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.85),), SNAP, knobs(local_kv_veto=0.9))
+    assert below.option == "decode_local", below.reason
+    at = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.9),), SNAP, knobs(local_kv_veto=0.9))
+    assert at.option == "pull", at.reason
+    assert "KV usage 0.90 >= 0.9" in at.reason
 
 
 def test_deeper_horizon_is_bounded_and_consistent() -> None:

@@ -251,6 +251,50 @@ async def test_decode_local_turns_spend_the_decode_nodes_stall_budget(budget: st
     assert leftover == {}
 
 
+async def test_a_local_prefill_must_fit_a_request_still_prefilling_on_d() -> None:
+    """A request is charged from the moment it is placed on D, not from its first token: a local prefill
+    admitted while another turn is still prefilling there runs on into that turn's first decode steps. Here
+    session x's local turn hangs on D before its first token; session y's follow-up would stall x's short
+    answer far beyond its TPOT objective, so it goes through P. Nothing is left once x's leg has ended."""
+    objective = 0.01  # x's answers are ~10 tokens at ~1 ms a step: its quota is a few ms of stall
+    async with rig(**_AUTO, request_stall_share=0.5, tpot_budget_s=objective, seed_prefill_overhead_s=0.2,
+                   seed_tpot_base_s=0.001, seed_tpot_s_per_seq=1e-4, seed_transfer_latency_s=0.1,
+                   tuning={"interference_weight": 0.0}, read_timeout_s=3.0) as r:
+        histories = {}
+        for s, seed in (("x", 63), ("y", 64)):
+            first = first_messages(seed)
+            got = await chat(r.client, r.url, request_body(first, stream=False, max_tokens=10), {"x-session-id": s})
+            histories[s] = next_messages(first, got, seed, 0, result_words=10)
+        orch = r.gw.orchestrator
+        d = r.cluster.decode_urls[0]
+        await r.client.post(f"{d}/admin/fault", json={"hang_next": 1})
+        async with anyio.create_task_group() as tg:
+            async def hung_turn() -> None:
+                with anyio.move_on_after(30):
+                    await r.client.post(f"{r.url}/v1/chat/completions", headers={"x-session-id": "x"},
+                                        json=request_body(histories["x"], stream=False, max_tokens=10))
+
+            tg.start_soon(hung_turn)
+            for _ in range(200):  # x is placed (locally, D idle) and hangs there before its first token
+                if orch.learning.exposures.get(d):
+                    break
+                await anyio.sleep(0.02)
+            assert len(orch.learning.exposures.get(d, {})) == 1, "x's turn was not charged from its placement"
+            quota = next(iter(orch.learning.exposures[d].values())).quota_s
+            assert 0.0 < quota < 0.01, quota
+            before = await metric(r.client, r.url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
+            await chat(r.client, r.url, request_body(histories["y"], stream=False, max_tokens=10),
+                       {"x-session-id": "y"})
+            after = await metric(r.client, r.url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
+            assert after == before, "y's local prefill was admitted over x's TPOT quota"
+            tg.cancel_scope.cancel()  # x's client gives up
+        for _ in range(500):  # the gateway gives up on D at its read timeout and retries x through P
+            if not orch.learning.exposures:
+                break
+            await anyio.sleep(0.02)
+        assert orch.learning.exposures == {}
+
+
 async def test_a_local_prefill_is_learned_from_ds_first_token_not_from_the_first_tool_call_delta(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM sends a stream's role chunk with the first engine output; the first tool-call delta follows once

@@ -20,6 +20,16 @@ def test_a_quota_is_the_share_of_the_answers_decode_time() -> None:
         quota_s(1.5, 128, 0.015)
 
 
+def test_a_quota_never_lets_the_request_break_its_tpot_objective() -> None:
+    # Six tokens at 7 ms: a 15 % share is 5.25 ms of stall; the 25 ms objective alone would allow 5 × 18 ms.
+    assert quota_s(0.15, 6, 0.007, 0.025) == pytest.approx(0.15 * 5 * 0.007)
+    # A step near the objective: half of the decode time (50 ms) would be TPOT 30 ms; the objective caps the
+    # stall at 5 × 5 ms (TPOT 20 ms + 25 ms / 5 = 25 ms).
+    assert quota_s(0.5, 6, 0.020, 0.025) == pytest.approx(5 * 0.005)
+    # A step already at the objective leaves no room at all.
+    assert quota_s(0.5, 100, 0.030, 0.025) == 0.0
+
+
 def test_the_credit_is_the_tightest_requests_headroom_with_its_quota() -> None:
     assert credit([]) == Credit(math.inf, math.inf)
     fresh, used = Exposure(0.20), Exposure(0.30, absorbed_s=0.25)

@@ -38,6 +38,11 @@ class PolicyKnobs:
     # to pay for moving the whole prompt's KV there (the pin moves with it). Without it a pinned session keeps
     # whatever imbalance its turns' timing gave its D, which every one of its tokens pays in TPOT.
     rebalance_decode: bool = True
+    # D's KV usage at or above which a decode-local prefill is vetoed (GatewayConfig.decode_pressure_usage):
+    # vLLM allocates a local suffix's blocks chunk by chunk beside the running requests' growing ones, and when
+    # none is free it preempts a running request, whose recompute stalls it far beyond any TPOT objective. A P/D
+    # turn's KV arrives whole or not at all (D's read waits for the blocks), so it cannot preempt that way.
+    local_kv_veto: float = 0.9
 
     # ---- tuning constants ----
     # The window of the TPOT budget above: 16 tokens ≈ what a reader perceives as one hiccup.

@@ -148,14 +148,16 @@ class Learning:
         return self.chunk_times.since(node, after)[-STEP_ARRIVALS:]
 
     def decoding(self, node: str, expected_output_tokens: int, running: float, now: float) -> int | None:
-        """D has begun decoding a request: it gets its TPOT quota of stall; returns its key (None: no quotas
-        are kept, i.e. request_stall_share is 1: off, or the policy is not auto)."""
+        """A request was placed to decode on `node`: it gets its TPOT quota of stall (its share of its decode
+        time, capped by the TPOT objective, ``knobs.tpot_budget_s``); returns its key (None: no quotas are kept,
+        i.e. request_stall_share is 1: off, or the policy is not auto)."""
         share = self.request_stall_share
         if share >= 1.0:
             return None
         step = self.estimator.snapshot(now).tpot_s(node, max(1.0, running))
         key = next(self._exposure_keys)
-        self.exposures.setdefault(node, {})[key] = SQ.Exposure(SQ.quota_s(share, expected_output_tokens, step))
+        self.exposures.setdefault(node, {})[key] = SQ.Exposure(
+            SQ.quota_s(share, expected_output_tokens, step, self.knobs.tpot_budget_s))
         return key
 
     def done_decoding(self, node: str, key: int) -> None:

@@ -104,6 +104,10 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     interference += c.knobs.arrival_weight * blocks
     base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall,
                           tail_s=tail_term(ttft, turn, c), blocks_s=blocks)
+    if d.kv_usage >= c.knobs.local_kv_veto:
+        return replace(base, feasible=False, soft=True,
+                       why_not=f"D's KV usage {d.kv_usage:.2f} >= {c.knobs.local_kv_veto:g}: a local prefill may "
+                               "preempt its running requests")
     if n > c.knobs.max_local_suffix_tokens:
         return replace(base, feasible=False, soft=True,
                        why_not=f"local suffix {n} tok > max_local_suffix_tokens {c.knobs.max_local_suffix_tokens}")

@@ -8,11 +8,15 @@ request decoding on D gets a quota of its own instead: ``share`` of its expected
 × D's step time when it began). A decode-local turn may run only if every request decoding on D can still
 absorb its stall, and running it charges the stall to each of them. No request then loses more than
 ``share`` of its decode time, so the same TPOT p95 leaves room for more local turns than a node-level share
-does (docs/placement.md).
+does (docs/placement.md). A quota is also capped at what keeps the request's TPOT within the objective
+(``tpot_objective_s``): for short answers that, not the share, is the binding bound.
 
-A request enters when D has begun decoding it (its stream's first chunk; a non-streamed one when it is sent)
-and leaves when its leg ends. A decode-local turn's own prefill is not charged to it. Requests this gateway
-did not send are not seen: with several gateways in front of the same D, each sees only its own.
+A request enters when it is placed on D (a decode-local turn, or a P/D turn whose prefill leg is still on P)
+and leaves when its leg ends: a local prefill admitted while it is still prefilling on D or on its way there
+runs on into its first decode steps, so it must fit that request's quota too. Counting the stall before its
+first token as well is conservative by at most that part. A decode-local turn's own prefill is not charged
+to it. Requests this gateway did not send are not seen: with several gateways in front of the same D, each
+sees only its own.
 
 No clock, no I/O: the shell keeps the exposures per node and passes plain values.
 """
@@ -48,12 +52,16 @@ class Credit:
     quota_s: float = math.inf
 
 
-def quota_s(share: float, answer_tokens: int, step_s: float) -> float:
+def quota_s(share: float, answer_tokens: int, step_s: float, tpot_objective_s: float = math.inf) -> float:
     """The stall a request of `answer_tokens` decoding at `step_s` per token may absorb: `share` of its decode
-    time (tokens after the first; the first is the prefill's)."""
+    time (tokens after the first; the first is the prefill's), and never more than keeps its TPOT (step time
+    plus stall over those tokens) within `tpot_objective_s`. The second bound is what a short answer needs: six
+    tokens at 7 ms share one 250 ms local prefill into a 57 ms TPOT."""
     if not 0.0 <= share <= 1.0:
         raise ValueError("share must be in [0, 1]")
-    return share * max(1, answer_tokens - 1) * max(0.0, step_s)
+    intervals = max(1, answer_tokens - 1)
+    step = max(0.0, step_s)
+    return min(share * intervals * step, max(0.0, tpot_objective_s - step) * intervals)
 
 
 def credit(exposures: Iterable[Exposure]) -> Credit:

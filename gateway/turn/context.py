@@ -236,7 +236,8 @@ class Services:
         return not ctx.stream or node.stream_handles
 
     def enter_decoding(self, ctx: TurnContext, node: str) -> None:
-        """D has begun decoding this turn's answer: it gets its TPOT quota of stall (policy/stallquota.py)."""
+        """This turn's answer was placed to decode on `node`: it gets its TPOT quota of stall
+        (policy/stallquota.py)."""
         if self.learning.request_stall_share >= 1.0:
             return  # no quotas kept
         self.leave_decoding(ctx)  # a leg retried after a failure: one entry per turn, on the node it runs on

@@ -252,7 +252,6 @@ async def _send_whole(sv: Services, ctx: TurnContext, node: str, leg: str, paylo
                       span: trace.Span) -> dict[str, Any]:
     # A non-streamed answer is the first thing its client sees: every stall on D delays it.
     sv.cluster.hold_back(node, 1)
-    sv.enter_decoding(ctx, node)
     try:
         resp = await _post(sv, ctx, node, payload, span, sv.config.read_timeout_s)
         await resp.read()

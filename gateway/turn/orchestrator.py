@@ -36,6 +36,7 @@ from kvtether.gateway.turn.context import Services, TurnContext, UpstreamFailure
 from kvtether.gateway.turn.gather import Gathered, gather
 from kvtether.gateway.turn.identify import identify
 from kvtether.gateway.turn.legs import final_leg, prefill_with_recovery
+from kvtether.gateway.turn.streaming import RelayResponse
 from kvtether.gateway.turn.upstream import Upstream
 from kvtether.sdk.contract import session_final_from_headers
 from opentelemetry import trace
@@ -90,6 +91,18 @@ class Orchestrator:
     # ---- P/D -----------------------------------------------------------------------------------
 
     async def _pd(self, ctx: TurnContext) -> Response:
+        try:
+            resp = await self._pd_turn(ctx)
+        except BaseException:
+            self.sv.leave_decoding(ctx)
+            raise
+        if not isinstance(resp, RelayResponse):
+            # A whole answer's leg has ended, or an error ended the turn: nothing decodes for it any more (a
+            # relayed stream leaves when it ends).
+            self.sv.leave_decoding(ctx)
+        return resp
+
+    async def _pd_turn(self, ctx: TurnContext) -> Response:
         sv = self.sv
         g = await gather(sv, ctx, self._next_rr())
         the_plan = self.plan(ctx, g.turn)
@@ -219,6 +232,9 @@ class Orchestrator:
                 raise GatewayError(503, str(exc), code="no_capacity",
                                    retry_after_s=sv.cluster.retry_after(exc.role)) from None
             stall = sv.learning.planned(p)
+            # From here the answer is headed for D: a local prefill admitted before its first token still
+            # runs into its decode steps (policy/stallquota.py), so its quota is kept from now on.
+            sv.enter_decoding(ctx, p.decode)
             bucket = reason_bucket(p)
             sv.metrics.placement_decisions.labels(p.action.value, bucket).inc()
             if p.decision is not None and p.action is HandleAction.DECODE_LOCAL:
@@ -284,4 +300,5 @@ def policy_knobs(config: GatewayConfig) -> PolicyKnobs:
         mode="auto", max_local_suffix_tokens=config.max_local_suffix_tokens, tpot_budget_s=config.tpot_budget_s,
         recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,
         block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,
-        rebalance_decode=config.rebalance_decode, **config.policy_tuning())
+        rebalance_decode=config.rebalance_decode, local_kv_veto=config.decode_pressure_usage,
+        **config.policy_tuning())

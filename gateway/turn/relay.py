@@ -236,7 +236,6 @@ class _Reader:
             if ctx.final_leg_at is not None and self.the_plan.action is HandleAction.DECODE_LOCAL:
                 result.arrivals_before_first = self.sv.learning.arrivals_since(node, ctx.final_leg_at)
             self.sv.learning.chunk_arrived(node, now)
-            self.sv.enter_decoding(ctx, node)
             if not B.has_first_token(chunk):
                 # D produced the first token but the client sees nothing yet (a tool-call parser holds the name
                 # back): a local prefill's stall now delays this turn's TTFT itself.
