@@ -18,13 +18,14 @@ from typing import Any
 from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
 from kvtether.gateway.policy.knobs import TUNING_FIELDS, PolicyKnobs
 from kvtether.gateway.policy.peers import DYNAMO_RULES, LLM_D_NON_CACHED_TOKENS, PEER_POLICIES
+from kvtether.gateway.policy.placement import RULES
 from kvtether.sdk.apis.common import HOSTED_TOOLS, HostedTools
 
 # The policy's and the estimator's own defaults are the single source of truth; the config only exposes them.
 _KNOBS = PolicyKnobs()
 _SEEDS = EstimatorSeeds()
 
-POLICIES: tuple[str, ...] = ("auto", "pull", "no-pull", "reference", *PEER_POLICIES)
+POLICIES: tuple[str, ...] = tuple(RULES)  # every placement rule, by the name an operator configures
 # Policies that read what the session's decode node holds in its prefix cache (from D's token ids each turn).
 CACHE_AWARE_POLICIES: tuple[str, ...] = ("auto", *PEER_POLICIES)
 

@@ -16,7 +16,6 @@ from kvtether.gateway.policy import (
     PolicyKnobs,
     TurnFacts,
     choose,
-    parse_mode,
 )
 from kvtether.gateway.policy.estimates import (
     SNAPSHOT_REUSE_S,
@@ -171,19 +170,6 @@ CASES = {
     "rebalance-cold-onto-the-idle-decode": Case(
         TurnFacts(9000, 3000, decode_cached_tokens=6000), "cold", ("moves the pin",),
         decodes=(d(D0, running=8, waiting=2), d(D1)), decode_url=D1),
-    "pull-policy-never-rebalances": Case(
-        history_turn(8000, 3000), "pull", ("pull -> pull",), knobs=knobs(mode="pull"),
-        decodes=(d(D0, running=32, waiting=4), d(D1)), reuse=5000),
-    "pull-policy-short-suffix": Case(
-        history_turn(8000, 200), "pull", ("pull -> pull",), knobs=knobs(mode="pull"), reuse=7800),
-    "pull-policy-without-handle": Case(
-        TurnFacts(8000, 200, decode_cached_tokens=7800), "cold", (), knobs=knobs(mode="pull")),
-    "no-pull-policy": Case(history_turn(8000, 200), "cold", ("no-pull -> cold",), knobs=knobs(mode="no-pull")),
-    "reference-policy-attaches-handle": Case(
-        history_turn(8000, 200), "pull", ("reference", "round-robin"), knobs=knobs(mode="reference"),
-        reuse=7800),
-    "reference-policy-no-handle": Case(
-        TurnFacts(8000, 200), "cold", ("round-robin, no usable handle",), knobs=knobs(mode="reference")),
 }
 
 
@@ -353,20 +339,10 @@ def test_exclude_treats_a_failed_node_as_dead() -> None:
     assert dec.prefill_url == P1
 
 
-def test_reference_policy_round_robins() -> None:
-    ref = knobs(mode="reference")
-    picks = {
-        (dec.prefill_url, dec.decode_url)
-        for rr in range(4)
-        for dec in [choose(TurnFacts(500, 500), None, (p(P0), p(P1)), (d(D0), d(D1)), SNAP, ref, round_robin=rr)]
-    }
-    assert picks == {(P0, D0), (P1, D1)}
-
-
 def test_trace_attributes_are_flat_primitives() -> None:
     dec = choose(history_turn(12000, 6000), D0, (p(P0),), (d(D0),), SNAP, knobs())
     attrs = dec.trace_attributes()
-    assert attrs["option"] == "pull" and attrs["policy"] == "auto"
+    assert attrs["option"] == "pull"
     assert "ttft_est_s.pull" in attrs and "rejected.decode_local" in attrs
     assert all(isinstance(v, str | int | float | bool) for v in attrs.values())
 
@@ -386,12 +362,6 @@ def test_decision_is_deterministic_and_pure() -> None:
 def test_turn_facts_validation(kw: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         TurnFacts(**kw)
-
-
-def test_parse_mode() -> None:
-    assert parse_mode("no-pull") == "no-pull"
-    with pytest.raises(ValueError, match="auto"):
-        parse_mode("fastest")
 
 
 def test_learned_slow_decode_prefill_moves_short_suffix_to_pull() -> None:

@@ -166,6 +166,19 @@ def test_handles_only_to_bidirectional_prefill() -> None:
     assert p.action is HandleAction.NONE
 
 
+def test_every_policy_is_one_rule_behind_one_call() -> None:
+    """Each policy an operator may configure has its rule, and plan() is the only way in."""
+    from kvtether.gateway.config import POLICIES
+    from kvtether.gateway.policy.placement import RULES
+
+    assert set(POLICIES) == set(RULES)
+    for name in RULES:
+        p = plan(existing(policy=name), cluster())
+        assert p.decode in (D1, D2) and p.reason, name
+    with pytest.raises(ValueError, match="unknown placement policy"):
+        plan(existing(policy="fastest"), cluster())
+
+
 def test_no_pull_never_attaches_and_reference_round_robins_unchecked() -> None:
     assert plan(existing(policy="no-pull"), cluster()).action is HandleAction.NONE
     plans = [plan(existing(policy="reference", round_robin=i, reuse_tokens=0), cluster()) for i in range(4)]

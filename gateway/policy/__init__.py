@@ -15,15 +15,12 @@ from kvtether.gateway.policy.costmodel import choose
 from kvtether.gateway.policy.estimates import Estimator, EstimatorSeeds, EstimatorSnapshot, LearningParams
 from kvtether.gateway.policy.facts import (
     OPTIONS,
-    POLICY_MODES,
     CostDecision,
     NodeLoad,
     NoFeasibleOption,
     Option,
     OptionEstimate,
-    PolicyMode,
     TurnFacts,
-    parse_mode,
 )
 from kvtether.gateway.policy.knobs import TUNING_FIELDS, PolicyKnobs
 from kvtether.gateway.policy.options import blocked_s
@@ -41,7 +38,6 @@ from kvtether.gateway.policy.placement import (
 
 __all__ = [
     "OPTIONS",
-    "POLICY_MODES",
     "TUNING_FIELDS",
     "ClusterView",
     "CostDecision",
@@ -58,13 +54,11 @@ __all__ = [
     "OptionEstimate",
     "Plan",
     "PolicyKnobs",
-    "PolicyMode",
     "Turn",
     "TurnFacts",
     "blocked_s",
     "choose",
     "least_loaded",
-    "parse_mode",
     "plan",
     "plan_aggregated",
 ]

@@ -70,12 +70,11 @@ from kvtether.gateway.policy.facts import (
     NoFeasibleOption,
     Option,
     OptionEstimate,
-    PolicyMode,
     TurnFacts,
 )
 from kvtether.gateway.policy.knobs import PolicyKnobs
 from kvtether.gateway.policy.lookahead import scored
-from kvtether.gateway.policy.options import Nodes, cached_on, d_cached_tokens, p_cached_tokens, pd_option
+from kvtether.gateway.policy.options import Nodes, cached_on, p_cached_tokens
 
 
 def choose(
@@ -87,12 +86,11 @@ def choose(
     knobs: PolicyKnobs | None = None,
     *,
     exclude: frozenset[str] = frozenset(),
-    round_robin: int = 0,
 ) -> CostDecision:
     """Place one turn. `pinned_decode` holds the session's history (and its handle, if `turn.handle_valid`).
 
-    `exclude`: nodes that just failed this turn (retry). `round_robin`: the shell's counter, used only by
-    the ``reference`` mode. Raises :class:`NoFeasibleOption` when no node can serve the turn.
+    `exclude`: nodes that just failed this turn (retry). Raises :class:`NoFeasibleOption` when no node can
+    serve the turn.
     """
     knobs = knobs or PolicyKnobs()
     c = Nodes(
@@ -103,20 +101,16 @@ def choose(
     )
     if not c.decodes:
         raise NoFeasibleOption("no healthy decode node")
-    if knobs.mode == "reference":
-        return _reference(turn, pinned_decode, c, round_robin)
-
-    opts = scored(turn, pinned_decode, c, knobs.horizon_turns if knobs.mode == "auto" else 0)
+    opts = scored(turn, pinned_decode, c, knobs.horizon_turns)
     pick, greedy, forced = _pick(opts, knobs)
     assert pick.decode_url is not None
     return CostDecision(
         option=pick.option,
-        reason=_reason(knobs.mode, pick, opts, turn, c, forced, greedy, pinned_decode),
+        reason=_reason(pick, opts, turn, c, forced, greedy, pinned_decode),
         estimates_s={o.option: round(o.ttft_s, 6) for o in opts if o.feasible},
         prefill_url=pick.prefill_url,
         decode_url=pick.decode_url,
         reuse_tokens=pick.reuse_tokens if pick.option == "pull" else 0,
-        policy=knobs.mode,
         scores_s={o.option: round(o.score_s, 6) for o in opts if o.feasible},
         options=opts,
         forced=forced,
@@ -127,63 +121,27 @@ def choose(
 
 
 def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs) -> tuple[OptionEstimate, Option | None, bool]:
-    """The option the mode picks, what it would pick without the look-ahead (auto only), and whether it was
-    forced (over a limit, because nothing else could run the turn)."""
-    by = {o.option: o for o in opts}
+    """The cheapest feasible option, what it would be without the look-ahead, and whether it was forced (over
+    a limit, because nothing else could run the turn)."""
     feasible = [o for o in opts if o.feasible]
+    pick = min(feasible, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
     greedy: Option | None = None
-    if knobs.mode == "auto":
-        pick = min(feasible, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
-        if pick is not None and knobs.horizon_turns > 0:
-            greedy = min(feasible, key=lambda o: (o.ttft_s + o.interference_s, OPTIONS.index(o.option))).option
-    elif knobs.mode == "pull":
-        pick = next((by[o] for o in ("pull", "cold") if by[o].feasible), None)
-    else:  # no-pull: classic disaggregation
-        pick = by["cold"] if by["cold"].feasible else None
+    if pick is not None and knobs.horizon_turns > 0:
+        greedy = min(feasible, key=lambda o: (o.ttft_s + o.interference_s, OPTIONS.index(o.option))).option
     if pick is not None:
         return pick, greedy, False
     # Every P is down (or the only way left is over a limit): run it locally rather than fail the turn.
-    local = by["decode_local"]
+    local = next(o for o in opts if o.option == "decode_local")
     if not (local.feasible or local.soft):
         raise NoFeasibleOption("; ".join(f"{o.option}: {o.why_not}" for o in opts))
     return local, greedy, True
 
 
-def _reference(turn: TurnFacts, pinned: str | None, c: Nodes, rr: int) -> CostDecision:
-    """vLLM's reference proxy: round-robin P and D, the conversation's handle attached whenever held."""
-    if not c.prefills:
-        raise NoFeasibleOption("no healthy prefill node")
-    p, d = c.prefills[rr % len(c.prefills)], c.decodes[rr % len(c.decodes)]
-    holder = c.decode(pinned)
-    reuse = min(turn.reuse_tokens, turn.prompt_tokens - 1)
-    d_cached = d_cached_tokens(turn, c) if d.url == pinned else 0  # a different D lacks the whole history
-    if turn.handle_valid and holder is not None and p.bidirectional and reuse > 0:
-        pick = pd_option("pull", turn, p, d, holder.url, reuse, d_cached, c)
-        why = "round-robin, conversation handle attached"
-    else:
-        pick = pd_option("cold", turn, p, d, None, 0, d_cached, c)
-        why = "round-robin, no usable handle"
-    return CostDecision(
-        option=pick.option,
-        reason=f"reference -> {pick.option}: {why}, est {pick.ttft_s:.3f}s (suffix {turn.suffix_tokens} tok, "
-        f"reuse {pick.reuse_tokens} tok)",
-        estimates_s={pick.option: round(pick.ttft_s, 6)},
-        prefill_url=p.url,
-        decode_url=d.url,
-        reuse_tokens=pick.reuse_tokens,
-        policy="reference",
-        scores_s={pick.option: round(pick.score_s, 6)},
-        options=(pick,),
-        arrive_s=pick.arrive_s,
-        d_read_s=pick.d_read_s,
-    )
-
-
-def _reason(mode: PolicyMode, pick: OptionEstimate, opts: Sequence[OptionEstimate], turn: TurnFacts,
-            c: Nodes, forced: bool, greedy: Option | None, pinned: str | None = None) -> str:
+def _reason(pick: OptionEstimate, opts: Sequence[OptionEstimate], turn: TurnFacts, c: Nodes, forced: bool,
+            greedy: Option | None, pinned: str | None = None) -> str:
     """E.g. ``auto -> pull: pull 0.210s < decode_local 0.260s < cold 0.900s [ttft …] (suffix …; …)``."""
     feasible = sorted((o for o in opts if o.feasible), key=lambda o: (o.score_s, OPTIONS.index(o.option)))
-    head = f"{mode} -> {pick.option}" + (" (forced)" if forced else "") + ": "
+    head = f"auto -> {pick.option}" + (" (forced)" if forced else "") + ": "
     head += " < ".join(f"{o.option} {o.score_s:.3f}s" for o in feasible) or "no option within limits"
     detail = []
     if any(o.interference_s or o.horizon_s or o.balance_s or o.tail_s for o in feasible):

@@ -10,19 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal
 
 Option = Literal["decode_local", "pull", "cold"]
 OPTIONS: tuple[Option, ...] = ("decode_local", "pull", "cold")  # also the tie-break order
-PolicyMode = Literal["auto", "pull", "reference", "no-pull"]
-POLICY_MODES: tuple[PolicyMode, ...] = get_args(PolicyMode)
-
-
-def parse_mode(text: str) -> PolicyMode:
-    for m in POLICY_MODES:
-        if text == m:
-            return m
-    raise ValueError(f"unknown placement policy {text!r}; known: {', '.join(POLICY_MODES)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +141,6 @@ class CostDecision:
     prefill_url: str | None  # None for decode_local
     decode_url: str
     reuse_tokens: int = 0  # pull: send the handle truncated to this many tokens
-    policy: PolicyMode = "auto"
     scores_s: dict[str, float] = field(default_factory=dict)  # TTFT + interference + horizon, feasible ones
     options: tuple[OptionEstimate, ...] = ()
     forced: bool = False  # chosen although over a limit: nothing else was possible
@@ -163,7 +153,6 @@ class CostDecision:
         """Flat attributes for a span or a JSONL trace record (names without the telemetry prefix)."""
         out: dict[str, str | float | int | bool] = {
             "option": self.option,
-            "policy": self.policy,
             "reason": self.reason,
             "decode_url": self.decode_url,
             "reuse_tokens": self.reuse_tokens,

@@ -11,15 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from kvtether.gateway.policy.facts import POLICY_MODES, PolicyMode
-
 MAX_HORIZON_TURNS = 3  # the look-ahead tree grows ~3^h; deeper adds cost, not insight (loads change anyway)
 
 
 @dataclass(frozen=True, slots=True)
 class PolicyKnobs:
-    mode: PolicyMode = "auto"
-
     # ---- operator settings (GatewayConfig has the same names and defaults) ----
     # Decode-local never runs a suffix longer than this (Dynamo's conditional disaggregation has the same
     # knob). 8192 = one chunked-prefill step at vLLM's default token budget on large GPUs; whether a long
@@ -78,8 +74,6 @@ class PolicyKnobs:
     holdback_weight: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.mode not in POLICY_MODES:
-            raise ValueError(f"unknown mode {self.mode!r}")
         if not 0 <= self.horizon_turns <= MAX_HORIZON_TURNS:
             raise ValueError(f"horizon_turns must be in [0, {MAX_HORIZON_TURNS}]")
         if not 0.0 <= self.horizon_discount <= 1.0:

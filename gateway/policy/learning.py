@@ -120,7 +120,7 @@ class Learning:
             stall = next((o.stall_s for o in d.options if o.option == "decode_local"), 0.0)
             if p.decode in self.exposures:
                 self.exposures[p.decode] = SQ.absorb(self.exposures[p.decode], stall)
-        if d is not None and d.policy == "auto" and not d.forced:
+        if d is not None and not d.forced:
             self.tail.observe(d.estimates_s.get(d.option, math.inf))
         return stall
 

@@ -185,8 +185,8 @@ def cheapest(cands: Iterable[OptionEstimate]) -> OptionEstimate | None:
 
 
 def decode_choices(pinned: NodeLoad, c: Nodes) -> tuple[NodeLoad, ...]:
-    """Where a P/D turn of a session pinned to `pinned` may decode: there, or (auto, rebalancing on) any D."""
-    if c.knobs.mode != "auto" or not c.knobs.rebalance_decode:
+    """Where a P/D turn of a session pinned to `pinned` may decode: there, or (rebalancing on) any D."""
+    if not c.knobs.rebalance_decode:
         return (pinned,)
     return (pinned, *(d for d in c.decodes if d.url != pinned.url))
 

@@ -4,18 +4,20 @@ No I/O and no clock here: the shell gathers the facts (session state, verified r
 guard, the load view) and executes the plan. The plan's ``reason`` is logged and put on spans, so
 every choice can be explained after the fact.
 
-Policies: ``pull``, ``no-pull`` and ``reference`` are fixed rules (below), ``dynamo`` and ``llm-d`` the rules
-those gateways ship (``peers.py``); ``auto`` asks the cost model
-(``costmodel.choose``) to weigh "run the turn on the pinned decode node" (``HandleAction.DECODE_LOCAL``)
-against "prefill + pull from decode" and "cold prefill", and maps its decision onto a :class:`Plan`.
+Every policy is one :class:`Rule` in ``RULES``, by the name an operator configures: ``pull``, ``no-pull`` and
+``reference`` are fixed rules (below), ``dynamo`` and ``llm-d`` the rules those gateways ship (``peers.py``);
+``auto`` asks the cost model (``costmodel.choose``) to weigh "run the turn on the pinned decode node"
+(``HandleAction.DECODE_LOCAL``) against "prefill + pull from decode" and "cold prefill", and maps its decision
+onto a :class:`Plan`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Final, Protocol
 
 from kvtether.gateway.policy.costmodel import choose
 from kvtether.gateway.policy.estimates import EstimatorSnapshot
@@ -107,23 +109,45 @@ def _healthy(nodes: Sequence[NodeLoad], exclude: frozenset[str]) -> list[NodeLoa
     return [n for n in nodes if n.healthy and n.url not in exclude]
 
 
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """What a rule may read besides the turn and the cluster: the learned node speeds and cost-model parameters
+    (auto), the peer gateways' parameters (dynamo, llm-d)."""
+
+    estimates: EstimatorSnapshot = field(default_factory=EstimatorSnapshot)
+    knobs: PolicyKnobs = field(default_factory=PolicyKnobs)
+    peers: PeerKnobs = field(default_factory=PeerKnobs)
+
+
+class Rule(Protocol):
+    """A placement policy: the turn, the cluster and the inputs in, a plan with its reason out (pure)."""
+
+    def __call__(self, turn: Turn, cluster: ClusterView, inputs: PlanInputs, /) -> Plan: ...
+
+
 def plan(turn: Turn, cluster: ClusterView, estimates: EstimatorSnapshot | None = None,
          knobs: PolicyKnobs | None = None, peers: PeerKnobs | None = None) -> Plan:
-    """`estimates` and `knobs` are read by the "auto" policy only (defaults: seeds, default knobs), `peers` by
-    the peer gateways' rules (policy/peers.py)."""
-    if turn.policy == "reference":
-        return _plan_reference(turn, cluster)
-    if turn.policy == "auto":
-        return _plan_auto(turn, cluster, estimates or EstimatorSnapshot(), knobs or PolicyKnobs())
+    """Place a turn by its policy's rule (``RULES``); inputs left out take their defaults."""
+    rule = RULES.get(turn.policy)
+    if rule is None:
+        raise ValueError(f"unknown placement policy {turn.policy!r}; known: {', '.join(RULES)}")
+    return rule(turn, cluster, PlanInputs(estimates or EstimatorSnapshot(), knobs or PolicyKnobs(),
+                                          peers or PeerKnobs()))
+
+
+def _plan_pull(turn: Turn, cluster: ClusterView, _inputs: PlanInputs) -> Plan:
+    """Always prefill on P, pulling the verified part of the session's handle when there is one."""
     decode, re_placed, d_reason = _choose_decode(turn, cluster)
-    if turn.policy in PEER_POLICIES:
-        return _plan_peer(turn, cluster, decode, re_placed, d_reason, peers or PeerKnobs())
-    if turn.policy == "no-pull":
-        p = _preferred_p(cluster.prefill, turn)
-        if p is None:
-            raise NoCapacity("prefill")
-        return Plan(p.url, decode, HandleAction.NONE, 0, f"{d_reason}; policy no-pull: cold prefill", None, re_placed)
     return _choose_reuse(turn, cluster, decode, re_placed, d_reason)
+
+
+def _plan_no_pull(turn: Turn, cluster: ClusterView, _inputs: PlanInputs) -> Plan:
+    """Classic disaggregation: P recomputes what its own prefix cache lacks; no handle is ever sent."""
+    decode, re_placed, d_reason = _choose_decode(turn, cluster)
+    p = _preferred_p(cluster.prefill, turn)
+    if p is None:
+        raise NoCapacity("prefill")
+    return Plan(p.url, decode, HandleAction.NONE, 0, f"{d_reason}; policy no-pull: cold prefill", None, re_placed)
 
 
 def _choose_decode(turn: Turn, cluster: ClusterView) -> tuple[str, bool, str]:
@@ -208,15 +232,14 @@ def _usable_reuse(turn: Turn) -> tuple[int, str | None]:
     return reuse, None
 
 
-def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: PolicyKnobs) -> Plan:
+def _plan_auto(turn: Turn, cluster: ClusterView, inputs: PlanInputs) -> Plan:
     """The cost-based choice (costmodel.choose) as a Plan.
 
     Without a verified prompt length the cost model has nothing to weigh: the turn goes the "pull" rule's
     way (cold unless a handle is verified, which needs the prompt's tokens anyway).
     """
     if turn.prompt_tokens is None or turn.prompt_tokens < 1:
-        decode, re_placed, d_reason = _choose_decode(turn, cluster)
-        return _choose_reuse(turn, cluster, decode, re_placed, d_reason)
+        return _plan_pull(turn, cluster, inputs)
     reuse, refused = _usable_reuse(turn)
     pinned = turn.pinned_decode
     pinned_alive = pinned is not None and any(
@@ -237,12 +260,13 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
         request_stall_credit_s=turn.request_stall_credit_s,
         request_stall_quota_s=turn.request_stall_quota_s,
     )
+    knobs = inputs.knobs
     if not turn.allow_local:
         # A decode-local leg just failed: an over-limit local turn stays possible only as the last resort.
         knobs = replace(knobs, max_local_suffix_tokens=0)
     try:
-        d = choose(facts, pinned if pinned_alive else None, cluster.prefill, cluster.decode, est, knobs,
-                     exclude=turn.exclude, round_robin=turn.round_robin)
+        d = choose(facts, pinned if pinned_alive else None, cluster.prefill, cluster.decode, inputs.estimates, knobs,
+                   exclude=turn.exclude)
     except NoFeasibleOption as exc:
         raise NoCapacity("decode" if "decode" in exc.why else "prefill") from None
     # Off the pinned D: it is lost, or (rebalancing) a P/D turn decodes on a lighter D and the pin moves.
@@ -266,14 +290,14 @@ def _plan_auto(turn: Turn, cluster: ClusterView, est: EstimatorSnapshot, knobs: 
     return Plan(d.prefill_url, d.decode_url, HandleAction.NONE, 0, d.reason, outcome, re_placed, d)
 
 
-def _plan_peer(turn: Turn, cluster: ClusterView, decode: str, re_placed: bool, d_reason: str,
-               knobs: PeerKnobs) -> Plan:
+def _plan_peer(turn: Turn, cluster: ClusterView, inputs: PlanInputs) -> Plan:
     """Dynamo's or llm-d's rule: the turn prefilled on its decode node, or disaggregated without a pull."""
+    decode, re_placed, d_reason = _choose_decode(turn, cluster)
     p = _preferred_p(cluster.prefill, turn)
     d = next((n for n in cluster.decode if n.url == decode), None)
     # What the decode node's prefix cache holds of the prompt: nothing on a node the session was moved to.
     cached = turn.decode_cached_tokens if not re_placed and decode == turn.pinned_decode else 0
-    verdict = decide(turn.policy, turn.prompt_tokens, cached, p, d, knobs)
+    verdict = decide(turn.policy, turn.prompt_tokens, cached, p, d, inputs.peers)
     if verdict.local and turn.allow_local:
         return Plan(None, decode, HandleAction.DECODE_LOCAL, 0, f"{d_reason}; {verdict.reason}", None, re_placed)
     if p is None:
@@ -282,7 +306,7 @@ def _plan_peer(turn: Turn, cluster: ClusterView, decode: str, re_placed: bool, d
     return Plan(p.url, decode, HandleAction.NONE, 0, f"{d_reason}; {why}", None, re_placed)
 
 
-def _plan_reference(turn: Turn, cluster: ClusterView) -> Plan:
+def _plan_reference(turn: Turn, cluster: ClusterView, _inputs: PlanInputs) -> Plan:
     """vLLM's reference multi-turn proxy: round-robin P and D, the conversation's handle sent blindly."""
     ps, ds = _healthy(cluster.prefill, turn.exclude), _healthy(cluster.decode, turn.exclude)
     if not ps:
@@ -295,6 +319,15 @@ def _plan_reference(turn: Turn, cluster: ClusterView) -> Plan:
                     "reference policy: round-robin, conversation handle attached unchecked", "attached")
     outcome = None if turn.new_session else turn.handle.value
     return Plan(p.url, d.url, HandleAction.NONE, 0, "reference policy: round-robin, no handle", outcome)
+
+
+RULES: Final[Mapping[str, Rule]] = {
+    "auto": _plan_auto,
+    "pull": _plan_pull,
+    "no-pull": _plan_no_pull,
+    "reference": _plan_reference,
+    **{name: _plan_peer for name in PEER_POLICIES},
+}
 
 
 def plan_aggregated(pinned: str | None, replicas: Sequence[NodeLoad], exclude: frozenset[str] = frozenset()) -> Plan:

@@ -136,8 +136,6 @@ def _peer_bucket(reason: str) -> str | None:
 
 
 def _cost_bucket(plan: Plan, decision: CostDecision) -> str:
-    if decision.policy != "auto":
-        return POLICY_FIXED  # the cost model's pull / no-pull / reference modes: rules, priced
     if decision.forced:
         return FORCED
     pull, local = _option(decision, "pull"), _option(decision, "decode_local")

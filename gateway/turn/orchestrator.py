@@ -297,7 +297,7 @@ def peer_knobs(config: GatewayConfig) -> PeerKnobs:
 def policy_knobs(config: GatewayConfig) -> PolicyKnobs:
     """The cost model's parameters: the operator's settings, then any [gateway.tuning] overrides."""
     return PolicyKnobs(
-        mode="auto", max_local_suffix_tokens=config.max_local_suffix_tokens, tpot_budget_s=config.tpot_budget_s,
+        max_local_suffix_tokens=config.max_local_suffix_tokens, tpot_budget_s=config.tpot_budget_s,
         recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,
         block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,
         rebalance_decode=config.rebalance_decode, local_kv_veto=config.decode_pressure_usage,
