@@ -141,7 +141,7 @@ class GatewayConfig:
     # Each request decoding on a decode node may lose at most this share of its expected decode time to
     # decode-local prefills (policy/stallquota.py): about the TPOT increase local turns may cost it. 1 turns
     # decode-local turns' stall limit off. 0.15: TPOT p95 within +6 % of classic P/D on GLM-5 paced over three
-    # session sets pooled, where 0.2 gave +12 % (docs/placement.md).
+    # session sets pooled, where 0.2 gave +12 % (docs/cost-model.md).
     request_stall_share: float = 0.15
     # The engines' max_num_batched_tokens: a local prefill is spread over steps of this many tokens.
     chunk_tokens: int = _KNOBS.chunk_tokens

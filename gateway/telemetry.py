@@ -103,6 +103,8 @@ EVENT_FIRST_TOKEN = "first_token"
 HEADER_REUSE_SOURCE = "x-kvtether-reuse-source"
 HEADER_REUSE_TOKENS = "x-kvtether-reuse-tokens"
 HEADER_PLAN = "x-kvtether-plan"
+# The bucket of the plan's reason (policy/reasons.py): a closed set, so no node URL or estimate reaches a client.
+HEADER_PLAN_REASON = "x-kvtether-plan-reason"
 # Hosted tools the gateway left out of an Agent-API turn (hosted_tools = "drop"): their types, comma-separated.
 HEADER_DROPPED_TOOLS = "x-kvtether-dropped-tools"
 
@@ -307,10 +309,13 @@ def guard_verdict(reuse: int, held: int, min_reuse: int) -> str:
     return "match" if reuse >= held else "partial"
 
 
-def reuse_headers(source: str, tokens: int | None, plan_action: str | None) -> dict[str, str]:
+def reuse_headers(source: str, tokens: int | None, plan_action: str | None,
+                  reason_bucket: str | None = None) -> dict[str, str]:
     out = {HEADER_REUSE_SOURCE: source, HEADER_REUSE_TOKENS: str(tokens or 0)}
     if plan_action:
         out[HEADER_PLAN] = plan_action
+    if reason_bucket:
+        out[HEADER_PLAN_REASON] = reason_bucket
     return out
 
 

@@ -55,7 +55,7 @@ async def test_each_planned_turn_counts_its_option_and_reason(policy: str) -> No
         app = create_app(cfg, tracer_provider=provider)
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             before = decisions((await client.get(f"{url}/metrics")).text)
-            actions = []
+            actions, answered = [], []
             messages = first_messages(70)
             for turn, words in enumerate(suffixes):
                 sent = messages
@@ -66,6 +66,7 @@ async def test_each_planned_turn_counts_its_option_and_reason(policy: str) -> No
                 body = {**request_body(sent, stream=turn % 2 == 1), "tool_choice": "required"}
                 got = await chat(client, url, body, {"x-session-id": f"decisions-{policy}"}, response_headers=meta)
                 actions.append(meta[T.HEADER_PLAN])
+                answered.append(meta[T.HEADER_PLAN_REASON])
                 if words != EDITED:
                     messages = next_messages(messages, got, 70, turn, result_words=int(words))
             after = decisions((await client.get(f"{url}/metrics")).text)
@@ -75,5 +76,6 @@ async def test_each_planned_turn_counts_its_option_and_reason(policy: str) -> No
     buckets = [dict(s.attributes or {})[T.ATTR_PLAN_REASON_BUCKET] for s in exporter.get_finished_spans()
                if s.name == T.SPAN_PLAN]
     assert list(zip(actions, buckets, strict=True)) == want
+    assert answered == buckets  # the answer names the same bucket the span and the metric count
     counted = {k: v for k, v in after.items() if v}
     assert counted == dict(Counter(want)), after

@@ -4,7 +4,7 @@ constants, each with where its value comes from.
 The constants can be overridden for experiments through the gateway's ``[gateway.tuning]`` table
 (``GatewayConfig.tuning``); that is not a stable interface. "GLM-5 paced" below means
 ``benchmarks/placement_policies.py`` on the simulated GLM-5-FP8 8×H200 preset, 16 paced agent sessions,
-P's prefix caching off (docs/placement.md has the figures).
+P's prefix caching off (docs/cost-model.md has the figures).
 """
 
 from __future__ import annotations

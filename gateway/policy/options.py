@@ -4,7 +4,7 @@ the limits that make an option infeasible.
 ``Nodes`` is what one decision sees: the healthy nodes not excluded, the estimator's snapshot and the
 knobs. ``local_option``, ``pull_option`` and ``cold_option`` each return an :class:`OptionEstimate`;
 ``immediate`` all three.
-The formulas are in costmodel.py's docstring and docs/placement.md.
+The formulas are in costmodel.py's docstring and docs/cost-model.md.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class Orchestrator:
                 sv.metrics.reused_tokens.labels(source).inc(reused)
                 d_kv = B.with_host(prefilled.params, host_of(the_plan.prefill or "")) if prefilled.params else None
                 d_body = B.decode_body(ctx.body, d_kv, want_token_ids=sv.config.guarded or sv.config.cache_aware)
-            ctx.response_headers = T.reuse_headers(source, reused, the_plan.action.value)
+            ctx.response_headers = T.reuse_headers(source, reused, the_plan.action.value, reason_bucket(the_plan))
             T.set_attrs(ctx.span, {T.ATTR_REUSE_TOKENS: reused, T.ATTR_SUFFIX_TOKENS:
                                    len(g.prompt_ids) - reused if g.prompt_ids is not None else None})
             try:
