@@ -23,7 +23,9 @@ workloads get Poisson session arrivals; the trace keeps its own.
 
     python benchmarks/goodput.py                       # every workload, 3 loads (about 20-40 min here)
     python benchmarks/goodput.py --workloads chat --loads 1,2 --options auto,colocated --sessions 4
-Writes benchmarks/results/goodput.json and goodput.png.
+    python benchmarks/goodput.py --seed 2 --out /tmp/s2 ...          # more seeds, then one table of all:
+    python benchmarks/goodput.py --pool /tmp/s1/goodput.json /tmp/s2/goodput.json /tmp/s3/goodput.json
+Writes benchmarks/results/goodput.json (or goodput-pooled.json) and goodput.png.
 """
 
 from __future__ import annotations
@@ -85,11 +87,22 @@ def workload(name: str, st: Settings) -> list[Any]:
         s = import_file(ROOT / "examples/sessions/aiperf-long-docs.jsonl", "aiperf", model=model)
         return _with_arrivals(s[: st.sessions], 4000.0, st.seed + 2)
     if name == "trace":
-        s = import_file(ROOT / "examples/traces/mooncake-conversation-sample.jsonl", "mooncake", model=model)
-        # The trace's first sessions, their arrivals as recorded; think times capped so a run fits here.
-        return [replace(x, turns=[replace(t, delay_ms=min(t.delay_ms, 20_000.0)) for t in x.turns])
-                for x in s[: st.sessions]]
+        return _trace_window(st)
     raise SystemExit(f"unknown workload {name!r}")
+
+
+def _trace_window(st: Settings) -> list[Any]:
+    """`st.sessions` consecutive sessions of the trace, the seed-th window (wrapping), their arrivals as
+    recorded from the window's first; think times capped so a run fits here."""
+    from kvtether.cli.importers import import_file
+
+    every = import_file(ROOT / "examples/traces/mooncake-conversation-sample.jsonl", "mooncake", model="kvtether-sim")
+    start = ((st.seed - 1) * st.sessions) % max(1, len(every))
+    window = (every + every)[start: start + min(st.sessions, len(every))]
+    t0 = min((x.metadata or {}).get("start_offset_ms", 0.0) for x in window)
+    return [replace(x, metadata={**(x.metadata or {}),
+                                 "start_offset_ms": (x.metadata or {}).get("start_offset_ms", 0.0) - t0},
+                    turns=[replace(t, delay_ms=min(t.delay_ms, 20_000.0)) for t in x.turns]) for x in window]
 
 
 async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st: Settings) -> dict[str, Any]:
@@ -110,7 +123,9 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
     return {"option": option, "rate": rate, "attainment": a["attainment"], "met": a["met"], "turns": a["turns"],
             "errors": sum(1 for r in run.results if not r.ok and not r.skipped),
             "late_ttft_ms": {q: _pct(late, q) for q in ("p50", "p95", "p99")},
-            "tpot_p95_ms": _pct(tpots, "p95"), "wall_s": round(time.perf_counter() - t0, 1)}
+            "tpot_p95_ms": _pct(tpots, "p95"), "wall_s": round(time.perf_counter() - t0, 1),
+            # The samples, so runs of several seeds pool into one table (--pool).
+            "late_ttft_samples": [round(x, 1) for x in late], "tpot_samples": [round(x, 2) for x in tpots]}
 
 
 def _pct(xs: list[float], q: str) -> float | None:
@@ -145,6 +160,36 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         out["workloads"][w] = {"sessions": len(sessions), "turns": sum(len(s.turns) for s in sessions),
                                "runs": rows, "goodput": gp}
     return out
+
+
+def pool(outs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of several seeds as one: per workload, option and load, the turns and their samples together."""
+    from kvtether.cli.report import goodput
+
+    first = outs[0]
+    pooled: dict[str, Any] = {**first, "seeds": [o["settings"]["seed"] for o in outs], "workloads": {}}
+    for w in first["workloads"]:
+        groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+        for o in outs:
+            for r in o["workloads"].get(w, {}).get("runs", []):
+                groups.setdefault((r["option"], r["rate"]), []).append(r)
+        rows = []
+        for (option, rate), rs in groups.items():
+            late = sorted(x for r in rs for x in r["late_ttft_samples"])
+            tpots = sorted(x for r in rs for x in r["tpot_samples"])
+            met, turns = sum(r["met"] for r in rs), sum(r["turns"] for r in rs)
+            rows.append({"option": option, "rate": rate, "attainment": met / turns if turns else None, "met": met,
+                         "turns": turns, "errors": sum(r["errors"] for r in rs),
+                         "late_ttft_ms": {q: _pct(late, q) for q in ("p50", "p95", "p99")},
+                         "tpot_p95_ms": _pct(tpots, "p95"), "runs": len(rs)})
+        options = list(dict.fromkeys(r["option"] for r in rows))
+        pooled["workloads"][w] = {
+            "sessions": sum(o["workloads"][w]["sessions"] for o in outs if w in o["workloads"]),
+            "turns": sum(o["workloads"][w]["turns"] for o in outs if w in o["workloads"]),
+            "runs": rows,
+            "goodput": {o: goodput([(r["rate"], r["attainment"]) for r in rows if r["option"] == o]) for o in options},
+        }
+    return pooled
 
 
 def _load(g: float | None) -> str:
@@ -209,7 +254,17 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=Settings.sessions)
     ap.add_argument("--seed", type=int, default=Settings.seed)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
+                    help="pool the goodput.json of runs with different --seed into one table and plot")
     args = ap.parse_args()
+    if args.pool:
+        out = pool([json.loads(f.read_text()) for f in args.pool])
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "goodput-pooled.json").write_text(json.dumps(out, indent=1))
+        plot(out, args.out / "goodput.png")
+        print(render(out))
+        print(f"\nseeds {out['seeds']} pooled; written {args.out / 'goodput-pooled.json'} and goodput.png")
+        return 0
     unknown = set(args.options.split(",")) - set(OPTIONS)
     if unknown:
         ap.error(f"unknown options {sorted(unknown)}; known: {', '.join(OPTIONS)}")

@@ -41,6 +41,33 @@ def test_the_table_names_each_options_goodput_and_late_turn_figures() -> None:
     assert "| no-pull | 20.0 % | 10.0 % | none |" in text
 
 
+def test_seeds_pool_into_one_table_of_every_turn() -> None:
+    """Attainment pooled is met over turns of all seeds together (not a mean of shares), percentiles are of
+    the samples together, and goodput is read off the pooled attainment."""
+    g = _bench()
+
+    def run(seed: int, met: int, turns: int, late: list[float]) -> dict[str, object]:
+        r = {"option": "auto", "rate": 1.0, "attainment": met / turns, "met": met, "turns": turns, "errors": 0,
+             "late_ttft_samples": late, "tpot_samples": [7.0] * len(late)}
+        return {"settings": {"seed": seed}, "loads": [1.0], "workloads": {"chat": {
+            "sessions": 2, "turns": turns, "runs": [r], "goodput": {"auto": None}}}}
+
+    out = g.pool([run(1, 9, 10, [100.0, 200.0]), run(2, 28, 30, [300.0, 400.0])])
+    pooled = out["workloads"]["chat"]
+    (row,) = pooled["runs"]
+    assert (row["met"], row["turns"]) == (37, 40) and row["attainment"] == pytest.approx(0.925)
+    assert row["late_ttft_ms"]["p50"] == 300.0 and row["late_ttft_ms"]["p99"] == 400.0
+    assert pooled["goodput"] == {"auto": 1.0} and out["seeds"] == [1, 2]
+
+
+def test_the_trace_workload_takes_a_different_window_per_seed() -> None:
+    g = _bench()
+    first = g.workload("trace", g.Settings(sessions=4, seed=1))
+    second = g.workload("trace", g.Settings(sessions=4, seed=2))
+    assert {s.session_id for s in first}.isdisjoint({s.session_id for s in second})
+    assert min(s.metadata["start_offset_ms"] for s in second) == 0.0  # arrivals from the window's first
+
+
 @pytest.mark.anyio
 @pytest.mark.timeout(300)
 async def test_a_tiny_run_gives_attainment_and_goodput_per_option(tmp_path: Path) -> None:
