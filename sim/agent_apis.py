@@ -1,5 +1,5 @@
 """``/v1/responses`` and ``/v1/messages`` on a simulated node, as vLLM serves them: each request lowered to a
-chat completion by vLLM's rules (``kvtether.sdk.apis``, the translation the gateway uses too), run as one, and
+chat completion by vLLM's rules (``kvtether.protocol``, the translation the gateway uses too), run as one, and
 its answer or stream raised back.
 
 What vLLM's own endpoints do and the simulator copies (0.32–0.34):
@@ -19,8 +19,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtether.sdk.apis import messages as M
-from kvtether.sdk.apis import responses as R
+from kvtether.protocol import messages as M
+from kvtether.protocol import responses as R
 from kvtether.sim.requests import BadRequest, chat_prompt_ids
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse

@@ -1,4 +1,6 @@
-"""What the API translations share with the gateway's guard and with each other."""
+"""What the Responses and Messages translations share with each other and with the gateway: the choice of what
+becomes of hosted tools (and a hosted tool's family, a metric label), a translation's result, and vLLM's folding
+of a reasoning effort into the chat template's kwargs."""
 
 from __future__ import annotations
 
