@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtether.protocol import messages as M
 from kvtether.protocol import responses as R
+from kvtether.protocol.wire import KV_FIELD, openai_error_body
 from kvtether.sim.requests import BadRequest, chat_prompt_ids
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from kvtether.sim.node import SimNode
 
 Complete = Callable[[Any, Request], Awaitable[Response]]
-KV_FIELD = "kv_transfer_params"
 # vLLM reads no encrypted reasoning at all: a seal of a key nobody holds refuses every one.
 _NO_SEAL = R.ReasoningSeal(os.urandom(32))
 
@@ -113,8 +113,7 @@ def agent_api_routes(node: SimNode, complete: Complete) -> list[Route]:
 
 def _openai_error(status: int, message: str, param: str | None) -> JSONResponse:
     kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+    return JSONResponse(openai_error_body(message, kind, param, status), status_code=status)
 
 
 async def _chunks(answer: StreamingResponse) -> AsyncIterator[dict[str, Any] | None]:

@@ -98,6 +98,7 @@ from typing import Any, Final
 
 from kvtether.protocol.common import HostedTools, Translation, effort_in_template_kwargs, once
 from kvtether.protocol.messages.common import BILLING_HEADER_PREFIX, invalid
+from kvtether.protocol.wire import KV_FIELD
 
 # Anthropic's effort levels (vLLM's AnthropicEffort), and what thinking.type=disabled may map to.
 EFFORTS: Final = ("low", "medium", "high", "xhigh", "max")
@@ -220,8 +221,8 @@ def _refuse_unserved(body: Mapping[str, Any]) -> None:
     if body.get("mcp_servers"):
         raise invalid("mcp_servers: the MCP connector (tools run on the API's side) is not served here; "
                       "declare the tools in `tools` and run them in the client")
-    if "kv_transfer_params" in body:
-        raise invalid("kv_transfer_params: set by the gateway, not by clients")
+    if KV_FIELD in body:
+        raise invalid(f"{KV_FIELD}: set by the gateway, not by clients")
 
 
 def _max_tokens(value: Any) -> int:

@@ -55,6 +55,7 @@ from kvtether.protocol.responses.common import (
     flat_name,
     invalid,
 )
+from kvtether.protocol.wire import KV_FIELD
 
 # Request fields with no counterpart the gateway can serve, and why (a 400 names the field and the reason).
 UNSERVED_FIELDS: dict[str, str] = {
@@ -98,9 +99,8 @@ def translate(body: Mapping[str, Any], *, seal: ReasoningSeal, history: Sequence
               hosted_tools: HostedTools = "refuse") -> Translation:
     """:func:`to_chat`, with a choice of what becomes of hosted tools: ``"refuse"`` (400) or ``"drop"`` (left
     out of the turn, their types reported in ``dropped``)."""
-    if "kv_transfer_params" in body:
-        raise ResponsesError(400, "kv_transfer_params is set by the gateway, not by clients", "kv_transfer_params",
-                             "forbidden_parameter")
+    if KV_FIELD in body:
+        raise ResponsesError(400, f"{KV_FIELD} is set by the gateway, not by clients", KV_FIELD, "forbidden_parameter")
     for name, why in UNSERVED_FIELDS.items():
         if body.get(name):
             raise invalid(f"`{name}`: {why}", name)
