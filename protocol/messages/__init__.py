@@ -3,7 +3,7 @@ chat request (the field table is in its docstring), ``answer`` raises a whole ch
 ``stream`` a chat stream to Messages events; ``common`` holds what they share (Anthropic's errors). The names
 callers use are re-exported here."""
 
-from kvtether.protocol.messages.answer import from_chat, thinking_signature
+from kvtether.protocol.messages.answer import chat_answer, chat_finish_reason, from_chat, thinking_signature
 from kvtether.protocol.messages.common import MessagesError, error_body, from_openai_error
 from kvtether.protocol.messages.request import count_tokens_body, is_anthropic_defined, to_chat, translate
 from kvtether.protocol.messages.stream import StreamTranslator, error_event, sse
@@ -11,6 +11,8 @@ from kvtether.protocol.messages.stream import StreamTranslator, error_event, sse
 __all__ = [
     "MessagesError",
     "StreamTranslator",
+    "chat_answer",
+    "chat_finish_reason",
     "count_tokens_body",
     "error_body",
     "error_event",

@@ -1,12 +1,15 @@
 """A whole chat completion → the Anthropic Messages answer it stands for (what the gateway answers, and the
-simulator as vLLM does)."""
+simulator as vLLM does); and, for clients that read Messages answers in chat terms (the SDK's metrics and
+recorder), an answer back to the chat answer it stands for."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
+
+from kvtether.protocol.messages.request import translate
 
 # vLLM's Anthropic stop-reason vocabulary, keyed by the chat finish reason it maps from.
 STOP_REASONS: Final = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -144,3 +147,28 @@ def from_chat(chat_response: Mapping[str, Any], model: str) -> dict[str, Any]:
         "stop_sequence": sequence,
         "usage": usage(chat_response.get("usage")),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Back to chat: an answer as the chat answer it stands for
+
+# STOP_REASONS read backwards; a matched stop sequence is a chat ``stop`` too.
+_FINISH_REASONS: Final = {**{anthropic: chat for chat, anthropic in STOP_REASONS.items()}, "stop_sequence": "stop"}
+
+
+def chat_answer(content: Iterable[Any]) -> dict[str, Any]:
+    """The chat assistant message for an answer's content blocks: the message the next request carries them as
+    (the lenient request translation: blocks with no chat form are left out), with ``content`` null when the
+    answer has no text."""
+    chat = translate({"messages": [{"role": "assistant", "content": list(content)}]}, lenient=True).chat
+    answer = dict(chat["messages"][0])
+    answer.setdefault("content", None)
+    return answer
+
+
+def chat_finish_reason(stop_reason: Any) -> str | None:
+    """An answer's ``stop_reason`` as the chat finish reason it stands for; one with no chat counterpart
+    (``pause_turn``, ``refusal``…) as it is."""
+    if not isinstance(stop_reason, str):
+        return None
+    return _FINISH_REASONS.get(stop_reason, stop_reason)

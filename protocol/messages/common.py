@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any, Final
 
+from kvtether.protocol.common import Refused
+
 # Claude Code's per-request attribution block in ``system``: vLLM leaves it out of the prompt.
 BILLING_HEADER_PREFIX: Final = "x-anthropic-billing-header"
 
@@ -25,7 +27,7 @@ ERROR_TYPES: Final[Mapping[int, str]] = {
 }
 
 
-class MessagesError(Exception):
+class MessagesError(Refused):
     """A request the Messages API refuses, with the HTTP status and Anthropic ``error.type`` to answer it with."""
 
     def __init__(self, status: int, type: str, message: str) -> None:

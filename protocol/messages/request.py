@@ -86,6 +86,12 @@ unparseable tool arguments become ``input: {}`` (vLLM answers 500); the first st
 translated (vLLM skips that chunk's delta); ``message_delta`` is also sent at ``[DONE]`` when no usage chunk
 came; signatures of thinking blocks are a hash of their text (vLLM: a random uuid — either way nothing
 checks them, and a hash keeps the translation pure).
+
+A lenient translation (:func:`translate` with ``lenient=True``) is for a request some server already took,
+written as the chat turn it stands for (the SDK's recorder): it refuses nothing, leaves out each piece a strict
+one refuses (a message, a block, a tool, a malformed field, a ``tool_choice`` that cannot hold) and drops
+Anthropic-defined tools; ``model`` and ``max_tokens`` may be missing. Whatever it keeps becomes exactly what the
+gateway sends.
 """
 
 from __future__ import annotations
@@ -96,8 +102,16 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from kvtether.protocol.common import HostedTools, Translation, effort_in_template_kwargs, once
-from kvtether.protocol.messages.common import BILLING_HEADER_PREFIX, invalid
+from kvtether.protocol.common import (
+    HostedTools,
+    Translation,
+    effort_in_template_kwargs,
+    leave_out_refused,
+    once,
+    passes,
+    refuse,
+)
+from kvtether.protocol.messages.common import BILLING_HEADER_PREFIX, MessagesError, invalid
 from kvtether.protocol.wire import KV_FIELD
 
 # Anthropic's effort levels (vLLM's AnthropicEffort), and what thinking.type=disabled may map to.
@@ -137,11 +151,17 @@ def to_chat(body: Mapping[str, Any], *, merge_inline_system: bool = False,
 
 
 def translate(body: Mapping[str, Any], *, hosted_tools: HostedTools = "refuse", merge_inline_system: bool = False,
-              disabled_thinking_effort: str = "none") -> Translation:
+              disabled_thinking_effort: str = "none", lenient: bool = False) -> Translation:
     """:func:`to_chat`, with a choice of what becomes of Anthropic-defined tools: ``"refuse"`` (400) or
-    ``"drop"`` (left out of the turn, their types reported in ``dropped``)."""
+    ``"drop"`` (left out of the turn, their types reported in ``dropped``).
+
+    ``lenient``: for a request some server already took, to be written as the chat turn it stands for (the
+    SDK's recorder). Nothing is refused: each piece a strict translation refuses (a message, a block, a tool,
+    a field, the tool_choice) is left out and Anthropic-defined tools are dropped. What is kept becomes exactly
+    what the gateway sends."""
     return _translate(body, count=False, merge_inline_system=merge_inline_system,
-                      disabled_thinking_effort=disabled_thinking_effort, hosted_tools=hosted_tools)
+                      disabled_thinking_effort=disabled_thinking_effort,
+                      hosted_tools="drop" if lenient else hosted_tools, lenient=lenient)
 
 
 def count_tokens_body(body: Mapping[str, Any], *, merge_inline_system: bool = False,
@@ -164,24 +184,26 @@ def is_anthropic_defined(tool: Any) -> bool:
 
 
 def _translate(body: Mapping[str, Any], *, count: bool, merge_inline_system: bool,
-               disabled_thinking_effort: str, hosted_tools: HostedTools) -> Translation:
+               disabled_thinking_effort: str, hosted_tools: HostedTools, lenient: bool = False) -> Translation:
     if not isinstance(body, Mapping):
         raise invalid("the request body must be a JSON object")
     if disabled_thinking_effort not in DISABLED_THINKING_EFFORTS:
         raise ValueError(f"disabled_thinking_effort must be one of {DISABLED_THINKING_EFFORTS}")
-    _refuse_unserved(body)
+    if not lenient:
+        _refuse_unserved(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise invalid("model: required, a non-empty string")
-    max_tokens = None if count else _max_tokens(body.get("max_tokens"))
+        refuse(invalid("model: required, a non-empty string"), lenient)
+    max_tokens = None if count else _max_tokens(body.get("max_tokens"), lenient)
     drop = hosted_tools == "drop"
-    messages = _check_messages(body.get("messages"), drop_hosted=drop)
-    system = _check_system(body.get("system"))
-    declared, dropped = _check_tools(body.get("tools"), drop_hosted=drop)
-    tools = _resolve_tools(declared, messages, dropped)
-    tool_choice = _check_tool_choice(body.get("tool_choice"))
-    thinking = _check_thinking(body.get("thinking"), max_tokens)
-    effort, response_format = _check_output_config(body.get("output_config"))
+    messages = _check_messages(body.get("messages"), drop_hosted=drop, lenient=lenient)
+    system = _check_system(body.get("system"), lenient)
+    declared, dropped = _check_tools(body.get("tools"), drop_hosted=drop, lenient=lenient)
+    tools = _resolve_tools(declared, messages, dropped, lenient)
+    tool_choice = leave_out_refused(lenient, _check_tool_choice, body.get("tool_choice"))
+    thinking = leave_out_refused(lenient, _check_thinking, body.get("thinking"), max_tokens)
+    effort, response_format = leave_out_refused(lenient, _check_output_config, body.get("output_config")) \
+        or (None, None)
 
     chat_messages: list[dict[str, Any]] = []
     _convert_system(system, messages, chat_messages, merge_inline_system=merge_inline_system)
@@ -189,19 +211,21 @@ def _translate(body: Mapping[str, Any], *, count: bool, merge_inline_system: boo
 
     out: dict[str, Any] = {"model": model, "messages": chat_messages}
     if not count:
-        out["max_tokens"] = max_tokens
-        _copy_sampling(body, out)
+        if max_tokens is not None:
+            out["max_tokens"] = max_tokens
+        _copy_sampling(body, out, lenient)
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, bool):
-            raise invalid("stream: must be a boolean")
+            refuse(invalid("stream: must be a boolean"), lenient)
+            stream = None
         out["stream"] = bool(stream)
         if stream:
             out["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None:
-        if not isinstance(kwargs, Mapping):
-            raise invalid("chat_template_kwargs: must be an object")
+    if isinstance(kwargs, Mapping):
         out["chat_template_kwargs"] = dict(kwargs)
+    elif kwargs is not None:
+        refuse(invalid("chat_template_kwargs: must be an object"), lenient)
     if response_format is not None:
         out["response_format"] = response_format
     # vLLM's order: output_config's effort first, then thinking (disabled overrides the effort).
@@ -213,7 +237,7 @@ def _translate(body: Mapping[str, Any], *, count: bool, merge_inline_system: boo
             out["reasoning_effort"] = disabled_thinking_effort
         elif kind == "enabled" and not count:
             out["thinking_token_budget"] = thinking["budget_tokens"]
-    _convert_tools(tools, tool_choice, out, dropped)
+    _convert_tools(tools, tool_choice, out, dropped, lenient)
     return Translation(out, once([str(t.get("type")) for t in dropped]))
 
 
@@ -225,85 +249,99 @@ def _refuse_unserved(body: Mapping[str, Any]) -> None:
         raise invalid(f"{KV_FIELD}: set by the gateway, not by clients")
 
 
-def _max_tokens(value: Any) -> int:
+def _max_tokens(value: Any, lenient: bool) -> int | None:
     if value is None:
-        raise invalid("max_tokens: required, an integer >= 1")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise invalid("max_tokens: must be an integer >= 1")
-    return value
+        refuse(invalid("max_tokens: required, an integer >= 1"), lenient)
+    elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        refuse(invalid("max_tokens: must be an integer >= 1"), lenient)
+    else:
+        return value
+    return None
 
 
-def _copy_sampling(body: Mapping[str, Any], out: dict[str, Any]) -> None:
+def _copy_sampling(body: Mapping[str, Any], out: dict[str, Any], lenient: bool) -> None:
+    """The sampling fields, each checked (lenient: a refused one is left out)."""
     stop = body.get("stop_sequences")
     if stop is not None:
-        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-            raise invalid("stop_sequences: must be a list of strings")
-        out["stop"] = list(stop)
+        if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            out["stop"] = list(stop)
+        else:
+            refuse(invalid("stop_sequences: must be a list of strings"), lenient)
     for name in ("temperature", "top_p"):
         value = body.get(name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise invalid(f"{name}: must be a number")
-        out[name] = value
+            refuse(invalid(f"{name}: must be a number"), lenient)
+        else:
+            out[name] = value
     for name, low in (("top_k", -1), ("min_tokens", 0)):
         value = body.get(name)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise invalid(f"{name}: must be an integer >= {low}")
-        if name == "min_tokens" and value == 0:
-            continue  # vLLM's default: the same request without it
-        out[name] = value
+            refuse(invalid(f"{name}: must be an integer >= {low}"), lenient)
+        elif not (name == "min_tokens" and value == 0):  # vLLM's default: the same request without it
+            out[name] = value
     salt = body.get("cache_salt")
     if salt is not None:
-        if not (isinstance(salt, str) and 0 < len(salt) <= 1024):
-            raise invalid("cache_salt: must be a string of 1-1024 characters")
-        out["cache_salt"] = salt
+        if isinstance(salt, str) and 0 < len(salt) <= 1024:
+            out["cache_salt"] = salt
+        else:
+            refuse(invalid("cache_salt: must be a string of 1-1024 characters"), lenient)
     xargs = body.get("vllm_xargs")
     if xargs is not None:
-        if not isinstance(xargs, Mapping):
-            raise invalid("vllm_xargs: must be an object")
-        out["vllm_xargs"] = dict(xargs)
+        if isinstance(xargs, Mapping):
+            out["vllm_xargs"] = dict(xargs)
+        else:
+            refuse(invalid("vllm_xargs: must be an object"), lenient)
     watermarking = body.get("watermarking")
     if watermarking is not None:
-        if not isinstance(watermarking, bool):
-            raise invalid("watermarking: must be a boolean")
-        out["watermarking"] = watermarking
+        if isinstance(watermarking, bool):
+            out["watermarking"] = watermarking
+        else:
+            refuse(invalid("watermarking: must be a boolean"), lenient)
 
 
 # --- validation of the request's shape (every message names the field) -----------------------------------
 
 
-def _check_messages(messages: Any, *, drop_hosted: bool = False) -> list[Mapping[str, Any]]:
+def _check_messages(messages: Any, *, drop_hosted: bool = False, lenient: bool = False) -> list[Mapping[str, Any]]:
+    """The messages, checked; lenient: without those that would be refused, and the others without the blocks
+    that would be."""
     if not isinstance(messages, list) or not messages:
-        raise invalid("messages: required, a non-empty list of {role, content}")
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, Mapping):
-            raise invalid(f"{where}: must be an object with role and content")
-        role = msg.get("role")
-        # vLLM accepts role "system" inside messages too (Claude Code's per-turn reminders).
-        if role not in ("user", "assistant", "system"):
-            raise invalid(f"{where}.role: must be \"user\" or \"assistant\" (or \"system\"), got {role!r}")
-        content = msg.get("content")
-        if isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise invalid(f"{where}.content: required, a string or a list of content blocks")
-        for j, block in enumerate(content):
-            _check_block(block, f"{where}.content[{j}]", role=role, drop_hosted=drop_hosted)
-    return messages
+        refuse(invalid("messages: required, a non-empty list of {role, content}"), lenient)
+        return []
+    kept = (leave_out_refused(lenient, _check_message, msg, f"messages[{i}]", drop_hosted, lenient)
+            for i, msg in enumerate(messages))
+    return [msg for msg in kept if msg is not None]
 
 
-def _check_system(system: Any) -> str | list[Mapping[str, Any]] | None:
+def _check_message(msg: Any, where: str, drop_hosted: bool, lenient: bool) -> Mapping[str, Any]:
+    if not isinstance(msg, Mapping):
+        raise invalid(f"{where}: must be an object with role and content")
+    role = msg.get("role")
+    # vLLM accepts role "system" inside messages too (Claude Code's per-turn reminders).
+    if role not in ("user", "assistant", "system"):
+        raise invalid(f"{where}.role: must be \"user\" or \"assistant\" (or \"system\"), got {role!r}")
+    content = msg.get("content")
+    if isinstance(content, str):
+        return msg
+    if not isinstance(content, list):
+        raise invalid(f"{where}.content: required, a string or a list of content blocks")
+    blocks = [block for j, block in enumerate(content)
+              if passes(lenient, _check_block, block, f"{where}.content[{j}]", role=role, drop_hosted=drop_hosted)]
+    return msg if len(blocks) == len(content) else {**msg, "content": blocks}
+
+
+def _check_system(system: Any, lenient: bool = False) -> str | list[Mapping[str, Any]] | None:
     if system is None or isinstance(system, str):
         return system
     if not isinstance(system, list):
-        raise invalid("system: must be a string or a list of content blocks")
-    for j, block in enumerate(system):
-        _check_block(block, f"system[{j}]", role="top-level system")
-    return system
+        refuse(invalid("system: must be a string or a list of content blocks"), lenient)
+        return None
+    return [block for j, block in enumerate(system)
+            if passes(lenient, _check_block, block, f"system[{j}]", role="top-level system")]
 
 
 def _check_block(block: Any, where: str, *, role: str, drop_hosted: bool = False) -> None:
@@ -367,20 +405,21 @@ def _optional_str(block: Mapping[str, Any], key: str, where: str) -> None:
         raise invalid(f"{where}.{key}: must be a string")
 
 
-def _check_tools(tools: Any, *, drop_hosted: bool = False
+def _check_tools(tools: Any, *, drop_hosted: bool = False, lenient: bool = False
                  ) -> tuple[list[Mapping[str, Any]] | None, list[Mapping[str, Any]]]:
-    """The declared tools, checked; with ``drop_hosted``, without the Anthropic-defined ones (the second list)."""
+    """The declared tools, checked (lenient: without those that would be refused); with ``drop_hosted``,
+    without the Anthropic-defined ones (the second list)."""
     if tools is None:
         return None, []
     if not isinstance(tools, list):
-        raise invalid("tools: must be a list of tools")
+        refuse(invalid("tools: must be a list of tools"), lenient)
+        return None, []
     kept: list[Mapping[str, Any]] = []
     dropped: list[Mapping[str, Any]] = []
     for i, tool in enumerate(tools):
         if drop_hosted and is_anthropic_defined(tool):
             dropped.append(tool)
-        else:
-            _check_tool(tool, f"tools[{i}]")
+        elif passes(lenient, _check_tool, tool, f"tools[{i}]"):
             kept.append(tool)
     return kept, dropped
 
@@ -595,7 +634,7 @@ def _convert_tool_result(block: Mapping[str, Any], out: list[dict[str, Any]]) ->
 
 
 def _resolve_tools(tools: list[Mapping[str, Any]] | None, messages: Sequence[Mapping[str, Any]],
-                   dropped: list[Mapping[str, Any]]) -> list[Mapping[str, Any]] | None:
+                   dropped: list[Mapping[str, Any]], lenient: bool = False) -> list[Mapping[str, Any]] | None:
     """The tools in effect at the end of the conversation, after its tool_addition / tool_removal blocks
     (chat templates see one tool list): added by reference → no longer deferred, added by value → declared,
     removed → gone. An Anthropic-defined tool added by value joins ``dropped`` (only there when they are
@@ -619,7 +658,8 @@ def _resolve_tools(tools: list[Mapping[str, Any]] | None, messages: Sequence[Map
             if name not in by_name and any(t.get("name") == name for t in dropped):
                 continue
             if name not in by_name:
-                raise invalid(f"{block['type']} references tool {name!r}, which is not declared in tools")
+                refuse(invalid(f"{block['type']} references tool {name!r}, which is not declared in tools"), lenient)
+                continue
             if block["type"] == "tool_addition":
                 by_name[name] = {**by_name[name], "defer_loading": None}
         if block["type"] == "tool_removal":
@@ -630,11 +670,15 @@ def _resolve_tools(tools: list[Mapping[str, Any]] | None, messages: Sequence[Map
 
 
 def _convert_tools(tools: list[Mapping[str, Any]] | None, choice: Mapping[str, Any] | None,
-                   out: dict[str, Any], dropped: Sequence[Mapping[str, Any]] = ()) -> None:
+                   out: dict[str, Any], dropped: Sequence[Mapping[str, Any]] = (), lenient: bool = False) -> None:
     if choice is not None:
         out["parallel_tool_calls"] = not choice.get("disable_parallel_tool_use")
     if dropped:
-        _check_choice_after_drop(choice, dropped, has_tools=bool(tools))
+        try:
+            _check_choice_after_drop(choice, dropped, has_tools=bool(tools))
+        except MessagesError as e:
+            refuse(e, lenient)
+            choice = None
     if not tools:
         # vLLM renders no tool choice without tools; the chat API refuses one (and an empty tool list) outright.
         return
@@ -653,11 +697,12 @@ def _convert_tools(tools: list[Mapping[str, Any]] | None, choice: Mapping[str, A
     kind = choice.get("type") if choice is not None else "auto"
     if kind == "tool" and choice is not None:
         name = choice["name"]
-        if not any(t["name"] == name for t in tools):
-            raise invalid(f"tool_choice.name: {name!r} is not one of the tools")
-        out["tool_choice"] = {"type": "function", "function": {"name": name}}
-    else:
-        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[str(kind)]
+        if any(t["name"] == name for t in tools):
+            out["tool_choice"] = {"type": "function", "function": {"name": name}}
+            return
+        refuse(invalid(f"tool_choice.name: {name!r} is not one of the tools"), lenient)
+        kind = "auto"
+    out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[str(kind)]
 
 
 def _check_choice_after_drop(choice: Mapping[str, Any] | None, dropped: Sequence[Mapping[str, Any]], *,

@@ -4,6 +4,8 @@ chat request (the rules are in its docstring), ``answer`` raises a whole chat an
 re-exported here."""
 
 from kvtether.protocol.responses.answer import (
+    chat_answer,
+    chat_finish_reason,
     conversation_id,
     from_chat,
     output_text,
@@ -20,6 +22,8 @@ __all__ = [
     "ReasoningSeal",
     "ResponsesError",
     "StreamTranslator",
+    "chat_answer",
+    "chat_finish_reason",
     "conversation_id",
     "error_event",
     "from_chat",

@@ -1,15 +1,20 @@
 """A whole chat completion → the Responses object it stands for (what the gateway answers, and the simulator
-as vLLM does)."""
+as vLLM does); and, for clients that read Responses answers in chat terms (the SDK's metrics and recorder), a
+response back to the chat answer it stands for."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvtether.protocol.responses.common import ReasoningSeal, decode_custom_input, flat_name
+from kvtether.protocol.responses.request import input_messages
+
+# Output items that are the model's tool calls.
+_CALL_ITEMS = ("function_call", "custom_tool_call")
 
 # ---------------------------------------------------------------------------------------------------------
 # Response: chat → Responses
@@ -161,3 +166,44 @@ def output_text(response: Mapping[str, Any]) -> str:
                    for part in item.get("content") or () if part.get("type") == "output_text")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Back to chat: a response as the chat answer it stands for
+
+
+def chat_answer(output: Iterable[Any]) -> dict[str, Any]:
+    """The chat assistant message for a response's ``output`` items: the message the next request carries them
+    as (:func:`input_messages`, lenient: items with no chat form, such as hosted tool calls, are left out), with
+    ``content`` null when the answer has no text. Items vLLM would not merge into one message (two reasoning
+    items, say) are joined: their texts, their reasoning and their tool calls, in order."""
+    messages = [m for m in input_messages(list(output), None, lenient=True) if m.get("role") == "assistant"]
+    answer = messages[0] if len(messages) == 1 else _joined(messages)
+    answer.setdefault("content", None)
+    return answer
+
+
+def _joined(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    answer: dict[str, Any] = {"role": "assistant"}
+    texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    reasoning = [m["reasoning"] for m in messages if isinstance(m.get("reasoning"), str)]
+    calls = [call for m in messages for call in m.get("tool_calls") or ()]
+    if reasoning:
+        answer["reasoning"] = "".join(reasoning)
+    if texts:
+        answer["content"] = "".join(texts)
+    if calls:
+        answer["tool_calls"] = calls
+    return answer
+
+
+def chat_finish_reason(response: Mapping[str, Any]) -> str | None:
+    """A response's end as the chat finish reason it stands for (:func:`finish` read backwards): ``length`` when
+    cut at ``max_output_tokens``; when completed, ``tool_calls`` if it calls a tool, else ``stop``; a status
+    with no chat counterpart (``failed``, ``cancelled``…) as it is."""
+    status = response.get("status")
+    if status == "completed":
+        called = any(isinstance(i, Mapping) and i.get("type") in _CALL_ITEMS for i in response.get("output") or ())
+        return "tool_calls" if called else "stop"
+    details = response.get("incomplete_details")
+    if status == "incomplete" and isinstance(details, Mapping) and details.get("reason") == "max_output_tokens":
+        return "length"
+    return status if isinstance(status, str) else None

@@ -8,13 +8,16 @@ import hashlib
 import hmac
 import json
 import zlib
+from typing import Any
+
+from kvtether.protocol.common import Refused
 
 CUSTOM_TOOL_INPUT_KEY = "input"  # vLLM's CUSTOM_TOOL_INPUT_KEY
 NAMESPACE_SEPARATOR = "__"  # vLLM's _NAMESPACE_TOOL_SEPARATOR
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
-class ResponsesError(Exception):
+class ResponsesError(Refused):
     """A request the Responses API refuses: HTTP status, message, the offending parameter."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
@@ -27,6 +30,7 @@ class ResponsesError(Exception):
 
 def invalid(message: str, param: str | None = None) -> ResponsesError:
     return ResponsesError(400, message, param, "invalid_request")
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Reasoning the gateway hands out and reads back
@@ -53,6 +57,19 @@ class ReasoningSeal:
         payload, _, signature = sealed[len(self.PREFIX):].rpartition(".")
         if not payload or not hmac.compare_digest(signature, self._sign(payload)):
             return None
+        return self._text(payload)
+
+    @classmethod
+    def read(cls, sealed: Any) -> str | None:
+        """The reasoning text of content in this seal's form, whoever signed it, or None: what a reader without
+        the key (the SDK's recorder) needs to see the text the gateway will read from it."""
+        if not isinstance(sealed, str) or not sealed.startswith(cls.PREFIX):
+            return None
+        payload = sealed[len(cls.PREFIX):].rpartition(".")[0]
+        return cls._text(payload) if payload else None
+
+    @staticmethod
+    def _text(payload: str) -> str | None:
         try:
             return zlib.decompress(base64.urlsafe_b64decode(payload)).decode("utf-8", "surrogatepass")
         except (ValueError, zlib.error):
@@ -61,7 +78,6 @@ class ReasoningSeal:
     def _sign(self, payload: str) -> str:
         digest = hmac.new(self._key, payload.encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest[:24]).decode()
-
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -38,6 +38,11 @@ not sign is refused (vLLM refuses all of it).
 
 The Responses state (``store``, ``previous_response_id``, ``conversation``) is not here: the HTTP side
 (``responses_http.py``) resolves a chain into the ``history`` messages :func:`to_chat` prepends.
+
+A lenient translation (:func:`translate` with ``lenient=True``) is for a request some server already took,
+written as the chat turn it stands for (the SDK's recorder): it refuses nothing, leaves out each piece a strict
+one refuses (an item, a content part, a tool, the ``tool_choice``, a malformed field), drops hosted tools and
+reads reasoning in this gateway's seal without the key. Whatever it keeps becomes exactly what the gateway sends.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from kvtether.protocol.common import HostedTools, Translation, once
+from kvtether.protocol.common import HostedTools, Translation, leave_out_refused, once, refuse
 from kvtether.protocol.responses.common import (
     CUSTOM_TOOL_INPUT_KEY,
     ReasoningSeal,
@@ -87,7 +92,7 @@ def is_hosted_tool(kind: Any) -> bool:
 # Request: Responses → chat
 
 
-def to_chat(body: Mapping[str, Any], *, seal: ReasoningSeal, history: Sequence[Mapping[str, Any]] = ()
+def to_chat(body: Mapping[str, Any], *, seal: ReasoningSeal | None, history: Sequence[Mapping[str, Any]] = ()
             ) -> dict[str, Any]:
     """The chat completion request for a Responses request; ``history``: the chat messages of the chain it
     continues (``previous_response_id`` / ``conversation``), put between its instructions and its input. A
@@ -95,10 +100,69 @@ def to_chat(body: Mapping[str, Any], *, seal: ReasoningSeal, history: Sequence[M
     return translate(body, seal=seal, history=history).chat
 
 
-def translate(body: Mapping[str, Any], *, seal: ReasoningSeal, history: Sequence[Mapping[str, Any]] = (),
-              hosted_tools: HostedTools = "refuse") -> Translation:
+def translate(body: Mapping[str, Any], *, seal: ReasoningSeal | None = None,
+              history: Sequence[Mapping[str, Any]] = (), hosted_tools: HostedTools = "refuse",
+              lenient: bool = False) -> Translation:
     """:func:`to_chat`, with a choice of what becomes of hosted tools: ``"refuse"`` (400) or ``"drop"`` (left
-    out of the turn, their types reported in ``dropped``)."""
+    out of the turn, their types reported in ``dropped``). Without a ``seal``, no encrypted reasoning verifies.
+
+    ``lenient``: for a request some server already took, to be written as the chat turn it stands for (the
+    SDK's recorder). Nothing is refused: each piece a strict translation refuses (a field, an item, a content
+    part, a tool, the tool_choice) is left out, hosted tools are dropped, and reasoning in this gateway's seal
+    is read without the key. What is kept becomes exactly what the gateway sends."""
+    if lenient:
+        hosted_tools = "drop"
+    else:
+        _check_served(body)
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    messages += [dict(m) for m in history if m.get("role") != "system"]
+    raw_input = body.get("input")
+    if isinstance(raw_input, str):
+        messages.append({"role": "user", "content": raw_input})
+    elif isinstance(raw_input, list):
+        messages += input_messages(raw_input, seal, lenient=lenient)
+    if not messages:
+        refuse(invalid("`input` holds no message", "input"), lenient)
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    for name in _SAMPLING:
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            refuse(invalid("`max_output_tokens` must be an integer >= 1", "max_output_tokens"), lenient)
+        else:
+            chat["max_tokens"] = limit
+    dropped = _add_tools(chat, body.get("tools"), body.get("tool_choice"), hosted_tools, lenient)
+    kwargs = leave_out_refused(lenient, template_kwargs, body)
+    if kwargs is not None:
+        chat["chat_template_kwargs"] = kwargs
+    if continues_final_message(raw_input):
+        chat["add_generation_prompt"] = False
+        chat["continue_final_message"] = True
+    response_format = leave_out_refused(lenient, _response_format, body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    include = body.get("include") or ()
+    if lenient and not isinstance(include, list | tuple):
+        include = ()  # a malformed include asks for nothing
+    if body.get("top_logprobs") and "message.output_text.logprobs" in include:
+        chat["logprobs"] = True
+        chat["top_logprobs"] = body["top_logprobs"]
+    if body.get("stream") is True:
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+    elif body.get("stream") not in (None, False):
+        refuse(invalid("`stream` must be a boolean", "stream"), lenient)
+    return Translation(chat, dropped)
+
+
+def _check_served(body: Mapping[str, Any]) -> None:
+    """The request-wide refusals, in the order they are checked: fields the gateway owns or does not serve, the
+    model, and the shape of ``instructions`` and ``input``."""
     if KV_FIELD in body:
         raise ResponsesError(400, f"{KV_FIELD} is set by the gateway, not by clients", KV_FIELD, "forbidden_parameter")
     for name, why in UNSERVED_FIELDS.items():
@@ -111,67 +175,35 @@ def translate(body: Mapping[str, Any], *, seal: ReasoningSeal, history: Sequence
     if truncation not in (None, "disabled"):
         raise invalid("`truncation` other than \"disabled\" is not served: the gateway never drops history "
                       "(it would change the prompt the decode node holds)", "truncation")
-    messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("`instructions` must be a string", "instructions")
-    if instructions:
-        messages.append({"role": "system", "content": instructions})
-    messages += [dict(m) for m in history if m.get("role") != "system"]
-    raw_input = body.get("input")
-    if isinstance(raw_input, str):
-        messages.append({"role": "user", "content": raw_input})
-    elif isinstance(raw_input, list):
-        messages += input_messages(raw_input, seal)
-    else:
+    if not isinstance(body.get("input"), str | list):
         raise invalid("`input` must be a string or a list of items", "input")
-    if not messages:
-        raise invalid("`input` holds no message", "input")
-    chat: dict[str, Any] = {"model": model, "messages": messages}
-    for name in _SAMPLING:
-        if body.get(name) is not None:
-            chat[name] = body[name]
-    limit = body.get("max_output_tokens")
-    if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise invalid("`max_output_tokens` must be an integer >= 1", "max_output_tokens")
-        chat["max_tokens"] = limit
-    dropped = _add_tools(chat, body.get("tools"), body.get("tool_choice"), hosted_tools)
-    kwargs = template_kwargs(body)
-    if kwargs is not None:
-        chat["chat_template_kwargs"] = kwargs
-    if continues_final_message(raw_input):
-        chat["add_generation_prompt"] = False
-        chat["continue_final_message"] = True
-    response_format = _response_format(body.get("text"))
-    if response_format is not None:
-        chat["response_format"] = response_format
-    if body.get("top_logprobs") and "message.output_text.logprobs" in (body.get("include") or ()):
-        chat["logprobs"] = True
-        chat["top_logprobs"] = body["top_logprobs"]
-    if body.get("stream") is True:
-        chat["stream"] = True
-        chat["stream_options"] = {"include_usage": True}
-    elif body.get("stream") not in (None, False):
-        raise invalid("`stream` must be a boolean", "stream")
-    return Translation(chat, dropped)
 
 
-def _add_tools(chat: dict[str, Any], tools: Any, choice: Any, hosted_tools: HostedTools) -> tuple[str, ...]:
+def _add_tools(chat: dict[str, Any], tools: Any, choice: Any, hosted_tools: HostedTools,
+               lenient: bool) -> tuple[str, ...]:
     """The request's tools and tool_choice on the chat request; the hosted tool types dropped."""
     if not tools:
         return ()
     dropped: tuple[str, ...] = ()
     if hosted_tools == "drop":
         tools, dropped = without_hosted_tools(tools)
-    converted = chat_tools(tools)
+    converted = chat_tools(tools, lenient=lenient)
     if hosted_tools == "drop":
-        check_choice_after_drop(choice, dropped, has_tools=bool(converted))
-    if not converted and dropped:
+        try:
+            check_choice_after_drop(choice, dropped, has_tools=bool(converted))
+        except ResponsesError as e:
+            refuse(e, lenient)
+            choice = None
+    if not converted and (dropped or lenient):
         return dropped  # no tools left: none sent (the chat API refuses an empty list), nor a tool_choice
     chat["tools"] = converted
     if choice is not None:
-        chat["tool_choice"] = chat_tool_choice(choice)
+        tool_choice = leave_out_refused(lenient, chat_tool_choice, choice)
+        if tool_choice is not None:
+            chat["tool_choice"] = tool_choice
     return dropped
 
 
@@ -200,21 +232,27 @@ def check_choice_after_drop(choice: Any, dropped: Sequence[str], *, has_tools: b
                   "use auto", "tool_choice")
 
 
-def input_messages(items: Sequence[Any], seal: ReasoningSeal) -> list[dict[str, Any]]:
-    """Chat messages for Responses input (or output) items, merged as vLLM merges them."""
+def input_messages(items: Sequence[Any], seal: ReasoningSeal | None, *, lenient: bool = False
+                   ) -> list[dict[str, Any]]:
+    """Chat messages for Responses input (or output) items, merged as vLLM merges them; ``lenient``: an item
+    (or a content part) that would be refused is left out."""
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
-        if not isinstance(item, Mapping):
-            raise invalid(f"{where} must be an object", where)
-        message = _message_for(item, out[-1] if out else None, seal, where)
+        try:
+            if not isinstance(item, Mapping):
+                raise invalid(f"{where} must be an object", where)
+            message = _message_for(item, out[-1] if out else None, seal, where, lenient)
+        except ResponsesError as e:
+            refuse(e, lenient)  # _message_for refuses an item before it merges anything of it
+            continue
         if message is not None:
             out.append(message)
     return out
 
 
-def _message_for(item: Mapping[str, Any], prev: dict[str, Any] | None, seal: ReasoningSeal,
-                 where: str) -> dict[str, Any] | None:
+def _message_for(item: Mapping[str, Any], prev: dict[str, Any] | None, seal: ReasoningSeal | None,
+                 where: str, lenient: bool) -> dict[str, Any] | None:
     """A new chat message for one item, or None when it was merged into ``prev`` (vLLM's
     ``_construct_message_from_response_item``)."""
     assistant = prev if prev is not None and prev.get("role") == "assistant" else None
@@ -226,7 +264,7 @@ def _message_for(item: Mapping[str, Any], prev: dict[str, Any] | None, seal: Rea
             return None
         return {"role": "assistant", "tool_calls": [call]}
     if kind == "reasoning":
-        text = _reasoning_text(item, seal, where)
+        text = _reasoning_text(item, seal, where, lenient)
         if assistant is not None and assistant.get("reasoning") is None:
             assistant["reasoning"] = text
             return None
@@ -235,7 +273,7 @@ def _message_for(item: Mapping[str, Any], prev: dict[str, Any] | None, seal: Rea
         call_id = item.get("call_id")
         if not isinstance(call_id, str):
             raise invalid(f"{where}.call_id must be a string", f"{where}.call_id")
-        return {"role": "tool", "content": _tool_output(item.get("output"), where), "tool_call_id": call_id}
+        return {"role": "tool", "content": _tool_output(item.get("output"), where, lenient), "tool_call_id": call_id}
     role = item.get("role")
     if kind not in (None, "message") or role is None:
         raise invalid(f"{where}: input items of type `{kind}` are not served (the gateway serves messages, "
@@ -248,7 +286,7 @@ def _message_for(item: Mapping[str, Any], prev: dict[str, Any] | None, seal: Rea
         return {"role": "assistant", "content": text}
     if role not in ("user", "system", "developer"):
         raise invalid(f"{where}.role must be user, assistant, system or developer", f"{where}.role")
-    return {"role": role, "content": _user_content(item.get("content"), where)}
+    return {"role": role, "content": _user_content(item.get("content"), where, lenient)}
 
 
 def _tool_call_for(item: Mapping[str, Any], where: str) -> dict[str, Any] | None:
@@ -271,17 +309,13 @@ def _tool_call_for(item: Mapping[str, Any], where: str) -> dict[str, Any] | None
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _reasoning_text(item: Mapping[str, Any], seal: ReasoningSeal, where: str) -> str:
+def _reasoning_text(item: Mapping[str, Any], seal: ReasoningSeal | None, where: str, lenient: bool) -> str:
     sealed = item.get("encrypted_content")
     if sealed:
-        if not isinstance(sealed, str):
-            raise invalid(f"{where}.encrypted_content must be a string", f"{where}.encrypted_content")
-        text = seal.open(sealed)
-        if text is None:
-            raise invalid(f"{where}.encrypted_content was not issued by this gateway (its key does not verify "
-                          "it); send the reasoning's content instead, or leave the item out",
-                          f"{where}.encrypted_content")
-        return text
+        # Lenient: the text this gateway's seal holds, unverified; foreign content falls back to the parts.
+        text = ReasoningSeal.read(sealed) if lenient else _opened(sealed, seal, where)
+        if text is not None:
+            return text
     for field in ("content", "summary"):
         parts = item.get(field)
         if isinstance(parts, list) and parts:
@@ -290,6 +324,17 @@ def _reasoning_text(item: Mapping[str, Any], seal: ReasoningSeal, where: str) ->
                 return str(first["text"])
             raise invalid(f"{where}.{field}[0].text must be a string", f"{where}.{field}")
     return ""
+
+
+def _opened(sealed: Any, seal: ReasoningSeal | None, where: str) -> str:
+    if not isinstance(sealed, str):
+        raise invalid(f"{where}.encrypted_content must be a string", f"{where}.encrypted_content")
+    text = seal.open(sealed) if seal is not None else None
+    if text is None:
+        raise invalid(f"{where}.encrypted_content was not issued by this gateway (its key does not verify "
+                      "it); send the reasoning's content instead, or leave the item out",
+                      f"{where}.encrypted_content")
+    return text
 
 
 def _assistant_text(content: Any, where: str) -> str:
@@ -304,7 +349,7 @@ def _assistant_text(content: Any, where: str) -> str:
     raise invalid(f"{where}.content must be a string or a list of output_text parts", f"{where}.content")
 
 
-def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+def _user_content(content: Any, where: str, lenient: bool) -> str | list[dict[str, Any]]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -320,16 +365,16 @@ def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
                 image["detail"] = part["detail"]
             parts.append({"type": "image_url", "image_url": image})
         else:
-            raise invalid(f"{where}.content[{j}]: parts of type `{kind}` are not served (input_text and "
-                          "input_image with an image_url are)", f"{where}.content")
+            refuse(invalid(f"{where}.content[{j}]: parts of type `{kind}` are not served (input_text and "
+                           "input_image with an image_url are)", f"{where}.content"), lenient)
     return parts
 
 
-def _tool_output(output: Any, where: str) -> str | list[dict[str, Any]]:
+def _tool_output(output: Any, where: str, lenient: bool) -> str | list[dict[str, Any]]:
     if isinstance(output, str):
         return output
     if isinstance(output, list):
-        return _user_content(output, f"{where}.output")
+        return _user_content(output, f"{where}.output", lenient)
     raise invalid(f"{where}.output must be a string or a list of parts", f"{where}.output")
 
 
@@ -340,40 +385,42 @@ def _custom_parameters() -> dict[str, Any]:
             "required": [CUSTOM_TOOL_INPUT_KEY], "additionalProperties": False}
 
 
-def chat_tools(tools: Any) -> list[dict[str, Any]]:
-    """Chat function tools for Responses tools, in request order (vLLM's ``get_function_tools``)."""
+def chat_tools(tools: Any, *, lenient: bool = False) -> list[dict[str, Any]]:
+    """Chat function tools for Responses tools, in request order (vLLM's ``get_function_tools``); ``lenient``:
+    a tool that would be refused is left out."""
     if not isinstance(tools, list):
-        raise invalid("`tools` must be a list", "tools")
+        refuse(invalid("`tools` must be a list", "tools"), lenient)
+        return []
     out: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        kind = tool.get("type") if isinstance(tool, Mapping) else None
-        if kind == "function":
-            out.append(_function_tool(tool, tool.get("name"), where))
-        elif kind == "custom":
-            name = tool.get("name")
-            fmt = tool.get("format")
-            if isinstance(fmt, Mapping) and fmt.get("type") == "grammar":
-                # vLLM refuses these too: nothing would hold the model to the grammar.
-                raise invalid(f"{where}: custom tools with a grammar format are not served; only free-form "
-                              "text custom tools are", where)
-            out.append(_function_tool({"description": tool.get("description"), "parameters": _custom_parameters()},
-                                      name, where))
-        elif kind == "namespace":
-            namespace, members = tool.get("name"), tool.get("tools")
-            if not isinstance(namespace, str) or not isinstance(members, list):
-                raise invalid(f"{where}: a namespace needs a name and a list of tools", where)
-            for j, member in enumerate(members):
-                if isinstance(member, Mapping) and member.get("type") == "function":
-                    name = member.get("name")
-                    out.append(_function_tool(member, flat_name(namespace, name) if isinstance(name, str)
-                                              else None, f"{where}.tools[{j}]"))
-        else:
-            raise invalid(f"{where}: tools of type `{kind}` are not served: they are hosted or built-in tools "
-                          "the model cannot call through a chat template (only function, custom and namespace "
-                          "tools are). Turn the tool off in the client (e.g. Codex: web_search = "
-                          "\"disabled\")", where)
+        out += leave_out_refused(lenient, _chat_tools_for, tool, f"tools[{i}]") or []
     return out
+
+
+def _chat_tools_for(tool: Any, where: str) -> list[dict[str, Any]]:
+    """The chat function tools one Responses tool stands for (a namespace's functions, flattened)."""
+    kind = tool.get("type") if isinstance(tool, Mapping) else None
+    if kind == "function":
+        return [_function_tool(tool, tool.get("name"), where)]
+    if kind == "custom":
+        fmt = tool.get("format")
+        if isinstance(fmt, Mapping) and fmt.get("type") == "grammar":
+            # vLLM refuses these too: nothing would hold the model to the grammar.
+            raise invalid(f"{where}: custom tools with a grammar format are not served; only free-form "
+                          "text custom tools are", where)
+        return [_function_tool({"description": tool.get("description"), "parameters": _custom_parameters()},
+                               tool.get("name"), where)]
+    if kind == "namespace":
+        namespace, members = tool.get("name"), tool.get("tools")
+        if not isinstance(namespace, str) or not isinstance(members, list):
+            raise invalid(f"{where}: a namespace needs a name and a list of tools", where)
+        functions = [(j, m) for j, m in enumerate(members) if isinstance(m, Mapping) and m.get("type") == "function"]
+        return [_function_tool(member, flat_name(namespace, member["name"]) if isinstance(member.get("name"), str)
+                               else None, f"{where}.tools[{j}]") for j, member in functions]
+    raise invalid(f"{where}: tools of type `{kind}` are not served: they are hosted or built-in tools "
+                  "the model cannot call through a chat template (only function, custom and namespace "
+                  "tools are). Turn the tool off in the client (e.g. Codex: web_search = "
+                  "\"disabled\")", where)
 
 
 def _function_tool(tool: Mapping[str, Any], name: Any, where: str) -> dict[str, Any]:
