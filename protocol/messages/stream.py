@@ -18,9 +18,6 @@ from kvtether.protocol.messages.common import error_body
 
 Event = tuple[str, dict[str, Any]]  # (SSE event name, its data)
 
-# ---------------------------------------------------------------------------------------------------------
-# Streams: chat chunks → Messages events
-
 
 def sse(event: str, data: Mapping[str, Any]) -> bytes:
     """One server-sent event as Anthropic (and vLLM) frame them."""

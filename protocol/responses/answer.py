@@ -16,6 +16,7 @@ from kvtether.protocol.responses.request import input_messages
 # Output items that are the model's tool calls.
 _CALL_ITEMS = ("function_call", "custom_tool_call")
 
+
 # ---------------------------------------------------------------------------------------------------------
 # Response: chat → Responses
 

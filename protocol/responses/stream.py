@@ -16,16 +16,10 @@ from kvtether.protocol.responses.answer import (
 )
 from kvtether.protocol.responses.common import ReasoningSeal
 
-# ---------------------------------------------------------------------------------------------------------
-# Errors
-
 
 def error_event(message: str, code: str = "server_error") -> dict[str, Any]:
+    """The event a stream that already started ends with when its upstream breaks."""
     return {"type": "error", "code": code, "message": message, "param": None}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Streams: chat chunks → Responses events
 
 
 def sse(event: dict[str, Any]) -> bytes:
