@@ -19,7 +19,7 @@ from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
 from kvtether.gateway.policy.knobs import TUNING_FIELDS, PolicyKnobs
 from kvtether.gateway.policy.peers import DYNAMO_RULES, LLM_D_NON_CACHED_TOKENS, PEER_POLICIES
 from kvtether.gateway.policy.placement import RULES
-from kvtether.sdk.apis.common import HOSTED_TOOLS, HostedTools
+from kvtether.protocol.common import HOSTED_TOOLS, HostedTools
 
 # The policy's and the estimator's own defaults are the single source of truth; the config only exposes them.
 _KNOBS = PolicyKnobs()

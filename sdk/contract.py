@@ -42,6 +42,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtether.protocol.messages.common import BILLING_HEADER_PREFIX
+
 CONTRACT_VERSION = "v1"
 
 SESSION_HEADER = "x-session-id"
@@ -327,8 +329,6 @@ def stamps_for_responses_body(body: Mapping[str, Any], *, key: str | bytes | Non
     chain = Chain.start(body.get("model"), body.get("tools"), responses_rendering(body), key=key, api="responses")
     return _stamps_for_chain(steps, answers, chain)
 
-
-BILLING_HEADER_PREFIX = "x-anthropic-billing-header"
 
 
 def _without_cache_control(block: Any) -> Any:

@@ -302,7 +302,7 @@ class AgentSession:
             tracing.end_span(call.span, m, error)
 
     def _record(self, call: Call, delay_ms: float) -> None:
-        """Append one turn line, in chat terms whatever the API (``tochat``). Caller holds ``self._lock`` so
+        """Append one turn line, in chat terms whatever the API (``turns.chat_request``). Caller holds ``self._lock`` so
         lines and chaining state agree."""
         assert self.record_to is not None
         m = call.metrics

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from . import tochat
+from kvtether.protocol import messages, responses
 
 CHAT = "chat"
 RESPONSES = "responses"
@@ -279,7 +279,7 @@ class ResponsesReader:
         return self.ended
 
     def streamed_answer(self) -> dict[str, Any] | None:
-        return tochat.responses_output_message(self.items) if self.items else None
+        return responses.chat_answer(self.items) if self.items else None
 
     def read(self, call: Call, data: Mapping[str, Any], now_ns: int) -> bool:
         if data.get("object") == "response":  # a whole, non-streamed answer
@@ -303,8 +303,8 @@ class ResponsesReader:
     def _final(m: TurnMetrics, response: Mapping[str, Any]) -> None:
         if isinstance(response.get("model"), str):
             m.model = response["model"]
-        m.answer = tochat.responses_output_message(response.get("output") or [])
-        m.finish_reason = tochat.responses_finish_reason(response)
+        m.answer = responses.chat_answer(response.get("output") or [])
+        m.finish_reason = responses.chat_finish_reason(response)
         usage = response.get("usage")
         if isinstance(usage, Mapping):
             m.prompt_tokens = _int(usage.get("input_tokens"))
@@ -335,13 +335,13 @@ class MessagesReader:
         for index, parts in self.json_parts.items():
             with contextlib.suppress(ValueError):  # cut mid-JSON: keep what the block started with
                 self.blocks[index]["input"] = json.loads("".join(parts) or "{}")
-        return tochat.anthropic_answer(self.blocks[i] for i in sorted(self.blocks))
+        return messages.chat_answer(self.blocks[i] for i in sorted(self.blocks))
 
     def read(self, call: Call, data: Mapping[str, Any], now_ns: int) -> bool:
         kind = data.get("type")
         if kind == "message" and "content" in data:  # a whole, non-streamed answer
-            call.metrics.answer = tochat.anthropic_answer(data.get("content") or [])
-            call.metrics.finish_reason = tochat.anthropic_finish_reason(data.get("stop_reason"))
+            call.metrics.answer = messages.chat_answer(data.get("content") or [])
+            call.metrics.finish_reason = messages.chat_finish_reason(data.get("stop_reason"))
             self._usage(call.metrics, data.get("usage"))
             return True
         if not isinstance(kind, str):
@@ -356,7 +356,7 @@ class MessagesReader:
         elif kind == "message_delta":
             delta = data.get("delta")
             if isinstance(delta, Mapping) and delta.get("stop_reason"):
-                call.metrics.finish_reason = tochat.anthropic_finish_reason(delta["stop_reason"])
+                call.metrics.finish_reason = messages.chat_finish_reason(delta["stop_reason"])
                 self.stopped = True
             self._usage(call.metrics, data.get("usage"))
         elif kind == "message_stop":
@@ -404,9 +404,12 @@ def reader_for(api: str, body: Mapping[str, Any]) -> _Reader:
 
 
 def chat_request(api: str, body: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The chat-completions body a call stands for (the recorder writes chat turns)."""
+    """The chat-completions body a call stands for (the recorder writes chat turns): the one the gateway sends
+    for it, by the gateway's own translation, lenient (the server took the request: what the gateway would
+    refuse is left out). A Responses chain (``previous_response_id``) is not expanded: the client never saw
+    the history the server keeps."""
     if api == RESPONSES:
-        return tochat.responses_request(body)
+        return responses.translate(body, lenient=True).chat
     if api == MESSAGES:
-        return tochat.anthropic_request(body)
+        return messages.translate(body, lenient=True).chat
     return body

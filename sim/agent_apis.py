@@ -1,5 +1,5 @@
 """``/v1/responses`` and ``/v1/messages`` on a simulated node, as vLLM serves them: each request lowered to a
-chat completion by vLLM's rules (``kvtether.sdk.apis``, the translation the gateway uses too), run as one, and
+chat completion by vLLM's rules (``kvtether.protocol``, the translation the gateway uses too), run as one, and
 its answer or stream raised back.
 
 What vLLM's own endpoints do and the simulator copies (0.32–0.34):
@@ -19,8 +19,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtether.sdk.apis import messages as M
-from kvtether.sdk.apis import responses as R
+from kvtether.protocol import messages as M
+from kvtether.protocol import responses as R
+from kvtether.protocol.wire import KV_FIELD, openai_error_body
 from kvtether.sim.requests import BadRequest, chat_prompt_ids
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from kvtether.sim.node import SimNode
 
 Complete = Callable[[Any, Request], Awaitable[Response]]
-KV_FIELD = "kv_transfer_params"
 # vLLM reads no encrypted reasoning at all: a seal of a key nobody holds refuses every one.
 _NO_SEAL = R.ReasoningSeal(os.urandom(32))
 
@@ -113,8 +113,7 @@ def agent_api_routes(node: SimNode, complete: Complete) -> list[Route]:
 
 def _openai_error(status: int, message: str, param: str | None) -> JSONResponse:
     kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+    return JSONResponse(openai_error_body(message, kind, param, status), status_code=status)
 
 
 async def _chunks(answer: StreamingResponse) -> AsyncIterator[dict[str, Any] | None]:

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvtether.protocol.wire import KV_FIELD, openai_error_body
 from kvtether.sim.agent_apis import agent_api_routes
 from kvtether.sim.engine import EngineRequest, ErrorEvent, Event, FinishEvent, TokenEvent
 from kvtether.sim.nixl import KVLoadError
@@ -33,14 +34,7 @@ if TYPE_CHECKING:
 
 def error_response(status: int, message: str, *, param: str | None = None, kind: str | None = None) -> JSONResponse:
     default_kind = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError"}
-    body = {
-        "error": {
-            "message": message,
-            "type": kind or default_kind.get(status, "InternalServerError"),
-            "param": param,
-            "code": status,
-        }
-    }
+    body = openai_error_body(message, kind or default_kind.get(status, "InternalServerError"), param, status)
     return JSONResponse(body, status_code=status)
 
 
@@ -247,9 +241,9 @@ def _full_body(c: Completion, events: list[Event]) -> Response:
         body["prompt_logprobs"] = None
         body["prompt_token_ids"] = prompt_ids
         body["prompt_text"] = None
-        body["kv_transfer_params"] = last.kv_transfer_params
+        body[KV_FIELD] = last.kv_transfer_params
     else:
-        body["kv_transfer_params"] = last.kv_transfer_params
+        body[KV_FIELD] = last.kv_transfer_params
         body["ec_transfer_params"] = None
         body["metrics"] = None
     return JSONResponse(body)
@@ -334,12 +328,11 @@ async def _stream(c: Completion) -> AsyncIterator[bytes]:
             ch = choice_of(tail, pending_ids if c.req.return_token_ids else None, c.finish_reason(ev))
             ch["stop_reason"] = ev.stop_reason
             handle = c.handle_for_stream(ev)
-            yield _sse(chunk(ch, **({"kv_transfer_params": handle} if handle is not None else {})))
+            yield _sse(chunk(ch, **({KV_FIELD: handle} if handle is not None else {})))
             if c.req.include_usage:
                 yield _sse(chunk(None, usage=c.usage()))
         else:
-            err = {"error": {"message": ev.message, "type": "InternalServerError", "param": None, "code": ev.status}}
-            yield _sse(err)
+            yield _sse(openai_error_body(ev.message, "InternalServerError", None, ev.status))
     yield b"data: [DONE]\n\n"
 
 

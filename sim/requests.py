@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtether.protocol.wire import KV_FIELD
 from kvtether.sim.model import GenerationSpec
 from kvtether.sim.template import HERMES, TemplateError, render_chat
 from kvtether.sim.tokenizer import Tokenizer
@@ -111,9 +112,9 @@ def parse_request(
     n = _int(body, "n", 1, minimum=1)
     if n != 1:
         raise BadRequest("only n=1 is supported by the simulator", "n")
-    kv_params = body.get("kv_transfer_params")
+    kv_params = body.get(KV_FIELD)
     if kv_params is not None and not isinstance(kv_params, Mapping):
-        raise BadRequest("kv_transfer_params must be an object", "kv_transfer_params")
+        raise BadRequest(f"{KV_FIELD} must be an object", KV_FIELD)
     # vLLM ≥0.32: a decode request may carry the prompt ids and skip re-tokenizing.
     carried = kv_params.get("prompt_token_ids") if kv_params else None
     if isinstance(carried, list) and carried:

@@ -1,4 +1,4 @@
-"""The Anthropic Messages ↔ Chat Completions translation (sdk/apis/messages.py).
+"""The Anthropic Messages ↔ Chat Completions translation (protocol/messages/).
 
 The point of translating in the gateway is that a Messages turn renders the same prompt vLLM's own
 ``/v1/messages`` would, so the golden bodies below spell out vLLM's conversion rules byte for byte (key order
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvtether.sdk.apis.messages import (
+from kvtether.protocol.messages import (
     MessagesError,
     StreamTranslator,
     count_tokens_body,

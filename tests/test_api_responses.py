@@ -1,4 +1,4 @@
-"""The OpenAI Responses ↔ Chat Completions translation (sdk/apis/responses.py).
+"""The OpenAI Responses ↔ Chat Completions translation (protocol/responses/).
 
 A Responses turn must render the prompt vLLM's own ``/v1/responses`` renders, so the golden bodies below spell
 out vLLM's item → message rules; the opt-in test at the end runs the same bodies, and a few hundred random
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvtether.sdk.apis.responses import (
+from kvtether.protocol.responses import (
     ReasoningSeal,
     ResponsesError,
     StreamTranslator,

@@ -181,8 +181,8 @@ def test_the_warning_memory_is_bounded_and_forgets_the_least_recent_session(
 
 def test_every_type_the_translations_drop_has_its_own_series() -> None:
     from kvtether.gateway.api.hosted import metric_type
-    from kvtether.sdk.apis import messages as M
-    from kvtether.sdk.apis import responses as R
+    from kvtether.protocol import messages as M
+    from kvtether.protocol import responses as R
 
     kinds = [*R.HOSTED_TOOL_TYPES, "web_search", "web_search_preview", "web_search_2025_08_26",
              "web_fetch_20250910", "code_execution_20250825", "bash_20250124", "text_editor_20250728",

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from gateway_agent import MODEL, tool_result
-from kvtether.sdk.apis import messages as M
+from kvtether.protocol import messages as M
 from test_gateway_sim import Rig, metric, rig
 
 pytestmark = pytest.mark.anyio

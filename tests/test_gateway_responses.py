@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from gateway_agent import MODEL, tool_result
-from kvtether.sdk.apis import responses as R
+from kvtether.protocol import responses as R
 from test_gateway_sim import Rig, metric, rig
 
 pytestmark = pytest.mark.anyio

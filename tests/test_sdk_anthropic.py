@@ -306,7 +306,7 @@ async def test_messages_stream_ttft_answer_and_retry(fake: FakeAnthropic) -> Non
     assert turn.done and not turn.aborted and turn.stream and turn.attempts == 2 and turn.api == "messages"
     # TTFC is message_start (before the pause); TTFT the first content_block_delta after it.
     assert turn.ttfc_ms is not None and turn.ttft_ms is not None and turn.ttft_ms - turn.ttfc_ms >= 150
-    assert turn.answer == {"role": "assistant", "content": "It is 4C and raining.", "reasoning_content": "lookitup"}
+    assert turn.answer == {"role": "assistant", "content": "It is 4C and raining.", "reasoning": "lookitup"}
     assert turn.finish_reason == "stop" and (turn.prompt_tokens, turn.completion_tokens) == (37, 5)
     await client.close()
 
@@ -339,7 +339,8 @@ def test_sync_wrap_stream_record_and_session_end(fake: FakeAnthropic, tmp_path: 
     [record] = list(read_sessions(tmp_path / "a.jsonl"))
     t0, t1 = record.turns
     assert t0.messages == [{"role": "system", "content": SYSTEM}, user("Weather in Oslo?")]
-    assert t0.params == {"max_tokens": 64, "stream": True}
+    assert t0.params == {"max_tokens": 64, "stream": True, "tool_choice": "auto",
+                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     assert t1.new_messages == [{"role": "tool", "tool_call_id": call["id"], "content": "4C"}]
     assert record.tools == [{"type": "function", "function": {
         "name": "get_weather", "description": "Weather for a city", "parameters": TOOLS[0]["input_schema"]}}]

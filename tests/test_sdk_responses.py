@@ -173,7 +173,7 @@ async def test_stream_ttft_answer_and_retry(fake: FakeOpenAI) -> None:
     assert turn.ttfc_ms is not None and turn.ttft_ms is not None
     assert turn.ttft_ms - turn.ttfc_ms >= 150
     assert turn.e2e_ms is not None and turn.e2e_ms >= turn.ttft_ms
-    assert turn.answer == {"role": "assistant", "content": "It is 4C and raining.", "reasoning_content": "look it up"}
+    assert turn.answer == {"role": "assistant", "content": "It is 4C and raining.", "reasoning": "look it up"}
     assert turn.finish_reason == "stop" and turn.completion_tokens == 5
     await client.close()
 
@@ -289,7 +289,8 @@ def test_recorded_body_is_chat(fake: FakeOpenAI, tmp_path: Path) -> None:
     client.responses.create(model="m", instructions=INSTRUCTIONS, input=items, tools=TOOLS, max_output_tokens=64)
     [record] = list(read_sessions(tmp_path / "r.jsonl"))
     assert record.tools == [{"type": "function", "function": {
-        "name": "get_weather", "description": "Weather for a city", "parameters": TOOLS[0]["parameters"]}}]
+        "name": "get_weather", "description": "Weather for a city", "parameters": TOOLS[0]["parameters"],
+        "strict": False}}]
     t0, t1 = record.turns
     assert t0.messages == [{"role": "system", "content": INSTRUCTIONS}, user("Weather in Oslo?")]
     assert t0.params == {"max_tokens": 64}

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 from gateway_agent import MODEL, tool_result
-from kvtether.sdk.apis import messages as M
-from kvtether.sdk.apis import responses as R
+from kvtether.protocol import messages as M
+from kvtether.protocol import responses as R
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 
 pytestmark = pytest.mark.anyio

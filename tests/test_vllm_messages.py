@@ -31,7 +31,7 @@ import httpx
 import pytest
 from kvtether.gateway.nodes.cluster import sample_sum
 from kvtether.gateway.turn import body as B
-from kvtether.sdk.apis import messages as M
+from kvtether.protocol import messages as M
 from test_vllm_e2e import Rig, gateway, metric
 from vllm_fixtures import (
     M_CACHED_BY_SOURCE,

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 from kvtether.gateway.turn import body as B
-from kvtether.sdk.apis import responses as R
+from kvtether.protocol import responses as R
 from test_vllm_e2e import Rig, gateway, metric
 from test_vllm_messages import assert_pulls, outcomes, pull_counters, text_mismatch, words
 from vllm_fixtures import Backend, vllm_pair

@@ -16,8 +16,8 @@ from typing import Any
 
 from kvtether.gateway.shell.edge import EdgeResponse
 from kvtether.gateway.shell.errors import GatewayError
-from kvtether.sdk.apis import messages as M
-from kvtether.sdk.apis.common import HostedTools
+from kvtether.protocol import messages as M
+from kvtether.protocol.common import HostedTools
 from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers
 from starlette.responses import Response
 

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvtether.gateway import telemetry as T
-from kvtether.sdk.apis.common import tool_family
+from kvtether.protocol.common import tool_family
 from prometheus_client import Counter
 from starlette.responses import Response
 

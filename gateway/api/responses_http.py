@@ -32,8 +32,8 @@ from kvtether.gateway.shell.edge import EdgeResponse
 from kvtether.gateway.shell.errors import GatewayError
 from kvtether.gateway.stores.failsafe import StoreUnavailable
 from kvtether.gateway.stores.sessions import SessionStore
-from kvtether.sdk.apis import responses as R
-from kvtether.sdk.apis.common import HostedTools
+from kvtether.protocol import responses as R
+from kvtether.protocol.common import HostedTools
 from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers
 from starlette.responses import JSONResponse, Response
 

@@ -35,7 +35,7 @@ from kvtether.gateway.turn.legs import start_local_tokenizer, tokenize_remote
 from kvtether.gateway.turn.orchestrator import Orchestrator
 from kvtether.gateway.turn.streaming import RelayResponse
 from kvtether.gateway.turn.upstream import Upstream, UpstreamLimits
-from kvtether.sdk.apis.messages import MessagesError, count_tokens_body
+from kvtether.protocol.messages import MessagesError, count_tokens_body
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette

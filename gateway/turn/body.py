@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 from kvtether.gateway.guard.readback import reported_cached_tokens
-from kvtether.sdk.apis.common import effort_in_template_kwargs
+from kvtether.protocol.common import effort_in_template_kwargs
 from kvtether.sdk.contract import Chain, rendering_fields
 
 # Fields the gateway adds for its own use and must never show a client who did not ask.

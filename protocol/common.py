@@ -1,10 +1,17 @@
-"""What the API translations share with the gateway's guard and with each other."""
+"""What the Responses and Messages translations share with each other and with the gateway: the choice of what
+becomes of hosted tools (and a hosted tool's family, a metric label), a translation's result, how a lenient
+translation leaves out what a strict one refuses, and vLLM's folding of a reasoning effort into the chat
+template's kwargs."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 # What a translation does with a hosted tool (one the API's provider runs, or a built-in the model only knows
 # natively: no chat template can render it): "refuse" answers 400 naming it, as vLLM's own endpoints do;
@@ -23,6 +30,36 @@ class Translation:
 
     chat: dict[str, Any]
     dropped: tuple[str, ...] = ()
+
+
+class Refused(Exception):
+    """A request, or a piece of one, that an API's translation refuses (each API's error says how to answer it)."""
+
+
+def refuse(error: Refused, lenient: bool) -> None:
+    """Raise ``error``. A lenient translation does not: the caller leaves out the piece the error names."""
+    if not lenient:
+        raise error
+
+
+def leave_out_refused(lenient: bool, translate: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
+    """``translate(*args, **kwargs)``, or None when it refuses its piece and the translation is lenient."""
+    try:
+        return translate(*args, **kwargs)
+    except Refused as e:
+        refuse(e, lenient)
+        return None
+
+
+def passes(lenient: bool, check: Callable[P, object], *args: P.args, **kwargs: P.kwargs) -> bool:
+    """Whether a piece passes ``check(*args, **kwargs)``: one it refuses raises, or, in a lenient translation, is
+    to be left out (False)."""
+    try:
+        check(*args, **kwargs)
+    except Refused as e:
+        refuse(e, lenient)
+        return False
+    return True
 
 
 def tool_family(kind: str) -> str:
