@@ -148,7 +148,7 @@ M_NODE_HEALTHY = "kvtether_node_healthy"
 # P/D plans by option (the plan's action) and reason (a bucket of its reason text: policy/reasons.py BUCKETS).
 M_PLACEMENT_DECISIONS = "kvtether_placement_decisions_total"
 # Hosted tools left out of /v1/responses and /v1/messages turns, by type without its version (web_search_20250305
-# and web_search_preview are web_search): the closed set the translations drop (sdk/apis).
+# and web_search_preview are web_search): the closed set the translations drop (kvtether.protocol).
 M_DROPPED_TOOLS = "kvtether_dropped_tools_total"
 DROPPED_TOOL_TYPES = ("web_search", "file_search", "code_interpreter", "computer_use", "image_generation", "mcp",
                       "local_shell", "shell", "apply_patch", "computer", "web_fetch", "code_execution", "bash",
