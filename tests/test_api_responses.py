@@ -192,6 +192,7 @@ def test_text_format_tool_choice_and_sampling() -> None:
      "input[0].content"),
     (lambda b: b.update(input=7), "input"),
     (lambda b: b.update(max_output_tokens=0), "max_output_tokens"),
+    (lambda b: b.update(include=True, top_logprobs=2), "include"),
     (lambda b: b.pop("model"), "model"),
     (lambda b: b.update(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]),
      "input[0].arguments"),

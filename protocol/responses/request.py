@@ -147,8 +147,9 @@ def translate(body: Mapping[str, Any], *, seal: ReasoningSeal | None = None,
     if response_format is not None:
         chat["response_format"] = response_format
     include = body.get("include") or ()
-    if lenient and not isinstance(include, list | tuple):
-        include = ()  # a malformed include asks for nothing
+    if not isinstance(include, list | tuple):
+        refuse(invalid("`include` must be an array of strings", "include"), lenient)
+        include = ()  # leniently, a malformed include asks for nothing
     if body.get("top_logprobs") and "message.output_text.logprobs" in include:
         chat["logprobs"] = True
         chat["top_logprobs"] = body["top_logprobs"]
