@@ -287,7 +287,7 @@ def test_config_load_and_validate(tmp_path: Path) -> None:
 def test_tuning_overrides_reach_the_cost_model_and_are_checked(tmp_path: Path) -> None:
     """The cost model's constants are not settings, but [gateway.tuning] overrides them for experiments: the
     values reach PolicyKnobs and the estimator; unknown names and wrong types are refused by name."""
-    from kvtether.gateway.turn.orchestrator import learning_params, policy_knobs
+    from kvtether.gateway.turn.place import learning_params, policy_knobs
 
     f = tmp_path / "gw.toml"
     f.write_text('[gateway]\nprefill = ["http://p:1"]\ndecode = ["http://d:1"]\nmax_local_suffix_tokens = 512\n'

@@ -31,9 +31,9 @@ from kvtether.gateway.stores import open_store
 from kvtether.gateway.stores.sessions import SessionStore
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import PATHS
-from kvtether.gateway.turn.legs import start_local_tokenizer, tokenize_remote
 from kvtether.gateway.turn.orchestrator import Orchestrator
 from kvtether.gateway.turn.streaming import RelayResponse
+from kvtether.gateway.turn.tokenize import start_local_tokenizer, tokenize_remote
 from kvtether.gateway.turn.upstream import Upstream, UpstreamLimits
 from kvtether.sdk.apis.messages import MessagesError, count_tokens_body
 from opentelemetry import propagate, trace
