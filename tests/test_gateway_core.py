@@ -604,7 +604,7 @@ def test_decode_nodes_the_pin_left_are_cut_to_the_prompts_overlap() -> None:
 
 
 def test_tenant_cache_salts_are_stable_across_replicas_distinct_per_tenant_and_unguessable() -> None:
-    from kvtether.gateway.shell.auth import Auth
+    from kvtether.gateway.tenancy import Auth
 
     keys = {"key-a-000001": "A", "key-a-000002": "A", "key-b-000003": "B"}
     one, two = Auth(GatewayConfig(api_keys=keys)), Auth(GatewayConfig(api_keys=dict(reversed(keys.items()))))

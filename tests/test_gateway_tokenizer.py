@@ -24,11 +24,11 @@ from kvtether.gateway.guard.tokencheck import GuardTokenizer, Trust, probes
 from kvtether.gateway.guard.tokenizer import LocalTokenizer
 from kvtether.gateway.nodes.cluster import Cluster, sample_sum
 from kvtether.gateway.stores import open_store
+from kvtether.gateway.transport.upstream import Upstream
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import TurnContext
 from kvtether.gateway.turn.orchestrator import Orchestrator
 from kvtether.gateway.turn.tokenize import tokenize
-from kvtether.gateway.turn.upstream import Upstream
 from opentelemetry import trace
 
 pytestmark = pytest.mark.anyio

@@ -14,8 +14,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from kvtether.gateway.shell.edge import EdgeResponse
-from kvtether.gateway.shell.errors import GatewayError
+from kvtether.gateway.api.edge import EdgeResponse
+from kvtether.gateway.errors import GatewayError
 from kvtether.sdk.apis import messages as M
 from kvtether.sdk.apis.common import HostedTools
 from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers

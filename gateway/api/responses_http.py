@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from kvtether.gateway.shell.auth import scoped
-from kvtether.gateway.shell.edge import EdgeResponse
-from kvtether.gateway.shell.errors import GatewayError
+from kvtether.gateway.api.edge import EdgeResponse
+from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.stores.failsafe import StoreUnavailable
 from kvtether.gateway.stores.sessions import SessionStore
+from kvtether.gateway.tenancy import scoped
 from kvtether.sdk.apis import responses as R
 from kvtether.sdk.apis.common import HostedTools
 from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers

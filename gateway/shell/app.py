@@ -19,22 +19,22 @@ import httpx
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.api import anthropic, hosted, responses_http
 from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.nodes.cluster import Cluster
 from kvtether.gateway.nodes.health import probe_forever
 from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.retention import ReleaseReason
 from kvtether.gateway.shell import validate as V
-from kvtether.gateway.shell.auth import Auth, scoped
-from kvtether.gateway.shell.errors import GatewayError
 from kvtether.gateway.shell.workers import merged_metrics, worker_exited
 from kvtether.gateway.stores import open_store
 from kvtether.gateway.stores.sessions import SessionStore
+from kvtether.gateway.tenancy import Auth, scoped
+from kvtether.gateway.transport.streaming import RelayResponse
+from kvtether.gateway.transport.upstream import Upstream, UpstreamLimits
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import PATHS
 from kvtether.gateway.turn.orchestrator import Orchestrator
-from kvtether.gateway.turn.streaming import RelayResponse
 from kvtether.gateway.turn.tokenize import start_local_tokenizer, tokenize_remote
-from kvtether.gateway.turn.upstream import Upstream, UpstreamLimits
 from kvtether.sdk.apis.messages import MessagesError, count_tokens_body
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

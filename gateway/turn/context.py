@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.guard.readback import Read
 from kvtether.gateway.guard.tokencheck import GuardTokenizer
 from kvtether.gateway.nodes.cluster import Cluster, host_of, port_of
@@ -23,10 +24,9 @@ from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.learning import Learning
 from kvtether.gateway.policy.placement import ClusterView, Plan
 from kvtether.gateway.policy.retention import ReleaseReason
-from kvtether.gateway.shell.errors import GatewayError
 from kvtether.gateway.stores.sessions import SessionState, SessionStore, TakenHandle
+from kvtether.gateway.transport.upstream import Upstream
 from kvtether.gateway.turn.body import ChatChain, response_identity
-from kvtether.gateway.turn.upstream import Upstream
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from starlette.responses import JSONResponse, Response
@@ -213,7 +213,7 @@ class Services:
     store: SessionStore
     metrics: T.Metrics
     upstream: Upstream  # the completion legs (prefill, decode, aggregated)
-    tokenize_client: httpx.AsyncClient  # /tokenize on connections of its own (see app.py)
+    tokenize_client: httpx.AsyncClient  # /tokenize on connections of its own (see shell/app.py)
     tracer: trace.Tracer
     learning: Learning
     clock: Callable[[], float] = time.monotonic

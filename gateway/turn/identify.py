@@ -4,7 +4,7 @@ The id comes from the SDK's or another router's session header, else the body's 
 own cache-routing hint, which OpenCode and Codex set to their session id); a chat request without one is matched to
 its session by the message-chain hash of its history (what the previous turn stored as *prompt + its
 answer*), and otherwise starts an anonymous session that its next turn will find the same way. With API
-keys, both live in the caller's tenant namespace (``auth.scoped``).
+keys, both live in the caller's tenant namespace (``tenancy.scoped``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.shell.auth import scoped
 from kvtether.gateway.stores.sessions import SessionStore
+from kvtether.gateway.tenancy import scoped
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import TurnContext
 from kvtether.sdk.contract import session_final_from_headers, session_id_from_headers

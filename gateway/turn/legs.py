@@ -19,11 +19,12 @@ from typing import Any
 import anyio
 import httpx
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.guard.readback import DECODE_PULL, Read, read_of, reported_cached_tokens
 from kvtether.gateway.guard.verify import handle_num_tokens
 from kvtether.gateway.policy.placement import Plan, Turn
 from kvtether.gateway.policy.retention import ReleaseReason
-from kvtether.gateway.shell.errors import GatewayError
+from kvtether.gateway.transport.upstream import UpstreamResponse
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import (
     PATHS,
@@ -35,7 +36,6 @@ from kvtether.gateway.turn.context import (
     UpstreamFailure,
 )
 from kvtether.gateway.turn.stream import Stream, read_preamble
-from kvtether.gateway.turn.upstream import UpstreamResponse
 from opentelemetry import trace
 
 _JSON = {"content-type": "application/json"}

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.guard.readback import readable_offer
 from kvtether.gateway.guard.tokencheck import GuardTokenizer
 from kvtether.gateway.guard.verify import handle_num_tokens, truncate_handle
@@ -27,8 +28,9 @@ from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.learning import Learning
 from kvtether.gateway.policy.placement import HandleAction, Plan, Turn
 from kvtether.gateway.policy.retention import ReleaseReason
-from kvtether.gateway.shell.errors import GatewayError
 from kvtether.gateway.stores.sessions import SessionStore, TakenHandle
+from kvtether.gateway.transport.streaming import RelayResponse
+from kvtether.gateway.transport.upstream import Upstream
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import FinalLeg, Prefilled, Services, TurnContext, UpstreamFailure
 from kvtether.gateway.turn.gather import Gathered, gather
@@ -38,8 +40,6 @@ from kvtether.gateway.turn.place import Placer, estimator_seeds, learning_params
 from kvtether.gateway.turn.relay import relay
 from kvtether.gateway.turn.remember import finish
 from kvtether.gateway.turn.stream import Stream
-from kvtether.gateway.turn.streaming import RelayResponse
-from kvtether.gateway.turn.upstream import Upstream
 from opentelemetry import trace
 from starlette.responses import JSONResponse, Response
 

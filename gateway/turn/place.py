@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
 from kvtether.gateway.policy.knobs import PolicyKnobs
 from kvtether.gateway.policy.peers import PeerKnobs
@@ -25,7 +26,6 @@ from kvtether.gateway.policy.placement import (
     plan_aggregated,
 )
 from kvtether.gateway.policy.reasons import reason_bucket
-from kvtether.gateway.shell.errors import GatewayError
 from kvtether.gateway.turn.context import Services, TurnContext
 
 

@@ -20,12 +20,12 @@ import anyio
 import httpx
 import orjson
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.errors import sse_error
 from kvtether.gateway.policy.placement import HandleAction
-from kvtether.gateway.shell.errors import sse_error
+from kvtether.gateway.transport.streaming import LastChunk
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import FinalLeg, LegResult, Services, TurnContext, UpstreamFailure
 from kvtether.gateway.turn.stream import DONE, Batch, Stream, loads
-from kvtether.gateway.turn.streaming import LastChunk
 
 # Keys whose presence means a chunk must be parsed whatever its value ("token_ids" also matches
 # "prompt_token_ids"): the handle and token ids are read and stripped, an error ends the turn as failed.

@@ -20,8 +20,8 @@ from kvtether.gateway.policy.learning import DecodeSample
 from kvtether.gateway.policy.peers import PEER_POLICIES
 from kvtether.gateway.policy.placement import HandleAction, Plan
 from kvtether.gateway.policy.retention import ReleaseReason, block_scope
-from kvtether.gateway.shell.auth import scoped
 from kvtether.gateway.stores.sessions import SessionState
+from kvtether.gateway.tenancy import scoped
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import FinalLeg, LegResult, Services, TurnContext
 

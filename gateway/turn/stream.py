@@ -14,9 +14,9 @@ from typing import Any
 
 import httpx
 import orjson
+from kvtether.gateway.transport.upstream import UpstreamResponse
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import UpstreamFailure
-from kvtether.gateway.turn.upstream import UpstreamResponse
 
 Batch = list[bytes]  # complete lines (without their line end) from one network read
 
