@@ -82,19 +82,11 @@ async def remember(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegRes
         return
     now = sv.clock()
     prior = ctx.state
-    policy = sv.config.policy
     block_size = sv.cluster.block_size(the_plan.decode)
     handle, held, handle_at = _handle_after(sv, ctx, leg, result, block_size)
     if handle_at is None:
         handle_at = now
-    # What D's prefix cache holds now (prompt + output − 1: the last sampled token has no KV), handle or
-    # not: the cost policy's decode_cached_tokens next turn. Learned from D's token ids.
-    cached: HeldSequence | None = None
-    total: int | None = None
-    if result.ok and result.prompt_ids is not None and sv.config.cache_aware:
-        total = len(result.prompt_ids) + len(result.output_ids)
-        cached = HeldSequence.from_tokens(result.sequence()[:max(0, total - 1)], block_size,
-                                          prefix=held or _previous(ctx))
+    total, cached = _cached_after(sv, ctx, result, block_size, held)
     if result.ok and sv.config.mode != "aggregated":
         sv.learning.decode_done(_decode_sample(ctx, the_plan, result), now)
     current = await sv.store.get(ctx.session_id)
@@ -110,13 +102,9 @@ async def remember(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegRes
         prefix_key = scoped(ctx.tenant, ctx.chain.after(result.answer))
     base = current or prior
     avg_out, avg_suffix = _running_means(base, result, total)
-    elsewhere: tuple[PC.DecodeCopy, ...] = ()
-    copies = _prefill_copies_after(sv, ctx, the_plan, result) if policy == "auto" else ()
-    if prior is not None and policy == "auto":
-        # What D's the pin leaves or left still hold of this prompt, for a later move back there.
-        elsewhere = PC.cut(prior.elsewhere, ctx.decode_cached, drop=the_plan.decode)
-        if prior.decode is not None and prior.decode != the_plan.decode and ctx.decode_cached > 0:
-            elsewhere = (*elsewhere, PC.DecodeCopy(prior.decode, ctx.decode_cached))[-PC.MAX_DECODE_COPIES:]
+    auto = sv.config.policy == "auto"
+    copies = _prefill_copies_after(sv, ctx, the_plan, result) if auto else ()
+    elsewhere = _decode_elsewhere(ctx, the_plan) if auto else ()
     await sv.store.put(SessionState(
         session_id=ctx.session_id,
         decode=the_plan.decode,
@@ -139,6 +127,29 @@ async def remember(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegRes
         cache_scope=block_scope(ctx.model, ctx.body.get("cache_salt")),
     ))
     sv.metrics.pinned_sessions.set(await sv.store.count())
+
+
+def _cached_after(sv: Services, ctx: TurnContext, result: LegResult, block_size: int,
+                  held: HeldSequence | None) -> tuple[int | None, HeldSequence | None]:
+    """The turn's whole sequence (prompt + output) in tokens, and what D's prefix cache holds now (all of it
+    but the last sampled token, which has no KV), handle or not: the cost policy's decode_cached_tokens next
+    turn. Learned from D's token ids (None, None: not learned)."""
+    if not (result.ok and result.prompt_ids is not None and sv.config.cache_aware):
+        return None, None
+    total = len(result.prompt_ids) + len(result.output_ids)
+    cached = HeldSequence.from_tokens(result.sequence()[:max(0, total - 1)], block_size, prefix=held or _previous(ctx))
+    return total, cached
+
+
+def _decode_elsewhere(ctx: TurnContext, the_plan: Plan) -> tuple[PC.DecodeCopy, ...]:
+    """What D's the pin leaves or left still hold of this prompt, for a later move back there."""
+    prior = ctx.state
+    if prior is None:
+        return ()
+    elsewhere = PC.cut(prior.elsewhere, ctx.decode_cached, drop=the_plan.decode)
+    if prior.decode is not None and prior.decode != the_plan.decode and ctx.decode_cached > 0:
+        elsewhere = (*elsewhere, PC.DecodeCopy(prior.decode, ctx.decode_cached))[-PC.MAX_DECODE_COPIES:]
+    return elsewhere
 
 
 async def _release_replaced(sv: Services, ctx: TurnContext, current: SessionState | None,

@@ -1,5 +1,5 @@
 """``POST /v1/messages`` at the gateway's edge: an Anthropic Messages request lowered to the chat path, and the
-chat answer raised back (``messages.py`` holds the pure translation; this module the HTTP side of it).
+chat answer raised back (``kvtether.sdk.apis.messages`` holds the pure translation; this module its HTTP side).
 
 What the chat path gets: the translated body, and the request's headers with its session named the way the
 path knows (``x-session-id``), from what Anthropic clients send — Claude Code's ``x-claude-code-session-id``
