@@ -205,7 +205,7 @@ def _metrics(metrics: T.Metrics) -> str:
 
 
 async def test_turns_use_local_ids_once_they_match_and_switch_back_on_a_mismatch(local: LocalTokenizer) -> None:
-    """legs.tokenize: unchecked → compared with /tokenize; verified → local only; sampled → compared again; a
+    """tokenize.tokenize: unchecked → compared with /tokenize; verified → local only; sampled → compared again; a
     mismatch → the engine's ids, and /tokenize for this model from then on."""
     asked: list[dict[str, Any]] = []
     wrong = {"on": False}
