@@ -9,7 +9,7 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvtether.gateway.shell.edge import _convert_events
+from kvtether.gateway.api.edge import _convert_events
 
 
 class Recorder:

@@ -300,7 +300,7 @@ def test_config_load_and_validate(tmp_path: Path) -> None:
 def test_tuning_overrides_reach_the_cost_model_and_are_checked(tmp_path: Path) -> None:
     """The cost model's constants are not settings, but [gateway.tuning] overrides them for experiments: the
     values reach PolicyKnobs and the estimator; unknown names and wrong types are refused by name."""
-    from kvtether.gateway.turn.orchestrator import learning_params, policy_knobs
+    from kvtether.gateway.turn.place import learning_params, policy_knobs
 
     f = tmp_path / "gw.toml"
     f.write_text('[gateway]\nprefill = ["http://p:1"]\ndecode = ["http://d:1"]\nmax_local_suffix_tokens = 512\n'
@@ -617,7 +617,7 @@ def test_decode_nodes_the_pin_left_are_cut_to_the_prompts_overlap() -> None:
 
 
 def test_tenant_cache_salts_are_stable_across_replicas_distinct_per_tenant_and_unguessable() -> None:
-    from kvtether.gateway.shell.auth import Auth
+    from kvtether.gateway.tenancy import Auth
 
     keys = {"key-a-000001": "A", "key-a-000002": "A", "key-b-000003": "B"}
     one, two = Auth(GatewayConfig(api_keys=keys)), Auth(GatewayConfig(api_keys=dict(reversed(keys.items()))))

@@ -13,7 +13,7 @@ import anyio
 import httpx
 import pytest
 from gateway_agent import MODEL, chat, comparable, first_messages, next_messages, request_body
-from kvtether.gateway.turn.upstream import Upstream
+from kvtether.gateway.transport.upstream import Upstream
 from test_gateway_sim import metric, outcome, rig
 from upstream_hooks import on_send
 

@@ -24,11 +24,11 @@ from kvtether.gateway.guard.tokencheck import GuardTokenizer, Trust, probes
 from kvtether.gateway.guard.tokenizer import LocalTokenizer
 from kvtether.gateway.nodes.cluster import Cluster, sample_sum
 from kvtether.gateway.stores import open_store
+from kvtether.gateway.transport.upstream import Upstream
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import TurnContext
-from kvtether.gateway.turn.legs import tokenize
 from kvtether.gateway.turn.orchestrator import Orchestrator
-from kvtether.gateway.turn.upstream import Upstream
+from kvtether.gateway.turn.tokenize import tokenize
 from opentelemetry import trace
 
 pytestmark = pytest.mark.anyio
@@ -205,7 +205,7 @@ def _metrics(metrics: T.Metrics) -> str:
 
 
 async def test_turns_use_local_ids_once_they_match_and_switch_back_on_a_mismatch(local: LocalTokenizer) -> None:
-    """legs.tokenize: unchecked → compared with /tokenize; verified → local only; sampled → compared again; a
+    """tokenize.tokenize: unchecked → compared with /tokenize; verified → local only; sampled → compared again; a
     mismatch → the engine's ids, and /tokenize for this model from then on."""
     asked: list[dict[str, Any]] = []
     wrong = {"on": False}

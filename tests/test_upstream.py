@@ -1,4 +1,5 @@
-"""The completion legs' HTTP/1.1 client (gateway/turn/upstream.py) against raw servers that misbehave on purpose."""
+"""The completion legs' HTTP/1.1 client (gateway/transport/upstream.py) against raw servers that misbehave on
+purpose."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import anyio
 import httpx
 import pytest
-from kvtether.gateway.turn.upstream import _HIGH_WATER, Upstream, UpstreamLimits
+from kvtether.gateway.transport.upstream import _HIGH_WATER, Upstream, UpstreamLimits
 
 pytestmark = pytest.mark.anyio
 

@@ -1,11 +1,11 @@
-"""Test seams on the gateway's completion-leg client (gateway/turn/upstream.py): see or fail its requests."""
+"""Test seams on the gateway's completion-leg client (gateway/transport/upstream.py): see or fail its requests."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from kvtether.gateway.turn.upstream import Upstream, UpstreamResponse
+from kvtether.gateway.transport.upstream import Upstream, UpstreamResponse
 
 # Called with the method, URL and headers of every request, before it is sent; raising fails the request there.
 OnSend = Callable[[str, str, Mapping[str, str]], Awaitable[None] | None]

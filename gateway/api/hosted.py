@@ -1,6 +1,6 @@
 """Hosted tools the gateway left out of an agent-API turn (``hosted_tools = "drop"``): how it says so.
 
-The translations (``kvtether.sdk.apis``) decide what is dropped and report the types; here the answer carries
+The translations (``kvtether.protocol``) decide what is dropped and report the types; here the answer carries
 them in a header, the metric counts them by type, and the log says it once per session — a client such as Codex
 sends the same hosted tool on every call of every turn, and one line per call would drown the log.
 """

@@ -1,1 +1,2 @@
-"""The HTTP shell: the ASGI app and its routes, the server, callers' keys, validation, errors, and the API edge."""
+"""The HTTP shell: the ASGI app (the API rooms' routes, health, readiness, metrics, admin), the server, and
+several workers on one port."""

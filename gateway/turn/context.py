@@ -1,6 +1,6 @@
-"""A turn in flight: its context, what its legs returned, and the gateway parts every step of it uses.
+"""A turn in flight: its context, its final leg, what its legs returned, and the gateway parts every step uses.
 
-Plain records plus :class:`Services`, the one object the request path's rooms (identify, gather, legs,
+Plain records plus :class:`Services`, the one object the request path's steps (identify, gather, place, legs,
 relay, remember) share: configuration, the cluster view, the session store, metrics, tracing, the upstream
 HTTP clients and the policy's :class:`~kvtether.gateway.policy.learning.Learning`.
 """
@@ -16,17 +16,17 @@ from typing import Any
 import httpx
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.guard.readback import Read
 from kvtether.gateway.guard.tokencheck import GuardTokenizer
 from kvtether.gateway.nodes.cluster import Cluster, host_of, port_of
 from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.learning import Learning
-from kvtether.gateway.policy.placement import ClusterView
+from kvtether.gateway.policy.placement import ClusterView, Plan
 from kvtether.gateway.policy.retention import ReleaseReason
-from kvtether.gateway.shell.errors import GatewayError
 from kvtether.gateway.stores.sessions import SessionState, SessionStore, TakenHandle
-from kvtether.gateway.turn.body import ChatChain
-from kvtether.gateway.turn.upstream import Upstream
+from kvtether.gateway.transport.upstream import Upstream
+from kvtether.gateway.turn.body import ChatChain, response_identity
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from starlette.responses import JSONResponse, Response
@@ -37,6 +37,10 @@ VLLM_SESSION_HEADER = "x-session-id"
 
 @dataclass
 class TurnContext:
+    """One turn's own state, from identify to remember: the request and its session, what its placement assumed
+    of the nodes, and how it went. What a step finds is what it returns, not a field here."""
+
+    # The request and its session (identify).
     kind: str  # chat | completions
     body: dict[str, Any]
     headers: dict[str, str]
@@ -47,38 +51,34 @@ class TurnContext:
     state: SessionState | None
     t0: float
     span: trace.Span
-    exclude: set[str] = field(default_factory=set)
-    # Cost-policy bookkeeping: the load view the plan saw (what each leg queued behind), the handle a
-    # decode-local turn left unused (put back: its blocks still cover a prefix of the history), when the
-    # final leg was sent, and the prefix D held verified for this prompt.
-    plan_view: ClusterView | None = None
-    unused_handle: TakenHandle | None = None
-    final_leg_at: float | None = None
-    decode_cached: int = 0
-    # What the plan assumed each P's prefix cache holds of this prompt (policy/copies.py): the P leg's own
-    # cache hit, when P's usage cannot tell it apart from tokens it pulled.
-    prefill_cached: dict[str, int] = field(default_factory=dict)
-    # Observability: seconds spent awaiting nodes before the final leg (tokenize, prefill), so that
-    # final_leg_at - t0 - upstream_s is the gateway's own share of the TTFT; and the x-kvtether-* headers.
-    upstream_s: float = 0.0
-    response_headers: dict[str, str] = field(default_factory=dict)
-    # The answer's expected length (the session's mean, capped by max_tokens): sizes its TPOT quota.
-    expected_output_tokens: int = 256
-    # (decode node, key) of the final leg's entry in the per-request TPOT quotas while D decodes it.
-    exposure: tuple[str, int] | None = None
     # The caller's tenant (API keys) and the session id as the client sent it (session_id is namespaced);
-    # the Authorization header the legs send vLLM (auth.Auth.upstream_authorization).
+    # the Authorization header the legs send vLLM (tenancy's Auth.upstream_authorization).
     tenant: str | None = None
     named_session: str | None = None
     upstream_auth: str | None = None
-    # A chat prompt's message-chain hash when the session is found or started by it (identify): the answer
-    # extends it into the key the next turn finds the session by (remember).
+    # A chat prompt's message-chain hash when the session is found or started by it: the answer extends it
+    # into the key the next turn finds the session by (remember).
     chain: ChatChain | None = None
     # The client marked this turn as its session's last (contract.FINAL_HEADER): its handle is released once
     # the answer is out, and the session forgotten. When the turn reached the gateway (the gateway's clock):
     # the session's gap since its last turn ended, for retention's idle estimate.
     final: bool = False
     arrived_at: float = 0.0
+    # What the placement assumed of the nodes, recorded by the orchestrator as it places the turn: the prefix
+    # of the prompt D's prefix cache holds (verified) and what each P's may hold (policy/copies.py), from
+    # gather; the load view the plan saw (what each leg queued behind). The legs' learning and the end of the
+    # turn compare what happened with it.
+    decode_cached: int = 0
+    prefill_cached: dict[str, int] = field(default_factory=dict)
+    plan_view: ClusterView | None = None
+    # How it went: the nodes it found failing (every later placement avoids them); seconds spent awaiting
+    # nodes before the final leg (tokenize, prefill) and when that leg was sent, so that
+    # final_leg_at - t0 - upstream_s is the gateway's own share of the TTFT.
+    exclude: set[str] = field(default_factory=set)
+    upstream_s: float = 0.0
+    final_leg_at: float | None = None
+    # (decode node, key) of its entry in D's per-request TPOT quotas, from its placement to its answer's end.
+    exposure: tuple[str, int] | None = None
 
     @property
     def model(self) -> str:
@@ -95,6 +95,26 @@ class TurnContext:
             if n.url == node:
                 return n.running, n.waiting
         return 0.0, 0.0
+
+
+@dataclass
+class FinalLeg:
+    """The leg whose answer the client sees (D in P/D mode, the replica in aggregated mode), as the legs, the
+    relay and the end of the turn read it."""
+
+    plan: Plan
+    name: str  # decode | aggregated: its phase in errors and metrics
+    source: str  # where the prompt's reused KV came from (x-kvtether-reuse-source)
+    headers: dict[str, str] = field(default_factory=dict)  # the x-kvtether-* headers its answer carries
+    # The answer's expected length (the session's mean, capped by max_tokens; gather): sizes its TPOT quota.
+    expected_output_tokens: int = 256
+    # The handle a decode-local turn did not use: D still holds it, so it is put back after the turn.
+    unused: TakenHandle | None = None
+    span: trace.Span = trace.INVALID_SPAN  # its CLIENT span, from when it is sent (legs.final_leg)
+
+    @property
+    def node(self) -> str:
+        return self.plan.decode
 
 
 @dataclass
@@ -144,6 +164,10 @@ class LegResult:
             self._sequence = seq
         return self._sequence
 
+    def read_identity(self, data: dict[str, Any]) -> None:
+        """The answer's id and model, from a whole answer or a stream's first chunk."""
+        self.response_id, self.response_model = response_identity(data)
+
     def time_output(self, n: int, t: float) -> None:
         """Timestamps of streamed output: gaps after the first chunk are decode steps (TPOT samples)."""
         if self.out_first_at is None:
@@ -189,7 +213,7 @@ class Services:
     store: SessionStore
     metrics: T.Metrics
     upstream: Upstream  # the completion legs (prefill, decode, aggregated)
-    tokenize_client: httpx.AsyncClient  # /tokenize on connections of its own (see app.py)
+    tokenize_client: httpx.AsyncClient  # /tokenize on connections of its own (see shell/app.py)
     tracer: trace.Tracer
     learning: Learning
     clock: Callable[[], float] = time.monotonic
@@ -235,19 +259,20 @@ class Services:
             return False
         return not ctx.stream or node.stream_handles
 
-    def enter_decoding(self, ctx: TurnContext, node: str) -> None:
-        """This turn's answer was placed to decode on `node`: it gets its TPOT quota of stall
-        (policy/stallquota.py)."""
+    def enter_decoding(self, ctx: TurnContext, node: str, expected_output_tokens: int) -> None:
+        """This turn's answer was placed to decode on `node`: it gets its TPOT quota of stall there
+        (policy/stallquota.py), in place of any entry an earlier placement of the turn made."""
         if self.learning.request_stall_share >= 1.0:
             return  # no quotas kept
-        self.leave_decoding(ctx)  # a leg retried after a failure: one entry per turn, on the node it runs on
+        self.leave_decoding(ctx)
         n = self.cluster.nodes.get(node)
         running = n.load().running if n is not None else 1.0  # polled gauge or this gateway's own, the fresher
-        key = self.learning.decoding(node, ctx.expected_output_tokens, running, self.clock())
+        key = self.learning.decoding(node, expected_output_tokens, running, self.clock())
         if key is not None:
             ctx.exposure = (node, key)
 
     def leave_decoding(self, ctx: TurnContext) -> None:
+        """Nothing decodes for this turn any more: its answer ended, or the turn failed."""
         if ctx.exposure is not None:
             node, key = ctx.exposure
             ctx.exposure = None

@@ -4,7 +4,8 @@ The session's handle is taken from the store (atomic, single use: a concurrent t
 goes cold). The prompt is tokenized only when there is something to compare it with — a handle's held
 sequence, or what D's prefix cache holds after a decode-local turn — since ``/tokenize`` sits on the TTFT
 path; the guard (pure, ``guard/verify.py``) then says how much of the held sequence the prompt verifiably
-extends. The result is a :class:`~kvtether.gateway.policy.placement.Turn`: plain facts for ``plan``.
+extends. The result is a :class:`~kvtether.gateway.policy.placement.Turn`: plain facts for ``plan``, which the
+legs and the end of the turn read too (what D's and each P's prefix cache hold, the answer's expected length).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kvtether.gateway.policy.placement import HandleState, Turn
 from kvtether.gateway.stores.sessions import TakenHandle
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import Services, TurnContext
-from kvtether.gateway.turn.legs import tokenize
+from kvtether.gateway.turn.tokenize import tokenize
 
 
 @dataclass
@@ -29,32 +30,32 @@ class Gathered:
     has_handle: bool  # taken and not expired
     prompt_ids: list[int] | None  # None: not tokenized (nothing to compare with) or tokenize failed
 
+    @property
+    def decode_cached(self) -> int:
+        """The prefix of the prompt the pinned D's prefix cache holds, verified (0: none or not checked)."""
+        return self.turn.decode_cached_tokens
+
+    @property
+    def prefill_cached(self) -> dict[str, int]:
+        """What each P's prefix cache may still hold of the prompt (policy/copies.py)."""
+        return dict(self.turn.prefill_cached)
+
 
 async def gather(sv: Services, ctx: TurnContext, round_robin: int) -> Gathered:
     policy = sv.config.policy
     state = ctx.state
-    taken: TakenHandle | None = None
-    handle_state = HandleState.MISSING
-    if state is not None and ctx.session_id is not None and policy in ("pull", "reference", "auto"):
-        taken = await sv.store.take_handle(ctx.session_id)
-        if taken is None and state.handle is not None:
-            # A concurrent turn of the same session took it first, or the store could not hand it out (it
-            # answered the read just before): either way this one goes cold.
-            sv.metrics.handle_outcomes.labels("lost_race" if sv.store.available else "store_unavailable").inc()
-        if taken is not None:
-            age = sv.clock() - taken.handle_at
-            handle_state = HandleState.EXPIRED if age >= sv.config.session_ttl_s else HandleState.PRESENT
-            ctx.span.set_attribute(T.ATTR_HANDLE_AGE, age)
+    taken, handle_state = await _take_handle(sv, ctx)
     T.set_attrs(ctx.span, {T.ATTR_TURN: state.turns if state else 0,
                            T.ATTR_PINNED: state.decode if state else None})
     has_handle = taken is not None and handle_state is HandleState.PRESENT
     prompt_ids: list[int] | None = None
     reuse: int | None = None
+    decode_cached = 0
     cached_held = state.cached if state is not None and sv.config.cache_aware else None
     if (policy == "pull" or sv.config.cache_aware) and (has_handle or cached_held is not None):
         prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx)
         if prompt_ids is not None:
-            reuse = _guard(sv, ctx, taken if has_handle else None, prompt_ids)
+            reuse, decode_cached = _guard(sv, ctx, taken if has_handle else None, prompt_ids)
     elif policy == "pull" or sv.config.cache_aware:
         _warm_tokenizer(sv, ctx)
     turn = Turn(
@@ -69,9 +70,26 @@ async def gather(sv: Services, ctx: TurnContext, round_robin: int) -> Gathered:
         min_reuse_tokens=sv.config.min_reuse_tokens,
         partial_reuse=sv.config.partial_reuse,
         round_robin=round_robin,
-        **_auto_facts(sv, ctx, taken, prompt_ids),
+        **_auto_facts(sv, ctx, taken, prompt_ids, decode_cached),
     )
     return Gathered(turn, taken, has_handle, prompt_ids)
+
+
+async def _take_handle(sv: Services, ctx: TurnContext) -> tuple[TakenHandle | None, HandleState]:
+    """The session's handle, out of the store (single use), and whether it is still fresh."""
+    state = ctx.state
+    if state is None or ctx.session_id is None or sv.config.policy not in ("pull", "reference", "auto"):
+        return None, HandleState.MISSING
+    taken = await sv.store.take_handle(ctx.session_id)
+    if taken is None:
+        if state.handle is not None:
+            # A concurrent turn of the same session took it first, or the store could not hand it out (it
+            # answered the read just before): either way this one goes cold.
+            sv.metrics.handle_outcomes.labels("lost_race" if sv.store.available else "store_unavailable").inc()
+        return None, HandleState.MISSING
+    age = sv.clock() - taken.handle_at
+    ctx.span.set_attribute(T.ATTR_HANDLE_AGE, age)
+    return taken, HandleState.EXPIRED if age >= sv.config.session_ttl_s else HandleState.PRESENT
 
 
 def _warm_tokenizer(sv: Services, ctx: TurnContext) -> None:
@@ -85,14 +103,15 @@ def _warm_tokenizer(sv: Services, ctx: TurnContext) -> None:
         guard_tok.warm(payload)
 
 
-def _guard(sv: Services, ctx: TurnContext, taken: TakenHandle | None, prompt_ids: list[int]) -> int | None:
-    """The verified reuse of the handle's held sequence (None: no held sequence to check), and what D's
-    prefix cache holds of the prompt (into ctx.decode_cached)."""
+def _guard(sv: Services, ctx: TurnContext, taken: TakenHandle | None, prompt_ids: list[int]) -> tuple[int | None, int]:
+    """The verified reuse of the handle's held sequence (None: no held sequence to check), and what D's prefix
+    cache holds of the prompt (0: not known)."""
     held = taken.held if taken is not None else None
     cached_held = ctx.state.cached if ctx.state is not None and sv.config.cache_aware else None
     if held is None and cached_held is None:
-        return None
+        return None, 0
     reuse: int | None = None
+    decode_cached = 0
     tokens = as_tokens(prompt_ids)  # converted once for both comparisons below
     with sv.tracer.start_as_current_span(T.SPAN_GUARD, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
         if held is not None:
@@ -104,17 +123,17 @@ def _guard(sv: Services, ctx: TurnContext, taken: TakenHandle | None, prompt_ids
         if cached_held is not None:
             # Not a correctness check (a local turn hits D's prefix cache by content hash, never
             # positionally): the cost policy's estimate of how much of the prompt D holds.
-            ctx.decode_cached = verified_reuse(cached_held, tokens)
-            span.set_attribute(T.ATTR_DECODE_CACHED_TOKENS, ctx.decode_cached)
+            decode_cached = verified_reuse(cached_held, tokens)
+            span.set_attribute(T.ATTR_DECODE_CACHED_TOKENS, decode_cached)
         span.set_attribute(T.ATTR_PROMPT_TOKENS, len(prompt_ids))
-    return reuse
+    return reuse, decode_cached
 
 
-def _auto_facts(sv: Services, ctx: TurnContext, taken: TakenHandle | None,
-                prompt_ids: list[int] | None) -> dict[str, Any]:
+def _auto_facts(sv: Services, ctx: TurnContext, taken: TakenHandle | None, prompt_ids: list[int] | None,
+                decode_cached: int) -> dict[str, Any]:
     """The session facts the cost policy weighs (docs/placement.md); harmless for the other policies."""
     state = ctx.state
-    facts: dict[str, Any] = {"decode_cached_tokens": ctx.decode_cached}
+    facts: dict[str, Any] = {"decode_cached_tokens": decode_cached}
     if taken is not None:
         facts["handle_age_s"] = max(0.0, sv.clock() - taken.handle_at)
     max_tokens = ctx.body.get("max_completion_tokens") or ctx.body.get("max_tokens")
@@ -123,7 +142,6 @@ def _auto_facts(sv: Services, ctx: TurnContext, taken: TakenHandle | None,
         facts["expected_output_tokens"] = min(out, max_tokens) if isinstance(max_tokens, int) else out
     elif isinstance(max_tokens, int) and max_tokens > 0:
         facts["expected_output_tokens"] = max_tokens
-    ctx.expected_output_tokens = facts.get("expected_output_tokens", ctx.expected_output_tokens)
     if state is None:
         return facts
     facts["last_prefill"] = state.last_prefill
@@ -132,7 +150,7 @@ def _auto_facts(sv: Services, ctx: TurnContext, taken: TakenHandle | None,
         facts["suffix_tokens"] = max(0, len(prompt_ids) - state.last_tokens)
     if state.avg_suffix_tokens is not None:
         facts["next_suffix_tokens"] = round(state.avg_suffix_tokens)
-    facts["decode_elsewhere"] = cut(state.elsewhere, ctx.decode_cached)
-    ctx.prefill_cached = sv.learning.prefill_cached(state.prefill_copies, ctx.decode_cached, sv.cluster.nodes)
-    facts["prefill_cached"] = tuple(ctx.prefill_cached.items())
+    facts["decode_elsewhere"] = cut(state.elsewhere, decode_cached)
+    prefill_cached = sv.learning.prefill_cached(state.prefill_copies, decode_cached, sv.cluster.nodes)
+    facts["prefill_cached"] = tuple(prefill_cached.items())
     return facts

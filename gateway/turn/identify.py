@@ -4,28 +4,30 @@ The id comes from the SDK's or another router's session header, else the body's 
 own cache-routing hint, which OpenCode and Codex set to their session id); a chat request without one is matched to
 its session by the message-chain hash of its history (what the previous turn stored as *prompt + its
 answer*), and otherwise starts an anonymous session that its next turn will find the same way. With API
-keys, both live in the caller's tenant namespace (``auth.scoped``).
+keys, both live in the caller's tenant namespace (``tenancy.scoped``).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.shell.auth import scoped
 from kvtether.gateway.stores.sessions import SessionStore
+from kvtether.gateway.tenancy import scoped
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import TurnContext
-from kvtether.sdk.contract import session_id_from_headers
+from kvtether.sdk.contract import session_final_from_headers, session_id_from_headers
 from opentelemetry import trace
 
 
 async def identify(store: SessionStore, kind: str, body: dict[str, Any], headers: Mapping[str, str],
-                   span: trace.Span, tenant: str | None = None) -> TurnContext:
-    """The turn's context: its session (in the tenant's namespace: `scoped`) and that session's state."""
+                   span: trace.Span, tenant: str | None = None, *, upstream_auth: str | None = None,
+                   clock: Callable[[], float] = time.monotonic) -> TurnContext:
+    """The turn's context: its session (in the tenant's namespace: `scoped`), that session's state, and whether
+    the client marked it as the session's last turn. ``clock``: the gateway's, for when the turn arrived."""
     named = session_id_from_headers(headers) or _cache_key(body)
     sid = scoped(tenant, named) if named else None
     source = "header" if sid else "none"
@@ -41,10 +43,13 @@ async def identify(store: SessionStore, kind: str, body: dict[str, Any], headers
     state = await store.get(sid) if sid else None
     T.set_attrs(span, {T.GEN_AI_CONVERSATION_ID: named if source == "header" else None,
                        T.ATTR_SESSION_SOURCE: source})
-    ctx = TurnContext(kind, body, {k.lower(): v for k, v in headers.items()}, body.get("stream") is True,
-                      body.get("return_token_ids") is True, sid, source, state, time.perf_counter(), span)
-    ctx.tenant, ctx.named_session, ctx.chain = tenant, named, chain
-    return ctx
+    final = session_final_from_headers(headers)
+    if final:
+        span.set_attribute(T.ATTR_SESSION_FINAL, True)
+    return TurnContext(kind, body, {k.lower(): v for k, v in headers.items()}, body.get("stream") is True,
+                       body.get("return_token_ids") is True, sid, source, state, time.perf_counter(), span,
+                       tenant=tenant, named_session=named, upstream_auth=upstream_auth, chain=chain, final=final,
+                       arrived_at=clock())
 
 
 def _cache_key(body: Mapping[str, Any]) -> str | None:

@@ -1,118 +1,52 @@
-"""The upstream legs of a turn: ``/tokenize`` for the guard, the prefill leg, and the final leg whose answer
-the client sees (decode in P/D mode, the replica in aggregated mode).
+"""The upstream legs of a turn: the prefill leg, and the final leg whose answer the client sees (decode in P/D
+mode, the replica in aggregated mode).
 
 Each leg has its own CLIENT span, counts itself in its node's in-flight requests, and turns every upstream
 problem into an :class:`~kvtether.gateway.turn.context.UpstreamFailure` that says whether the node or the request
-is at fault, so the orchestrator can retry, re-place or answer the client cleanly.
+is at fault, so the orchestrator can retry, re-place or answer the client cleanly. The final leg hands the
+orchestrator a whole answer or a stream held back up to its first chunk with choices; relaying it and the end
+of the turn are the orchestrator's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import httpx
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.guard.readback import DECODE_PULL, Read, read_of, reported_cached_tokens
-from kvtether.gateway.guard.tokencheck import Trust
-from kvtether.gateway.guard.tokenizer import LocalTokenizer
 from kvtether.gateway.guard.verify import handle_num_tokens
 from kvtether.gateway.policy.placement import Plan, Turn
 from kvtether.gateway.policy.retention import ReleaseReason
-from kvtether.gateway.shell.errors import GatewayError
+from kvtether.gateway.transport.upstream import UpstreamResponse
 from kvtether.gateway.turn import body as B
-from kvtether.gateway.turn.context import PATHS, LegResult, Prefilled, Services, TurnContext, UpstreamFailure
-from kvtether.gateway.turn.relay import read_preamble, relay
-from kvtether.gateway.turn.remember import finish, read_body
-from kvtether.gateway.turn.streaming import RelayResponse
-from kvtether.gateway.turn.upstream import UpstreamResponse
+from kvtether.gateway.turn.context import (
+    PATHS,
+    FinalLeg,
+    LegResult,
+    Prefilled,
+    Services,
+    TurnContext,
+    UpstreamFailure,
+)
+from kvtether.gateway.turn.stream import Stream, read_preamble
 from opentelemetry import trace
-from starlette.responses import JSONResponse, Response
 
-log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
 
 
-async def tokenize(sv: Services, ctx: TurnContext) -> list[int] | None:
-    """The prompt's token ids (same messages, tools and template arguments as the completion): the local
-    tokenizer's where the guard trusts it for this model (compared with /tokenize first while unchecked, and
-    on a share of turns), else the least-loaded P's ``/tokenize``; None when that fails, and the turn goes on
-    unverified."""
-    payload = B.tokenize_body(ctx.kind, ctx.body)
-    if payload is None:
-        return None
-    guard_tok = sv.tokenizer
-    ours = None
-    if guard_tok is not None and guard_tok.usable(ctx.model):
-        with sv.tracer.start_as_current_span(T.SPAN_TOKENIZE, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
-            span.set_attribute(T.ATTR_TOKENIZE_SOURCE, "local")
-            ours = await guard_tok.encode(payload)
-            T.set_attrs(span, {T.ATTR_PROMPT_TOKENS: len(ours) if ours is not None else None})
-    if guard_tok is None or ours is None:
-        return await tokenize_remote(sv, payload, ctx)
-    if not guard_tok.wants_check(ctx.model):
-        sv.metrics.guard_tokenize.labels("local").inc()
-        return ours
-    theirs = await tokenize_remote(sv, payload, ctx)
-    if theirs is None:  # P could not answer: no evidence either way
-        return ours if guard_tok.trust(ctx.model) is Trust.VERIFIED else None
-    guard_tok.compare(ctx.model, ours, theirs, "turn")
-    return theirs
+@dataclass
+class Whole:
+    """A non-streamed answer: the body the client gets (internal fields stripped), and what it told the turn."""
 
-
-async def tokenize_remote(sv: Services, payload: dict[str, Any], ctx: TurnContext | None = None) -> list[int] | None:
-    """The least-loaded P's ``/tokenize`` of a body; None when it fails (counted as an upstream error)."""
-    view = sv.cluster.view()
-    nodes = [n for n in view.prefill if n.healthy] or list(view.prefill)
-    if not nodes:
-        return None
-    node = min(nodes, key=lambda n: (n.score, n.url)).url
-    parent = ctx.parent_ctx if ctx is not None else None
-    with sv.tracer.start_as_current_span(T.SPAN_TOKENIZE, context=parent, kind=T.KIND_INTERNAL) as span:
-        T.set_attrs(span, {T.ATTR_PREFILL: node, T.ATTR_TOKENIZE_SOURCE: "remote"})
-        started = time.perf_counter()
-        try:
-            try:
-                timeout = httpx.Timeout(sv.config.tokenize_timeout_s, connect=sv.config.connect_timeout_s)
-                resp = await sv.tokenize_client.post(f"{node}/tokenize", content=B.dumps(payload),
-                                                     headers=_JSON, timeout=timeout)
-            finally:
-                if ctx is not None:
-                    ctx.upstream_s += time.perf_counter() - started
-            if resp.status_code != 200:
-                raise UpstreamFailure(node, "tokenize", f"HTTP {resp.status_code}", resp.status_code)
-            tokens = resp.json().get("tokens")
-            if not isinstance(tokens, list):
-                raise UpstreamFailure(node, "tokenize", "no tokens in /tokenize answer", resp.status_code)
-            span.set_attribute(T.ATTR_PROMPT_TOKENS, len(tokens))
-            sv.metrics.guard_tokenize.labels("remote").inc()
-            return [int(t) for t in tokens]
-        except (httpx.HTTPError, ValueError) as exc:
-            sv.count_error(UpstreamFailure(node, "tokenize", str(exc)))
-        except UpstreamFailure as failure:
-            sv.count_error(failure)
-        span.set_attribute(T.ERROR_TYPE, "tokenize_failed")
-        return None
-
-
-async def start_local_tokenizer(sv: Services) -> None:
-    """Loads the guard's local tokenizer off the event loop, then checks it against each served model's
-    /tokenize; until then (or if it cannot load) the guard asks /tokenize."""
-    guard_tok = sv.tokenizer
-    if guard_tok is None:
-        return
-    try:
-        local = await anyio.to_thread.run_sync(LocalTokenizer.load, guard_tok.source)
-    except Exception as exc:
-        log.warning("cannot load the guard's tokenizer %s (%s): the guard uses /tokenize", guard_tok.source, exc)
-        return
-    guard_tok.loaded(local)
-    with anyio.move_on_after(sv.config.tokenize_timeout_s):
-        await guard_tok.startup_check(sv.cluster.served_models(), lambda model: lambda p: tokenize_remote(sv, dict(p)))
+    data: dict[str, Any]
+    result: LegResult
 
 
 async def prefill_with_recovery(sv: Services, ctx: TurnContext, the_plan: Plan, kv: dict[str, Any] | None,
@@ -211,20 +145,21 @@ def _prefill_learned(sv: Services, ctx: TurnContext, node: str, prompt: int | No
     sv.learning.wrote(node, prompt, own)
 
 
-async def final_leg(sv: Services, ctx: TurnContext, the_plan: Plan, payload: dict[str, Any], leg: str,
-                    source: str) -> Response:
-    """The leg whose answer the client sees: D in P/D mode, the replica in aggregated mode."""
-    node = the_plan.decode
-    span = sv.leg_span(ctx, node, leg)
+async def final_leg(sv: Services, ctx: TurnContext, leg: FinalLeg, payload: dict[str, Any]) -> Whole | Stream:
+    """The leg whose answer the client sees: its whole answer, read, or its stream held back up to the first
+    chunk with choices (until then a failure is the leg's: raised, and the turn may be retried). Its span and
+    its count in D's in-flight requests stay open until the end of the turn (remember.finish)."""
+    node = leg.node
+    leg.span = span = sv.leg_span(ctx, node, leg.name)
     sv.cluster.begin(node)  # ended by remember.finish, or below on failure
     ctx.final_leg_at = time.perf_counter()
     sresp: UpstreamResponse | None = None
     try:
         if not ctx.stream:
-            data = await _send_whole(sv, ctx, node, leg, payload, span)
+            data = await _send_whole(sv, ctx, leg, payload)
         else:
-            sresp = await _send_stream(sv, ctx, node, leg, payload, span)
-            stream = await read_preamble(sresp, node, leg)
+            sresp = await _send_stream(sv, ctx, leg, payload)
+            stream = await read_preamble(sresp, node, leg.name)
     except BaseException as exc:  # a failure, or the client leaving (cancelled): nothing is left open
         if isinstance(exc, UpstreamFailure):
             span.set_attribute(T.ERROR_TYPE, str(exc.status or "connection"))
@@ -239,43 +174,56 @@ async def final_leg(sv: Services, ctx: TurnContext, the_plan: Plan, payload: dic
     sv.cluster.mark_ok(node)
     if sresp is None:
         result = LegResult(ok=True, usage=data.get("usage"), ttft=time.perf_counter() - ctx.t0)
-        read_body(data, result)
+        _read_whole(data, result)
         B.strip_internal(data, keep_token_ids=ctx.keep_token_ids)
-        await finish(sv, ctx, the_plan, result, span, source)
-        return JSONResponse(data, headers=ctx.response_headers)
-    # The reuse decision is final before the decode leg starts, so it can go into the stream's headers.
-    return RelayResponse(relay(sv, ctx, the_plan, stream, span, source),
-                         headers={"cache-control": "no-cache", **ctx.response_headers})
+        return Whole(data, result)
+    return stream
 
 
-async def _send_whole(sv: Services, ctx: TurnContext, node: str, leg: str, payload: dict[str, Any],
-                      span: trace.Span) -> dict[str, Any]:
+def _read_whole(data: dict[str, Any], result: LegResult) -> None:
+    """What the session store needs from a non-streamed answer: handle, token ids, the answer, finish."""
+    params = data.get(B.KV_FIELD)
+    result.handle = params if isinstance(params, dict) else None
+    result.prompt_ids = B.prompt_ids_of(data)
+    result.read_identity(data)
+    choices = data.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        first = choices[0]
+        result.output_ids = B.output_ids_of(first) or []
+        result.answer = B.answer_message(first)
+        if first.get("finish_reason"):
+            result.finish_reasons = [str(c.get("finish_reason")) for c in choices if isinstance(c, dict)]
+    result.ok = bool(result.finish_reasons)
+
+
+async def _send_whole(sv: Services, ctx: TurnContext, leg: FinalLeg, payload: dict[str, Any]) -> dict[str, Any]:
     # A non-streamed answer is the first thing its client sees: every stall on D delays it.
+    node = leg.node
     sv.cluster.hold_back(node, 1)
     try:
-        resp = await _post(sv, ctx, node, payload, span, sv.config.read_timeout_s)
+        resp = await _post(sv, ctx, node, payload, leg.span, sv.config.read_timeout_s)
         await resp.read()
     except httpx.HTTPError as exc:
-        raise UpstreamFailure.from_http(node, leg, exc) from None
+        raise UpstreamFailure.from_http(node, leg.name, exc) from None
     finally:
         sv.cluster.hold_back(node, -1)
     data = _json_or_none(resp)
     if resp.status_code != 200 or not isinstance(data, dict):
-        raise UpstreamFailure(node, leg, f"HTTP {resp.status_code}", resp.status_code, data)
+        raise UpstreamFailure(node, leg.name, f"HTTP {resp.status_code}", resp.status_code, data)
     return data
 
 
-async def _send_stream(sv: Services, ctx: TurnContext, node: str, leg: str, payload: dict[str, Any],
-                       span: trace.Span) -> UpstreamResponse:
+async def _send_stream(sv: Services, ctx: TurnContext, leg: FinalLeg, payload: dict[str, Any]) -> UpstreamResponse:
+    node = leg.node
     try:
-        sresp = await _post(sv, ctx, node, payload, span, sv.config.read_timeout_s)
+        sresp = await _post(sv, ctx, node, payload, leg.span, sv.config.read_timeout_s)
     except httpx.HTTPError as exc:
-        raise UpstreamFailure.from_http(node, leg, exc) from None
+        raise UpstreamFailure.from_http(node, leg.name, exc) from None
     if sresp.status_code != 200:
         with contextlib.suppress(httpx.HTTPError):
             await sresp.read()
         await sresp.aclose()
-        raise UpstreamFailure(node, leg, f"HTTP {sresp.status_code}", sresp.status_code, _json_or_none(sresp))
+        raise UpstreamFailure(node, leg.name, f"HTTP {sresp.status_code}", sresp.status_code, _json_or_none(sresp))
     return sresp
 
 

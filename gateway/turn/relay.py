@@ -13,115 +13,34 @@ that turn must find the handle.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import anyio
 import httpx
 import orjson
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.policy.placement import HandleAction, Plan
-from kvtether.gateway.shell.errors import sse_error
+from kvtether.gateway.errors import sse_error
+from kvtether.gateway.policy.placement import HandleAction
+from kvtether.gateway.transport.streaming import LastChunk
 from kvtether.gateway.turn import body as B
-from kvtether.gateway.turn.context import LegResult, Services, TurnContext, UpstreamFailure
-from kvtether.gateway.turn.remember import finish, read_identity, release_hold_back
-from kvtether.gateway.turn.streaming import LastChunk
-from kvtether.gateway.turn.upstream import UpstreamResponse
-from opentelemetry import trace
+from kvtether.gateway.turn.context import FinalLeg, LegResult, Services, TurnContext, UpstreamFailure
+from kvtether.gateway.turn.stream import DONE, Batch, Stream, loads
 
-Batch = list[bytes]  # complete lines (without their line end) from one network read
-
-_DONE = b"[DONE]"
 # Keys whose presence means a chunk must be parsed whatever its value ("token_ids" also matches
 # "prompt_token_ids"): the handle and token ids are read and stripped, an error ends the turn as failed.
 _ALWAYS = (b'"kv_transfer_params"', b'token_ids"', b'"error"')
 # Keys that matter only with a value: vLLM sends `"finish_reason":null` on every chunk.
 _IF_SET = (b'"finish_reason"', b'"usage"')
 
-
-class Lines:
-    """The response body cut into complete lines, a batch per network read (SSE lines end in LF or CRLF; a
-    partial line waits for the rest). The legs ask for no content encoding, so the body is the text."""
-
-    def __init__(self) -> None:
-        self.pending = b""
-
-    def cut(self, piece: bytes) -> Batch:
-        if self.pending:
-            piece = self.pending + piece
-        lines = piece.split(b"\n")
-        self.pending = lines.pop()
-        return [line[:-1] if line.endswith(b"\r") else line for line in lines]
-
-    def rest(self) -> Batch:
-        last, self.pending = self.pending, b""
-        return [last[:-1] if last.endswith(b"\r") else last] if last else []
+End = Callable[[LegResult], Awaitable[None]]  # the end of the turn (remember.finish), once per turn
 
 
-@dataclass
-class Stream:
-    """The final leg's answer as the relay takes it over: the batches held back so far, then the rest."""
-
-    resp: UpstreamResponse
-    pieces: AsyncIterator[bytes]
-    lines: Lines
-    held: list[Batch]
-
-
-async def read_preamble(resp: UpstreamResponse, node: str, leg: str) -> Stream:
-    """Hold back the stream's lines up to its first chunk with choices (or end): an error event there means
-    the client has seen nothing yet, so the turn can still be retried as a whole (e.g. D failed to read
-    P's KV). vLLM sends that chunk (the role chunk) with the first engine output, i.e. once D has the KV and
-    the first token, so nothing retryable comes after it; from there lines are relayed as they come.
-
-    Not up to the first content or tool-call delta: a tool-call parser holds that back for several decode
-    steps, and holding the stream meanwhile delayed the client's first chunk and stamped the turn's first
-    token (and every chunk held with it) that much late, which the estimator then learned as prefill."""
-    stream = Stream(resp, resp.pieces(), Lines(), [])
-    try:
-        async for piece in stream.pieces:
-            batch = stream.lines.cut(piece)
-            stream.held.append(batch)
-            if _ends_preamble(batch, node, leg):
-                return stream
-        stream.held.append(stream.lines.rest())
-        _ends_preamble(stream.held[-1], node, leg)
-    except httpx.HTTPError as exc:
-        await resp.aclose()
-        raise UpstreamFailure.from_http(node, leg, exc) from None
-    except UpstreamFailure:
-        await resp.aclose()
-        raise
-    return stream
-
-
-def _ends_preamble(batch: Batch, node: str, leg: str) -> bool:
-    """Whether `batch` holds the stream's first chunk with choices (or its end); raises on an error event
-    before it."""
-    for line in batch:
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == _DONE:
-            return True
-        chunk = _loads(payload)
-        if chunk is None:
-            return True
-        if "error" in chunk:
-            err = chunk["error"]
-            code = err.get("code") if isinstance(err, dict) else None
-            status = code if isinstance(code, int) and 400 <= code < 600 else 500
-            raise UpstreamFailure(node, leg, f"error event before the first token: {err}", status, chunk)
-        if chunk.get("choices") or B.has_first_token(chunk):
-            return True
-    return False
-
-
-async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, stream: Stream, span: trace.Span,
-                source: str) -> AsyncGenerator[bytes, None]:
-    """SSE passthrough; lines are parsed only for timing, the handle, token ids, usage and the answer."""
-    r = _Reader(sv, ctx, the_plan, span)
+async def relay(sv: Services, ctx: TurnContext, leg: FinalLeg, stream: Stream, end: End,
+                ) -> AsyncGenerator[bytes, None]:
+    """SSE passthrough; lines are parsed only for timing, the handle, token ids, usage and the answer. `end`
+    runs once, whatever happens: before ``[DONE]`` goes out, or when the client left or the stream broke."""
+    r = _Reader(sv, ctx, leg)
     finished = False
     try:
         batches = iter(stream.held)
@@ -144,15 +63,13 @@ async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, stream: Stream, 
                 # Record D's handle before the client sees the end of the stream: an agent sends its next
                 # turn right after [DONE], and that turn must find the handle.
                 finished = True
-                r.result.answer = r.answer.message()
-                await finish(sv, ctx, the_plan, r.result, span, source)
+                await r.end(end)
             yield LastChunk(tail)
     except httpx.HTTPError as exc:
-        failure = UpstreamFailure(the_plan.decode, "aggregated" if sv.config.mode == "aggregated" else "decode",
-                                  f"{type(exc).__name__}: {exc}")
+        failure = UpstreamFailure(leg.node, leg.name, f"{type(exc).__name__}: {exc}")
         sv.count_error(failure)
         sv.mark_failed(failure)  # a broken stream is soft: the node connected, so three in a row take it out
-        span.set_attribute(T.ERROR_TYPE, "stream_broken")
+        leg.span.set_attribute(T.ERROR_TYPE, "stream_broken")
         r.result.ok = False
         yield sse_error(f"upstream stream failed: {failure}")
     finally:
@@ -160,15 +77,14 @@ async def relay(sv: Services, ctx: TurnContext, the_plan: Plan, stream: Stream, 
             await stream.resp.aclose()
             if not finished:
                 # The client left or the stream broke: keep the pin; keep the handle only if D finished.
-                r.result.answer = r.answer.message()
-                await finish(sv, ctx, the_plan, r.result, span, source)
+                await r.end(end)
 
 
 class _Reader:
     """What one stream told the gateway so far, read chunk by chunk."""
 
-    def __init__(self, sv: Services, ctx: TurnContext, the_plan: Plan, span: trace.Span) -> None:
-        self.sv, self.ctx, self.the_plan, self.span = sv, ctx, the_plan, span
+    def __init__(self, sv: Services, ctx: TurnContext, leg: FinalLeg) -> None:
+        self.sv, self.ctx, self.leg, self.span = sv, ctx, leg, leg.span
         self.result = LegResult()
         self.answer = B.StreamAnswer()
         # The next turn's message-chain key needs the answer only for a session identified by hash.
@@ -185,7 +101,7 @@ class _Reader:
             payload = line[5:].strip()
             if self.first_data:
                 self.saw_data(now)
-            if payload == _DONE:
+            if payload == DONE:
                 return (b"\n".join(batch[:i]) + b"\n" if i else b""), b"\n".join(batch[i:]) + b"\n"
             if payload:
                 replaced = self.chunk(payload, now)
@@ -193,12 +109,23 @@ class _Reader:
                     batch[i] = replaced
         return b"\n".join(batch) + b"\n", None
 
+    async def end(self, end: End) -> None:
+        """The turn's end, with what the stream told: D's hold-back released, the answer put together."""
+        self.release_hold_back()
+        self.result.answer = self.answer.message()
+        await end(self.result)
+
+    def release_hold_back(self) -> None:
+        if self.result.holding_back:
+            self.result.holding_back = False
+            self.sv.cluster.hold_back(self.leg.node, -1)
+
     def batch_arrived(self) -> float:
         """A network read's lines are here: one timestamp for them all, and (past the stream's first chunk) one
         arrival on D's record of step boundaries (policy/steps.py): the chunks of one read are one arrival."""
         now = time.perf_counter()
         if self.result.first_chunk is not None:
-            self.sv.learning.chunk_arrived(self.the_plan.decode, now)
+            self.sv.learning.chunk_arrived(self.leg.node, now)
         return now
 
     @property
@@ -216,7 +143,7 @@ class _Reader:
         result = self.result
         if self.steady and not self.want_answer and not _must_parse(payload):
             return None
-        chunk = _loads(payload)
+        chunk = loads(payload)
         if chunk is None:
             return None
         if not self.steady:
@@ -227,13 +154,13 @@ class _Reader:
         return None
 
     def _timing(self, chunk: dict[str, Any], now: float) -> None:
-        result, ctx, node = self.result, self.ctx, self.the_plan.decode
+        result, ctx, node = self.result, self.ctx, self.leg.node
         if result.first_chunk is None and chunk.get("choices"):
             result.first_chunk = now - ctx.t0
-            read_identity(chunk, result)
+            result.read_identity(chunk)
             # Only a decode-local turn's mixed step is learned from; read before this stream's own first chunk
             # joins the record, so only other streams' bursts are in it.
-            if ctx.final_leg_at is not None and self.the_plan.action is HandleAction.DECODE_LOCAL:
+            if ctx.final_leg_at is not None and self.leg.plan.action is HandleAction.DECODE_LOCAL:
                 result.arrivals_before_first = self.sv.learning.arrivals_since(node, ctx.final_leg_at)
             self.sv.learning.chunk_arrived(node, now)
             if not B.has_first_token(chunk):
@@ -245,7 +172,7 @@ class _Reader:
             result.ttft = now - ctx.t0
             self.span.add_event(T.EVENT_FIRST_TOKEN)
             ctx.span.add_event(T.EVENT_FIRST_TOKEN)
-            release_hold_back(self.sv, node, result)
+            self.release_hold_back()
 
 
 def _must_parse(payload: bytes) -> bool:
@@ -263,14 +190,6 @@ def _must_parse(payload: bytes) -> bool:
                 return True
             at = payload.find(key, at)
     return False
-
-
-def _loads(payload: bytes) -> dict[str, Any] | None:
-    try:
-        chunk = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return None
-    return chunk if isinstance(chunk, dict) else None
 
 
 def _dumps(chunk: dict[str, Any]) -> bytes:

@@ -20,11 +20,10 @@ from kvtether.gateway.policy.learning import DecodeSample
 from kvtether.gateway.policy.peers import PEER_POLICIES
 from kvtether.gateway.policy.placement import HandleAction, Plan
 from kvtether.gateway.policy.retention import ReleaseReason, block_scope
-from kvtether.gateway.shell.auth import scoped
 from kvtether.gateway.stores.sessions import SessionState
+from kvtether.gateway.tenancy import scoped
 from kvtether.gateway.turn import body as B
-from kvtether.gateway.turn.context import LegResult, Services, TurnContext
-from opentelemetry import trace
+from kvtether.gateway.turn.context import FinalLeg, LegResult, Services, TurnContext
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +31,9 @@ _MEAN_WEIGHT = 0.3  # of the latest turn in the session's running means (≈ the
 NEVER_PULL = ("no-pull", *PEER_POLICIES)  # policies whose P/D turns leave a handle nothing will read
 
 
-def release_hold_back(sv: Services, node: str, result: LegResult) -> None:
-    if result.holding_back:
-        result.holding_back = False
-        sv.cluster.hold_back(node, -1)
-
-
-async def finish(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResult, span: trace.Span,
-                 source: str) -> None:
-    release_hold_back(sv, the_plan.decode, result)
+async def finish(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegResult) -> None:
+    """The end of the turn, once its final leg's answer is whole (or the client left, or the stream broke)."""
+    the_plan, span, source = leg.plan, leg.span, leg.source
     try:
         usage = result.usage if isinstance(result.usage, dict) else {}
         if the_plan.prefill is None:
@@ -71,7 +64,7 @@ async def finish(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResu
                      ctx.named_session or ctx.session_source, the_plan.action.value, the_plan.decode,
                      f"{result.ttft:.3f} s" if result.ttft is not None else "-", source,
                      "" if result.ok else " (failed)")
-        await remember(sv, ctx, the_plan, result)
+        await remember(sv, ctx, leg, result)
     except Exception:  # the client already has its answer; bookkeeping must not turn it into an error
         log.exception("failed to record the end of a turn")
     finally:
@@ -80,7 +73,8 @@ async def finish(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResu
         span.end()
 
 
-async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResult) -> None:
+async def remember(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegResult) -> None:
+    the_plan = leg.plan
     if ctx.session_id is None:
         if result.ok and result.handle is not None and the_plan.prefill is not None:
             # No session to keep it for: D would hold it until its TTL for nothing.
@@ -88,19 +82,11 @@ async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRe
         return
     now = sv.clock()
     prior = ctx.state
-    policy = sv.config.policy
     block_size = sv.cluster.block_size(the_plan.decode)
-    handle, held, handle_at = _handle_after(sv, ctx, the_plan, result, block_size)
+    handle, held, handle_at = _handle_after(sv, ctx, leg, result, block_size)
     if handle_at is None:
         handle_at = now
-    # What D's prefix cache holds now (prompt + output − 1: the last sampled token has no KV), handle or
-    # not: the cost policy's decode_cached_tokens next turn. Learned from D's token ids.
-    cached: HeldSequence | None = None
-    total: int | None = None
-    if result.ok and result.prompt_ids is not None and sv.config.cache_aware:
-        total = len(result.prompt_ids) + len(result.output_ids)
-        cached = HeldSequence.from_tokens(result.sequence()[:max(0, total - 1)], block_size,
-                                          prefix=held or _previous(ctx))
+    total, cached = _cached_after(sv, ctx, result, block_size, held)
     if result.ok and sv.config.mode != "aggregated":
         sv.learning.decode_done(_decode_sample(ctx, the_plan, result), now)
     current = await sv.store.get(ctx.session_id)
@@ -116,13 +102,9 @@ async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRe
         prefix_key = scoped(ctx.tenant, ctx.chain.after(result.answer))
     base = current or prior
     avg_out, avg_suffix = _running_means(base, result, total)
-    elsewhere: tuple[PC.DecodeCopy, ...] = ()
-    copies = _prefill_copies_after(sv, ctx, the_plan, result) if policy == "auto" else ()
-    if prior is not None and policy == "auto":
-        # What D's the pin leaves or left still hold of this prompt, for a later move back there.
-        elsewhere = PC.cut(prior.elsewhere, ctx.decode_cached, drop=the_plan.decode)
-        if prior.decode is not None and prior.decode != the_plan.decode and ctx.decode_cached > 0:
-            elsewhere = (*elsewhere, PC.DecodeCopy(prior.decode, ctx.decode_cached))[-PC.MAX_DECODE_COPIES:]
+    auto = sv.config.policy == "auto"
+    copies = _prefill_copies_after(sv, ctx, the_plan, result) if auto else ()
+    elsewhere = _decode_elsewhere(ctx, the_plan) if auto else ()
     await sv.store.put(SessionState(
         session_id=ctx.session_id,
         decode=the_plan.decode,
@@ -145,6 +127,29 @@ async def remember(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRe
         cache_scope=block_scope(ctx.model, ctx.body.get("cache_salt")),
     ))
     sv.metrics.pinned_sessions.set(await sv.store.count())
+
+
+def _cached_after(sv: Services, ctx: TurnContext, result: LegResult, block_size: int,
+                  held: HeldSequence | None) -> tuple[int | None, HeldSequence | None]:
+    """The turn's whole sequence (prompt + output) in tokens, and what D's prefix cache holds now (all of it
+    but the last sampled token, which has no KV), handle or not: the cost policy's decode_cached_tokens next
+    turn. Learned from D's token ids (None, None: not learned)."""
+    if not (result.ok and result.prompt_ids is not None and sv.config.cache_aware):
+        return None, None
+    total = len(result.prompt_ids) + len(result.output_ids)
+    cached = HeldSequence.from_tokens(result.sequence()[:max(0, total - 1)], block_size, prefix=held or _previous(ctx))
+    return total, cached
+
+
+def _decode_elsewhere(ctx: TurnContext, the_plan: Plan) -> tuple[PC.DecodeCopy, ...]:
+    """What D's the pin leaves or left still hold of this prompt, for a later move back there."""
+    prior = ctx.state
+    if prior is None:
+        return ()
+    elsewhere = PC.cut(prior.elsewhere, ctx.decode_cached, drop=the_plan.decode)
+    if prior.decode is not None and prior.decode != the_plan.decode and ctx.decode_cached > 0:
+        elsewhere = (*elsewhere, PC.DecodeCopy(prior.decode, ctx.decode_cached))[-PC.MAX_DECODE_COPIES:]
+    return elsewhere
 
 
 async def _release_replaced(sv: Services, ctx: TurnContext, current: SessionState | None,
@@ -170,11 +175,12 @@ def _mean_gap(base: SessionState | None, prior: SessionState | None, ctx: TurnCo
     return gap if mean is None else (1 - _MEAN_WEIGHT) * mean + _MEAN_WEIGHT * gap
 
 
-def _handle_after(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegResult, block_size: int,
+def _handle_after(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegResult, block_size: int,
                   ) -> tuple[dict[str, Any] | None, HeldSequence | None, float | None]:
     """The handle the session keeps after this turn, the tokens it holds, and when it was returned (None:
     now): D's new handle after a P/D turn or a marked decode-local one, else the handle a local turn did not
     use."""
+    the_plan, unused = leg.plan, leg.unused
     local = the_plan.action is HandleAction.DECODE_LOCAL
     if result.ok and the_plan.prefill is not None and result.handle is not None and sv.config.policy in NEVER_PULL:
         # D keeps every finished P/D turn's blocks when bidirectional_kv_xfer is on; this policy never pulls.
@@ -190,19 +196,19 @@ def _handle_after(sv: Services, ctx: TurnContext, the_plan: Plan, result: LegRes
         # did not use (that one is never pulled now; D frees it at its TTL).
         sv.cluster.note_local_handles(the_plan.decode, True)
         sv.metrics.local_handles.labels("kept").inc()
-        if ctx.unused_handle is not None:
+        if unused is not None:
             sv.metrics.local_handles.labels("superseded").inc()
-            sv.release(ctx.unused_handle.handle, ctx.state.decode if ctx.state else None, ReleaseReason.SUPERSEDED)
+            sv.release(unused.handle, ctx.state.decode if ctx.state else None, ReleaseReason.SUPERSEDED)
         return (*_kept(sv, result, result.handle, the_plan.decode, block_size, _previous(ctx)), None)
     if local:
         if result.ok and sv.local_handle_due(ctx, the_plan.decode):
             # Marked, due, and none came back: this D does not keep local turns (no bidirectional_kv_xfer).
             sv.cluster.note_local_handles(the_plan.decode, False)
             sv.metrics.local_handles.labels("missing").inc()
-        if ctx.unused_handle is not None:
+        if unused is not None:
             # The handle this turn did not use still pins a prefix of the history on D, so a later turn may
             # pull it (and so free it) before it expires.
-            return ctx.unused_handle.handle, ctx.unused_handle.held, ctx.unused_handle.handle_at
+            return unused.handle, unused.held, unused.handle_at
     return None, None, None
 
 
@@ -273,24 +279,3 @@ def _running_means(base: SessionState | None, result: LegResult,
         suffix = max(0, len(result.prompt_ids) - base.last_tokens)
         avg_suffix = float(suffix) if avg_suffix is None else (1 - w) * avg_suffix + w * suffix
     return avg_out, avg_suffix
-
-
-def read_body(data: dict[str, Any], result: LegResult) -> None:
-    """What the session store needs from a non-streamed answer: handle, token ids, the answer, finish."""
-    params = data.get(B.KV_FIELD)
-    result.handle = params if isinstance(params, dict) else None
-    result.prompt_ids = B.prompt_ids_of(data)
-    read_identity(data, result)
-    choices = data.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        first = choices[0]
-        result.output_ids = B.output_ids_of(first) or []
-        result.answer = B.answer_message(first)
-        if first.get("finish_reason"):
-            result.finish_reasons = [str(c.get("finish_reason")) for c in choices if isinstance(c, dict)]
-    result.ok = bool(result.finish_reasons)
-
-
-def read_identity(data: dict[str, Any], result: LegResult) -> None:
-    """The answer's id and model, from a whole answer or a stream's first chunk."""
-    result.response_id, result.response_model = B.response_identity(data)

@@ -37,7 +37,7 @@ model produced from it, so the next prompt re-renders the very tokens the decode
 not sign is refused (vLLM refuses all of it).
 
 The Responses state (``store``, ``previous_response_id``, ``conversation``) is not here: the HTTP side
-(``responses_http.py``) resolves a chain into the ``history`` messages :func:`to_chat` prepends.
+(``gateway/api/responses/lowering.py``) resolves a chain into the ``history`` messages :func:`to_chat` prepends.
 
 A lenient translation (:func:`translate` with ``lenient=True``) is for a request some server already took,
 written as the chat turn it stands for (the SDK's recorder): it refuses nothing, leaves out each piece a strict

@@ -1,5 +1,5 @@
 """``POST /v1/messages`` at the gateway's edge: an Anthropic Messages request lowered to the chat path, and the
-chat answer raised back (``messages.py`` holds the pure translation; this module the HTTP side of it).
+chat answer raised back (``kvtether.protocol.messages`` holds the pure translation; this module its HTTP side).
 
 What the chat path gets: the translated body, and the request's headers with its session named the way the
 path knows (``x-session-id``), from what Anthropic clients send — Claude Code's ``x-claude-code-session-id``
@@ -14,8 +14,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from kvtether.gateway.shell.edge import EdgeResponse
-from kvtether.gateway.shell.errors import GatewayError
+from kvtether.gateway.api.edge import EdgeResponse
+from kvtether.gateway.errors import GatewayError
 from kvtether.protocol import messages as M
 from kvtether.protocol.common import HostedTools
 from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers

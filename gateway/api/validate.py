@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
-from kvtether.gateway.shell.errors import GatewayError
+from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.turn.body import KV_FIELD
 from kvtether.sdk.contract import (
     FOREIGN_SESSION_HEADERS,

@@ -18,7 +18,7 @@ import hmac
 from collections.abc import Mapping
 
 from kvtether.gateway.config import GatewayConfig
-from kvtether.gateway.shell.errors import GatewayError
+from kvtether.gateway.errors import GatewayError
 
 
 def _digest(key: str) -> bytes:

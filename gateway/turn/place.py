@@ -1,0 +1,137 @@
+"""Placing a turn: ``policy.placement.plan`` (pure) with the live state it reads — the cluster's load view, the
+learned estimates, the per-request TPOT quotas — its decision on the ``kvtether.plan`` span and in the metrics.
+
+Also what a re-placement starts from (the turn gone cold after a failed leg), the round-robin counter the
+reference policy reads, and the policy's parameters as configured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvtether.gateway import telemetry as T
+from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.errors import GatewayError
+from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
+from kvtether.gateway.policy.knobs import PolicyKnobs
+from kvtether.gateway.policy.peers import PeerKnobs
+from kvtether.gateway.policy.placement import (
+    ClusterView,
+    HandleAction,
+    HandleState,
+    NoCapacity,
+    Plan,
+    Turn,
+    plan,
+    plan_aggregated,
+)
+from kvtether.gateway.policy.reasons import reason_bucket
+from kvtether.gateway.turn.context import Services, TurnContext
+
+
+class Placer:
+    def __init__(self, sv: Services, knobs: PolicyKnobs, peers: PeerKnobs) -> None:
+        self.sv, self.knobs, self.peer_knobs = sv, knobs, peers
+        self._rr = 0
+
+    def next_rr(self) -> int:
+        self._rr += 1
+        return self._rr - 1
+
+    def place(self, ctx: TurnContext, turn: Turn) -> tuple[Plan, ClusterView]:
+        """The turn's plan and the load view it was made on, with the failed nodes excluded."""
+        sv = self.sv
+        now = sv.clock()
+        quotas = sv.learning.quota_credit(turn.pinned_decode)
+        turn = replace(turn, exclude=frozenset(ctx.exclude), ttft_tail_s=sv.learning.tail_threshold(),
+                       request_stall_credit_s=quotas.credit_s, request_stall_quota_s=quotas.quota_s)
+        with sv.tracer.start_as_current_span(T.SPAN_PLAN, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
+            view = sv.cluster.view(now)
+            try:
+                # The peer rules match D's prefix cache in its own blocks (known once D was polled).
+                peers = replace(self.peer_knobs, block_size=sv.cluster.block_size(turn.pinned_decode or ""))
+                p = plan(turn, view, sv.learning.snapshot(now), self.knobs, peers)
+            except NoCapacity as exc:
+                span.set_attribute(T.ERROR_TYPE, "no_capacity")
+                raise self.no_capacity(exc) from None
+            bucket = self._count(p)
+            if p.decision is not None:
+                T.set_attrs(span, T.cost_attributes(p.decision.trace_attributes()))
+            T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_ACTION: p.action.value,
+                               T.ATTR_PLAN_REASON: p.reason, T.ATTR_PLAN_REASON_BUCKET: bucket,
+                               T.ATTR_PREFILL: p.prefill, T.ATTR_DECODE: p.decode,
+                               T.ATTR_HANDLE_OUTCOME: p.handle_outcome, T.ATTR_REUSE_TOKENS: p.reuse_tokens,
+                               T.ATTR_RE_PLACED: p.re_placed})
+        # From here the answer is headed for D: a local prefill admitted before its first token still runs on into
+        # its decode steps (policy/stallquota.py), so its TPOT quota is kept from its placement on.
+        sv.enter_decoding(ctx, p.decode, turn.expected_output_tokens)
+        held = sv.cluster.nodes.get(p.decode)
+        T.set_attrs(ctx.span, {T.ATTR_PLAN_ACTION: p.action.value, T.ATTR_PLAN_REASON: p.reason,
+                               T.ATTR_DECODE_HELD_KV_TOKENS: held.held_kv_tokens if held is not None else None})
+        return p, view
+
+    def _count(self, p: Plan) -> str:
+        """The decision told to the learning (a decode-local turn's estimated stall) and counted; its reason's
+        bucket (the metric's label)."""
+        sv = self.sv
+        stall = sv.learning.planned(p)
+        bucket = reason_bucket(p)
+        sv.metrics.placement_decisions.labels(p.action.value, bucket).inc()
+        if p.decision is not None and p.action is HandleAction.DECODE_LOCAL:
+            sv.metrics.decode_stall.labels(p.decode).inc(stall)
+        return bucket
+
+    def aggregated(self, ctx: TurnContext) -> Plan:
+        """Aggregated mode: the session's replica while it is healthy, else the least-loaded one."""
+        sv = self.sv
+        pinned = ctx.state.decode if ctx.state else None
+        try:
+            p = plan_aggregated(pinned, sv.cluster.aggregated_view(), frozenset(ctx.exclude))
+        except NoCapacity as exc:
+            raise self.no_capacity(exc) from None
+        T.set_attrs(ctx.span, {T.ATTR_PLAN_REASON: p.reason, T.ATTR_DECODE: p.decode})
+        return p
+
+    def no_capacity(self, exc: NoCapacity) -> GatewayError:
+        return GatewayError(503, str(exc), code="no_capacity", retry_after_s=self.sv.cluster.retry_after(exc.role))
+
+    def cold(self, turn: Turn, ctx: TurnContext) -> Turn:
+        """The turn after a failed leg: no handle, and no second decode-local try (unless no P is left at all)."""
+        return replace(turn, handle=HandleState.MISSING, handle_tokens=None, reuse_tokens=None,
+                       round_robin=self.next_rr(), exclude=frozenset(ctx.exclude), allow_local=False)
+
+    def arrival(self, the_plan: Plan) -> tuple[float, float] | None:
+        """When a P/D turn should reach its D (gateway clock) and D's read seconds, from its cost decision;
+        None when nothing reads it (arrival_weight off)."""
+        d = the_plan.decision
+        if d is None or d.option == "decode_local" or self.knobs.arrival_weight <= 0.0:
+            return None
+        return self.sv.clock() + d.arrive_s, d.d_read_s
+
+
+def estimator_seeds(config: GatewayConfig) -> EstimatorSeeds:
+    return EstimatorSeeds(
+        prefill_overhead_s=config.seed_prefill_overhead_s, prefill_s_per_token=config.seed_prefill_s_per_token,
+        prefill_s_per_pair=config.seed_prefill_s_per_pair, transfer_latency_s=config.seed_transfer_latency_s,
+        transfer_s_per_token=config.seed_transfer_s_per_token, tpot_base_s=config.seed_tpot_base_s,
+        tpot_s_per_seq=config.seed_tpot_s_per_seq, queue_s_per_request=config.seed_queue_s_per_request)
+
+
+def learning_params(config: GatewayConfig) -> LearningParams:
+    return LearningParams(**config.learning_tuning())
+
+
+def peer_knobs(config: GatewayConfig) -> PeerKnobs:
+    """The peer gateways' rules as configured (policy/peers.py)."""
+    return PeerKnobs(dynamo_rule=config.dynamo_rule, dynamo_decode_busy_share=config.dynamo_decode_busy_share,
+                     llm_d_non_cached_tokens=config.llm_d_non_cached_tokens, block_size=config.block_size or 16)
+
+
+def policy_knobs(config: GatewayConfig) -> PolicyKnobs:
+    """The cost model's parameters: the operator's settings, then any [gateway.tuning] overrides."""
+    return PolicyKnobs(
+        max_local_suffix_tokens=config.max_local_suffix_tokens, tpot_budget_s=config.tpot_budget_s,
+        recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,
+        block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,
+        rebalance_decode=config.rebalance_decode, local_kv_veto=config.decode_pressure_usage,
+        **config.policy_tuning())
