@@ -6,6 +6,7 @@ import json
 import math
 from typing import Any
 
+from kvtether.protocol.wire import openai_error_body
 from starlette.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -35,7 +36,7 @@ class GatewayError(Exception):
 
 
 def error_payload(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return openai_error_body(message, type_, param, code)
 
 
 def sse_error(message: str, type_: str = "upstream_error", code: str | None = None) -> bytes:

@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from kvtether.protocol.wire import LOCAL_RETAIN_PARAMS
 from vllm_fixtures import (
     DECODE_TTL_S,
     HANDLE_FIELDS,
@@ -174,8 +175,8 @@ async def test_decode_request_without_params_returns_no_handle(backend: Backend,
     assert not r.json().get("kv_transfer_params")
 
 
-# A decode-local turn marked for retention (docs/protocol.md §2): non-empty kv_transfer_params with neither flag set.
-LOCAL_RETAIN_PARAMS = {"do_remote_prefill": False, "do_remote_decode": False}
+# A decode-local turn marked for retention (docs/protocol.md §2): non-empty kv_transfer_params with neither flag
+# set, as the gateway sends them (kvtether.protocol.wire).
 
 
 async def test_decode_local_request_marked_for_retention_returns_a_handle_the_next_pull_uses(

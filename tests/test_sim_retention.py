@@ -32,7 +32,7 @@ P_PARAMS = {
     "remote_host": None,
     "remote_port": None,
 }
-# What kvtether's gateway sends with a decode-local turn (gateway/turn/body.py LOCAL_RETAIN_PARAMS).
+# What kvtether's gateway sends with a decode-local turn (kvtether.protocol.wire LOCAL_RETAIN_PARAMS).
 LOCAL_RETAIN = {"do_remote_prefill": False, "do_remote_decode": False}
 TOK = default_tokenizer()
 TEXT = (

