@@ -183,9 +183,17 @@ async def test_auto_reuses_the_answers_with_live_history_and_truncates_with_reco
             out.append(int(cur.reuse["x-kvtether-reuse-tokens"]) > prev.prompt_tokens)
         return out
 
+    def carries_answer(prev: TurnResult, cur: TurnResult) -> bool:
+        # Where the previous answer's KV is on D for this turn: D's prefix cache (a local turn), or the handle a P/D
+        # turn left (a pull after it). After a local turn D holds no fresh handle: a pull reads the older one.
+        src, before = cur.reuse.get("x-kvtether-reuse-source"), prev.reuse.get("x-kvtether-reuse-source")
+        return src == "decode_local" or (src == "decode_pull" and before != "decode_local")
+
     live_pairs = _later_turns(live)
     assert len(live_pairs) == 12
-    assert sum(answer_reused(live_pairs)) >= 0.75 * len(live_pairs)
+    expected = [carries_answer(p, c) for p, c in live_pairs]
+    assert sum(expected) >= 0.5 * len(live_pairs), "most later turns run on D or pull a P/D turn's handle"
+    assert all(got for got, want in zip(answer_reused(live_pairs), expected, strict=True) if want)
     share = sum(int(c.reuse["x-kvtether-reuse-tokens"]) for _, c in live_pairs) / sum(
         c.prompt_tokens or 0 for _, c in live_pairs
     )
