@@ -68,8 +68,8 @@ def _with_arrivals(sessions: list[Any], mean_gap_ms: float, seed: int) -> list[A
 
 
 def workload(name: str, st: Settings) -> list[Any]:
-    from kvtether.cli.generate import GenParams, generate_sessions
-    from kvtether.cli.importers import import_file
+    from kvtether.cli.gen.generate import GenParams, generate_sessions
+    from kvtether.cli.gen.importers import import_file
 
     model = "kvtether-sim"
     if name == "chat":
@@ -93,9 +93,9 @@ def workload(name: str, st: Settings) -> list[Any]:
 
 
 async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st: Settings) -> dict[str, Any]:
-    from kvtether.cli.assess_topology import DecodeTimes, option_gateway
-    from kvtether.cli.replay import ReplayOptions, join_engine_tpot, new_session_suffix, run_replay
-    from kvtether.cli.report import Objectives, attainment
+    from kvtether.cli.assess.topology import DecodeTimes, option_gateway
+    from kvtether.cli.replay.engine import ReplayOptions, join_engine_tpot, new_session_suffix, run_replay
+    from kvtether.cli.replay.report import Objectives, attainment
 
     decode_times = DecodeTimes()
     t0 = time.perf_counter()
@@ -121,8 +121,8 @@ def _pct(xs: list[float], q: str) -> float | None:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from kvtether.cli.assess_cluster import build_shape
-    from kvtether.cli.report import goodput
+    from kvtether.cli.assess.cluster import build_shape
+    from kvtether.cli.replay.report import goodput
 
     st = Settings(preset=args.preset, speed=args.speed, ttft_ms=args.ttft, tpot_ms=args.tpot, sessions=args.sessions,
                   seed=args.seed)

@@ -53,8 +53,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
-from kvtether.cli import calibration
-from kvtether.cli.generate import WORDS, parse_mix
+from kvtether.cli.gen.generate import WORDS, parse_mix
+from kvtether.cli.simstack import calibration
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import TUNING_FIELDS, PolicyKnobs
 from kvtether.gateway.shell.app import create_app
@@ -255,7 +255,7 @@ async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan
 
 
 def calibrated_seeds(preset_name: str, speed: float) -> dict[str, float]:
-    """Estimator seeds from the preset's cost model, in real seconds at `speed` (kvtether.cli.calibration)."""
+    """Estimator seeds from the preset's cost model, in real seconds at `speed` (kvtether.cli.simstack.calibration)."""
     return calibration.calibrated_seeds(get_preset(preset_name), speed)
 
 

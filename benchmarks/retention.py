@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from kvtether.cli.generate import parse_mix
+from kvtether.cli.gen.generate import parse_mix
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import PolicyKnobs
 from kvtether.gateway.policy.retention import RELEASE_REASONS, RetentionKnobs

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import typer
-from kvtether.cli import cmd_replay
-from kvtether.cli.generate import GenParams, generate_sessions
+from kvtether.cli.gen.generate import GenParams, generate_sessions
+from kvtether.cli.replay import command as cmd_replay
 from kvtether.sdk.sessionfile import write_sessions
 from typer.testing import CliRunner
 

@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvtether.cli import cmd_serve, cmd_up
+from kvtether.cli import serve as cmd_serve
 from kvtether.cli.main import app
-from kvtether.cli.preflight import VllmEnvCheck, check_vllm_env, source_tree
+from kvtether.cli.up import command as cmd_up
+from kvtether.cli.up.preflight import VllmEnvCheck, check_vllm_env, source_tree
 from typer.testing import CliRunner
 
 runner = CliRunner()

@@ -6,8 +6,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvtether.cli.replay import ReplayRun, TurnResult
-from kvtether.cli.stats import PERCENTILE_METHOD, p99_warning, summarize
+from kvtether.cli.common.stats import PERCENTILE_METHOD, p99_warning, summarize
+from kvtether.cli.replay.engine import ReplayRun, TurnResult
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table

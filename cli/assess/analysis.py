@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtether.cli.stats import percentile
+from kvtether.cli.common.stats import percentile
 from kvtether.gateway.policy.retention import (
     DecodeMemory,
     HeldHandle,
@@ -468,7 +468,7 @@ def compare_topologies(runs: Mapping[str, Sequence[TurnTiming]], late: int, tpot
     with its margin over the runner-up.
 
     ``engine_tpots``: per option, the TPOT of every decoding request as the simulator's engine timed it (in its
-    cost model's time, see ``assess_topology.DecodeTimes``); where given, it is the option's ``tpot_ms`` (and
+    cost model's time, see ``topology.DecodeTimes``); where given, it is the option's ``tpot_ms`` (and
     the client's measurement moves to ``client_tpot_ms``)."""
     options: dict[str, Any] = {}
     for label, timings in runs.items():

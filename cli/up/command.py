@@ -26,7 +26,10 @@ from types import FrameType
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
-from kvtether.cli.cluster_spec import (
+from kvtether.cli.common.options import FLAG, LOG_LEVELS, checked_log_level
+from kvtether.cli.common.ports import listen_fix, listen_problem
+from kvtether.cli.common.signals import STOP_SIGNALS
+from kvtether.cli.up.cluster_spec import (
     DEFAULT_DECODE_TTL_S,
     DEFAULT_GATEWAY_LOG_LEVEL,
     DEFAULT_GATEWAY_PORT,
@@ -35,17 +38,16 @@ from kvtether.cli.cluster_spec import (
     ClusterPlan,
     Device,
 )
-from kvtether.cli.gateway_child import (
+from kvtether.cli.up.gateway_child import (
     EXIT_USAGE,
     GatewaySettingError,
     check_gateway_config,
     parse_gateway_set,
     run_gateway_child,
 )
-from kvtether.cli.launcher import dry_run_text, plan_cluster
-from kvtether.cli.options import FLAG, LOG_LEVELS, checked_log_level
-from kvtether.cli.preflight import check_vllm_env, listen_fix, listen_problem
-from kvtether.cli.supervisor import STOP_SIGNALS, ChildDied, Supervisor, tail
+from kvtether.cli.up.launcher import dry_run_text, plan_cluster
+from kvtether.cli.up.preflight import check_vllm_env
+from kvtether.cli.up.supervisor import ChildDied, Supervisor, tail
 from rich.console import Console
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 import anyio
 import httpx
 import typer
-from kvtether.cli.assess_analysis import (
+from kvtether.cli.assess.analysis import (
     RetentionSetup,
     TurnTiming,
     compare_topologies,
@@ -31,15 +31,15 @@ from kvtether.cli.assess_analysis import (
     retention,
     turn_duration_s,
 )
-from kvtether.cli.assess_cluster import DEFAULT_PRESET, KV_DTYPE_BYTES, ClusterShape, build_shape
-from kvtether.cli.assess_gateway import scrape, summarize_gateway
-from kvtether.cli.assess_report import render_console, render_html
-from kvtether.cli.assess_tokens import Encoder, hf_encoder, sim_encoder, turn_facts
-from kvtether.cli.assess_topology import DESCRIPTIONS, OPTIONS, RunSettings, run_option, timings
-from kvtether.cli.cluster_logs import ClusterLogs
-from kvtether.cli.importers import FORMATS, ImportFormatError
-from kvtether.cli.options import FLAG, kvtether_version
-from kvtether.cli.replay import DEFAULT_PREFILL_PREFIX_CACHING
+from kvtether.cli.assess.cluster import DEFAULT_PRESET, KV_DTYPE_BYTES, ClusterShape, build_shape
+from kvtether.cli.assess.gateway import scrape, summarize_gateway
+from kvtether.cli.assess.report import render_console, render_html
+from kvtether.cli.assess.tokens import Encoder, hf_encoder, sim_encoder, turn_facts
+from kvtether.cli.assess.topology import DESCRIPTIONS, OPTIONS, RunSettings, run_option, timings
+from kvtether.cli.common.options import FLAG, kvtether_version
+from kvtether.cli.gen.importers import FORMATS, ImportFormatError
+from kvtether.cli.replay.sim import DEFAULT_PREFILL_PREFIX_CACHING
+from kvtether.cli.simstack.logs import ClusterLogs
 from kvtether.gateway.policy.retention import RetentionKnobs
 from kvtether.sdk.sessionfile import SessionFileError, SessionRecord
 from rich.console import Console
@@ -57,7 +57,7 @@ def _fail(console: Console, code: int, message: str) -> NoReturn:
 
 def _load(path: Path, fmt: str, model: str | None) -> list[SessionRecord]:
     # Imported here: cmd_replay pulls in the replay command's own dependencies only when assess runs.
-    from kvtether.cli.cmd_replay import load_sessions
+    from kvtether.cli.replay.command import load_sessions
 
     return load_sessions(path, fmt, model)
 

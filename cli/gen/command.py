@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import typer
-from kvtether.cli.generate import DEFAULT_NEW_TOKENS, DEFAULT_OUTPUT_TOKENS, GenParams, generate_sessions
-from kvtether.cli.importers import FORMATS, MOONCAKE_BLOCK_SIZE, ImportFormatError, import_file
-from kvtether.cli.options import FLAG
+from kvtether.cli.common.options import FLAG
+from kvtether.cli.gen.generate import DEFAULT_NEW_TOKENS, DEFAULT_OUTPUT_TOKENS, GenParams, generate_sessions
+from kvtether.cli.gen.importers import FORMATS, MOONCAKE_BLOCK_SIZE, ImportFormatError, import_file
 from kvtether.sdk.sessionfile import SessionRecord, write_sessions
 from rich.console import Console
 from rich.markup import escape

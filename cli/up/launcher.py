@@ -3,12 +3,12 @@
 
 Nothing here starts a process; `plan_cluster()` returns a `ClusterPlan` with, for every child, the exact
 argv and the environment *additions* (on top of the caller's environment). Process management lives in
-`cmd_up.py`; tests (`tests/test_launcher.py`) check the construction without vLLM installed.
+`command.py`; tests (`tests/test_launcher.py`) check the construction without vLLM installed.
 
-The gateway child gets its settings on its command line: `python -m kvtether.cli.cmd_up gateway '<settings JSON>'
+The gateway child gets its settings on its command line: `python -m kvtether.cli.up.command gateway '<settings JSON>'
 [--config FILE] --log-level LEVEL`, where it calls `load_config(FILE, **settings)`. The settings `up` derives
 itself (`GATEWAY_OWN_KEYS`: the cluster URLs, host, port and TTLs) are keyword overrides there, so they win over
-the file; reading and validating the file is left to `cmd_up.py`. `gateways > 1` plans that many replicas of
+the file; reading and validating the file is left to `command.py`. `gateways > 1` plans that many replicas of
 the gateway on consecutive ports, alike but for the port (they must share a session store).
 """
 
@@ -18,7 +18,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 
-from kvtether.cli.cluster_spec import (
+from kvtether.cli.up.cluster_spec import (
     GATEWAY_OWN_KEYS,
     ChildCommand,
     ClusterOptions,
@@ -28,7 +28,7 @@ from kvtether.cli.cluster_spec import (
     Role,
     url_host,
 )
-from kvtether.cli.vllm_instance import cpu_binds_for, vllm_instance_command
+from kvtether.cli.up.vllm_instance import cpu_binds_for, vllm_instance_command
 
 
 def gateway_session_ttl(decode_ttl_s: float) -> float:
@@ -94,7 +94,7 @@ def _file_sets(path: str | None, key: str) -> bool:
 
 
 def gateway_child_args(opts: ClusterOptions, settings: Mapping[str, object]) -> tuple[str, ...]:
-    """The gateway child's arguments after `python -m kvtether.cli.cmd_up gateway`."""
+    """The gateway child's arguments after `python -m kvtether.cli.up.command gateway`."""
     try:
         encoded = json.dumps(dict(settings), separators=(",", ":"))
     except (TypeError, ValueError) as e:
@@ -111,11 +111,11 @@ def gateway_command(
 ) -> ChildCommand:
     """The gateway in front of the instances (replica ``index``), as a child with the project's python.
 
-    Runs `python -m kvtether.cli.cmd_up gateway '<settings JSON>' [--config FILE] --log-level L` (the gateway's own
+    Runs `python -m kvtether.cli.up.command gateway '<settings JSON>' [--config FILE] --log-level L` (the gateway's own
     `run_gateway(load_config(FILE, **settings))`) so that it does not depend on the `serve` command's flags.
     """
     settings = gateway_config(opts, prefill_urls, decode_urls, session_ttl_s, index)
-    argv = (opts.gateway_python, "-m", "kvtether.cli.cmd_up", "gateway", *gateway_child_args(opts, settings))
+    argv = (opts.gateway_python, "-m", "kvtether.cli.up.command", "gateway", *gateway_child_args(opts, settings))
     return ChildCommand(
         name="gateway" if index == 0 else f"gateway-{index}",
         argv=argv,

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvtether.cli.replay import DEFAULT_PREFILL_PREFIX_CACHING
+from kvtether.cli.replay.sim import DEFAULT_PREFILL_PREFIX_CACHING
 from kvtether.sim.cost import CostModel
 from kvtether.sim.presets import PRESETS, Preset, get_preset, gqa_kv_bytes_per_token, gqa_kv_regions
 
@@ -42,7 +42,7 @@ class ClusterShape:
     session_ttl_s: float = DEFAULT_SESSION_TTL_S  # the gateway stops sending a handle after this
     min_reuse_tokens: int = DEFAULT_MIN_REUSE_TOKENS
     held_kv_budget: float | None = DEFAULT_HELD_KV_BUDGET  # None: no budget (the reference proxy holds all)
-    # Off by default, as replay's simulated cluster (cli/replay.py): the simulated P serves only these sessions, so
+    # Off by default, as replay's simulated cluster (cli/replay/sim.py): the simulated P serves only these sessions, so
     # with it on P would keep every history cached, which a P shared by a production cluster's other sessions does
     # not, and no-pull would look as if it reused what the pull moves. vLLM's own default is on; so are the
     # colocated option's nodes (their prefix cache is how a session-affine replica reuses the history).

@@ -13,8 +13,8 @@ import logging
 from typing import TYPE_CHECKING
 
 import typer
-from kvtether.cli.options import LOG_LEVELS, checked_log_level
-from kvtether.cli.preflight import listen_fix, listen_problem
+from kvtether.cli.common.options import LOG_LEVELS, checked_log_level
+from kvtether.cli.common.ports import listen_fix, listen_problem
 
 if TYPE_CHECKING:
     from kvtether.gateway.config import GatewayConfig
@@ -88,7 +88,7 @@ def run_gateway_until_stopped(cfg: GatewayConfig, *, log_level: str, workers: in
     also cover start-up (before uvicorn's handlers are in, and with several workers, before its supervisor's).
     With several workers only the supervisor takes SIGINT; it stops the workers with SIGTERM
     (gateway/shell/workers.py)."""
-    from kvtether.cli.supervisor import stop_signals_interrupt
+    from kvtether.cli.common.signals import stop_signals_interrupt
 
     try:
         with stop_signals_interrupt():

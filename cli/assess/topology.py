@@ -9,7 +9,7 @@
   That is the "colocated serving with cache-aware routing" of the public comparisons, run by the same engine
   model as the P/D options: the only difference between the runs is the topology and the policy.
 
-Each run is a fresh cluster and gateway in this process, replayed with ``cli/replay.py`` (closed loop, the
+Each run is a fresh cluster and gateway in this process, replayed with ``cli/replay/engine.py`` (closed loop, the
 sessions' recorded gaps, the answers the simulated model gives threaded into the next turn's history). The
 simulator's clock runs ``speed`` times faster than real time; the gateway's clock is real, so its time
 settings (handle TTLs, idle release, retention interval, estimator seeds) are divided by ``speed``.
@@ -28,10 +28,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtether.cli.assess_analysis import TurnTiming
-from kvtether.cli.assess_cluster import ClusterShape, register_preset
-from kvtether.cli.calibration import calibrated_seeds
-from kvtether.cli.replay import ReplayOptions, ReplayRun, ThinkTime, TurnResult, new_session_suffix, run_replay
+from kvtether.cli.assess.analysis import TurnTiming
+from kvtether.cli.assess.cluster import ClusterShape, register_preset
+from kvtether.cli.replay.engine import ReplayOptions, ReplayRun, ThinkTime, TurnResult, new_session_suffix, run_replay
+from kvtether.cli.simstack.calibration import calibrated_seeds
 from kvtether.sdk.sessionfile import SessionRecord
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from kvtether.cli.cluster_spec import ChildCommand, ClusterOptions, Device, Role, url_host
+from kvtether.cli.up.cluster_spec import ChildCommand, ClusterOptions, Device, Role, url_host
 
 # Environment every vLLM child gets: never reach the hub, never phone home.
 OFFLINE_ENV: dict[str, str] = {

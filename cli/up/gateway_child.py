@@ -1,5 +1,5 @@
 """The gateway child of `kvtether up`: its settings (`--config`, `--gateway-set`), checked before any vLLM
-instance starts, and its entry point (`python -m kvtether.cli.cmd_up gateway '<settings JSON>' …`)."""
+instance starts, and its entry point (`python -m kvtether.cli.up.command gateway '<settings JSON>' …`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import tomllib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, get_type_hints
 
-from kvtether.cli.cluster_spec import DEFAULT_GATEWAY_LOG_LEVEL, ClusterPlan
+from kvtether.cli.up.cluster_spec import DEFAULT_GATEWAY_LOG_LEVEL, ClusterPlan
 
 if TYPE_CHECKING:
     from kvtether.gateway.config import GatewayConfig
@@ -80,7 +80,7 @@ def gateway_child_config(args: Sequence[str]) -> tuple[GatewayConfig, str]:
     work; argparse exits 2 on malformed arguments."""
     from kvtether.gateway.config import load_config
 
-    parser = argparse.ArgumentParser(prog="python -m kvtether.cli.cmd_up gateway")
+    parser = argparse.ArgumentParser(prog="python -m kvtether.cli.up.command gateway")
     parser.add_argument("settings", help="JSON object of load_config keyword settings")
     parser.add_argument("--config", default=None, help="TOML gateway config")
     parser.add_argument("--log-level", default=DEFAULT_GATEWAY_LOG_LEVEL, choices=GATEWAY_LOG_LEVELS)
@@ -107,9 +107,9 @@ def check_gateway_config(plan: ClusterPlan) -> GatewayConfig | None:
 
 
 def run_gateway_child(args: Sequence[str]) -> None:
-    """The gateway child of `kvtether up`: `python -m kvtether.cli.cmd_up gateway '<settings JSON>' [--config FILE]
+    """The gateway child of `kvtether up`: `python -m kvtether.cli.up.command gateway '<settings JSON>' [--config FILE]
     --log-level L`."""
-    from kvtether.cli.cmd_serve import run_gateway_until_stopped
+    from kvtether.cli.serve import run_gateway_until_stopped
     from kvtether.gateway.config import ConfigError
 
     try:

@@ -15,27 +15,21 @@ from typing import Any, NoReturn
 
 import anyio
 import typer
-from kvtether.cli.cluster_logs import ClusterLogs
-from kvtether.cli.importers import FORMATS, ImportFormatError, import_file
-from kvtether.cli.options import FLAG, kvtether_version
-from kvtether.cli.replay import (
+from kvtether.cli.common.options import FLAG, kvtether_version
+from kvtether.cli.gen.importers import FORMATS, ImportFormatError, import_file
+from kvtether.cli.replay.engine import (
     ARRIVALS,
-    DEFAULT_HISTORY,
-    DEFAULT_PREFILL_PREFIX_CACHING,
-    HISTORY_MODES,
-    HISTORY_NOTES,
     ReplayOptions,
     ReplayRun,
-    SimTarget,
     TurnResult,
     Unreachable,
     check_reachable,
     new_session_suffix,
     parse_think_time,
-    replay_sim,
     run_replay,
 )
-from kvtether.cli.report import (
+from kvtether.cli.replay.history import DEFAULT_HISTORY, HISTORY_MODES, HISTORY_NOTES
+from kvtether.cli.replay.report import (
     DEFINITIONS,
     SCHEMA_VERSION,
     Slo,
@@ -50,6 +44,8 @@ from kvtether.cli.report import (
     render_slos,
     summarize_run,
 )
+from kvtether.cli.replay.sim import DEFAULT_PREFILL_PREFIX_CACHING, SimTarget, replay_sim
+from kvtether.cli.simstack.logs import ClusterLogs
 from kvtether.gateway.config import POLICIES
 from kvtether.sdk.sessionfile import History, SessionFileError, SessionRecord, read_sessions
 from rich.console import Console

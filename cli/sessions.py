@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import httpx
 import typer
-from kvtether.cli.options import FLAG
+from kvtether.cli.common.options import FLAG
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table

@@ -12,9 +12,9 @@ import json
 import sys
 
 import typer
-from kvtether.cli.options import FLAG
-from kvtether.cli.preflight import IN_USE, busy_ports, describe_bind_error, listen_fix
-from kvtether.cli.supervisor import STOP_SIGNALS, stop_signals_interrupt
+from kvtether.cli.common.options import FLAG
+from kvtether.cli.common.ports import IN_USE, busy_ports, describe_bind_error, listen_fix
+from kvtether.cli.common.signals import STOP_SIGNALS, stop_signals_interrupt
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 from kvtether.sim.config import EMULATED_VERSIONS, FAILURE_POLICIES
 from kvtether.sim.presets import PRESETS, UnknownPreset, get_preset

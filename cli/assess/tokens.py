@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
-from kvtether.cli.assess_analysis import TurnFacts
+from kvtether.cli.assess.analysis import TurnFacts
 from kvtether.sdk.sessionfile import SessionRecord
 
 # messages, tools, add_generation_prompt -> token ids

@@ -26,9 +26,9 @@ from typing import Any, cast
 
 import anyio
 import typer
-from kvtether.cli.generate import GenParams, generate_sessions
-from kvtether.cli.options import FLAG
-from kvtether.cli.supervisor import stop_signals_interrupt
+from kvtether.cli.common.options import FLAG
+from kvtether.cli.common.signals import stop_signals_interrupt
+from kvtether.cli.gen.generate import GenParams, generate_sessions
 from kvtether.gateway import telemetry as T
 from kvtether.sdk.sessionfile import SessionRecord
 from rich import box
@@ -427,7 +427,7 @@ def register(app: typer.Typer) -> None:
         base, ours = runs[0], runs[-1]
         summary = render(console, base, ours, speed, preset, pulled=runs[1] if len(runs) == 3 else None)
         if trace:
-            from kvtether.cli.trace_view import render_timeline
+            from kvtether.cli.demo.trace_view import render_timeline
 
             render_timeline(console, ours.spans, speed)
         console.print(f"[dim]wall time {time.perf_counter() - t0:.1f} s[/]")
