@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvtether.cli.replay.sim import DEFAULT_PREFILL_PREFIX_CACHING
+from kvtether.cli.simstack import DEFAULT_PREFILL_PREFIX_CACHING
 from kvtether.sim.cost import CostModel
 from kvtether.sim.presets import PRESETS, Preset, get_preset, gqa_kv_bytes_per_token, gqa_kv_regions
 

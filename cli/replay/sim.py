@@ -10,16 +10,13 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtether.cli.replay.engine import ReplayOptions, ReplayRun, TurnResult, join_engine_tpot, run_replay
+from kvtether.cli.simstack import DEFAULT_PREFILL_PREFIX_CACHING
 from kvtether.sdk.sessionfile import SessionRecord
 
 if TYPE_CHECKING:
     from kvtether.gateway.shell.app import GatewayApp
     from kvtether.sim.cluster import SimCluster
 
-# Prefix caching on a simulated cluster's prefill nodes. Off, as in vLLM's published P/D runs: the replay's
-# cluster serves only the replayed sessions, so with it on one P keeps every history cached, which a P shared
-# by the rest of a production cluster's sessions does not; the pull would then have nothing left to save.
-DEFAULT_PREFILL_PREFIX_CACHING = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """`kvtether up`: start a vLLM prefill/decode cluster (bidirectional NIXL) and the kvtether gateway in front.
 
-Command construction is pure (`launcher.py`); the processes are `supervisor.py`'s (every child in its own process
-group); this module is the command: it starts the cluster, reports it, and stops every child on Ctrl-C, on
-SIGTERM, or as soon as any child dies.
+The flags are checked into cluster options in `flags.py`; command construction is pure (`launcher.py`); the
+processes are `supervisor.py`'s (every child in its own process group); this module is the command: it starts the
+cluster, reports it, and stops every child on Ctrl-C, on SIGTERM, or as soon as any child dies.
 
 The gateway takes the same settings as `kvtether serve`: `--config FILE` (TOML), `--policy`, `--otlp-endpoint`,
 `--store`, `--gateway-log-level`, and `--gateway-set KEY=VALUE` for any other GatewayConfig field. `--gateways N`
@@ -23,10 +23,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import Annotated
 
 import typer
-from kvtether.cli.common.options import FLAG, LOG_LEVELS, checked_log_level
+from kvtether.cli.common.exits import EXIT_FAILED
+from kvtether.cli.common.options import FLAG, LOG_LEVELS
 from kvtether.cli.common.ports import listen_fix, listen_problem
 from kvtether.cli.common.signals import STOP_SIGNALS
 from kvtether.cli.up.cluster_spec import (
@@ -34,27 +35,14 @@ from kvtether.cli.up.cluster_spec import (
     DEFAULT_GATEWAY_LOG_LEVEL,
     DEFAULT_GATEWAY_PORT,
     DEFAULT_SIDE_CHANNEL_BASE_PORT,
-    ClusterOptions,
     ClusterPlan,
-    Device,
 )
-from kvtether.cli.up.gateway_child import (
-    EXIT_USAGE,
-    GatewaySettingError,
-    check_gateway_config,
-    parse_gateway_set,
-    run_gateway_child,
-)
+from kvtether.cli.up.flags import UpFlags, cluster_options, usage_error
+from kvtether.cli.up.gateway_child import check_gateway_config, run_gateway_child
 from kvtether.cli.up.launcher import dry_run_text, plan_cluster
 from kvtether.cli.up.preflight import check_vllm_env
 from kvtether.cli.up.supervisor import ChildDied, Supervisor, tail
 from rich.console import Console
-
-if TYPE_CHECKING:
-    pass
-
-# A child that cannot start (a port something else holds); a bad setting is EXIT_USAGE.
-EXIT_FAILED = 1
 
 
 @contextlib.contextmanager
@@ -156,185 +144,95 @@ def _disarmed_after(stop: _StopOnce) -> Iterator[None]:
         stop.armed = False
 
 
-def default_vllm_python() -> str:
-    """The repo's .venv-vllm (scripts/setup-vllm-cpu.sh) when present, else this interpreter."""
-    here = Path(__file__).resolve()
-    for root in (Path.cwd(), *here.parents):
-        cand = root / ".venv-vllm" / "bin" / "python"
-        if cand.exists():
-            return str(cand)
-    return sys.executable
+# The command's options, in the order of its help.
+_MODEL = typer.Option("--model", help="Model path or name served by every instance.")
+_PREFILL = typer.Option("--prefill", min=1, help="Number of prefill instances.")
+_DECODE = typer.Option("--decode", min=1, help="Number of decode instances.")
+_DEVICE = typer.Option("--device", help="cpu or cuda.")
+_VLLM_PYTHON = typer.Option("--vllm-python", help="Python of the vLLM environment (default .venv-vllm).")
+_DECODE_TTL = typer.Option("--decode-ttl", help="decoder_kv_blocks_ttl in seconds (engine side).")
+_PORT = typer.Option("--port", help="Gateway port; vLLM ports start at port+100.")
+_HOST = typer.Option("--host", help="Bind address for every server.")
+_VLLM_BASE_PORT = typer.Option(
+    "--vllm-base-port",
+    help="First vLLM HTTP port; the instances take consecutive ports, prefill first (default: --port + 100).")
+_SIDE_CHANNEL_BASE_PORT = typer.Option("--side-channel-base-port", help="First NIXL side-channel port.")
+_FAILURE_POLICY = typer.Option("--kv-load-failure-policy", help="fail (recommended) or recompute.")
+_KV_CACHE_GIB = typer.Option("--kv-cache-gib", help="VLLM_CPU_KVCACHE_SPACE (CPU).")
+_CPU_BINDS = typer.Option("--cpu-binds", help="VLLM_CPU_OMP_THREADS_BIND per instance, ';'-separated (P then D).")
+_PREFILL_CACHE = typer.Option(
+    "--prefill-prefix-caching/--no-prefill-prefix-caching", metavar=FLAG,
+    help="Prefix caching on the prefill instances; off as in vLLM's published reverse-pull runs. Decode keeps it "
+    "either way.")
+_WITH_GATEWAY = typer.Option(
+    "--gateway/--no-gateway", metavar=FLAG,
+    help="Start the kvtether gateway in front; --no-gateway starts only the vLLM instances.")
+_GATEWAYS = typer.Option(
+    "--gateways", min=1, help="Gateway replicas on consecutive ports from --port (more than one needs --store).")
+_STORE = typer.Option(
+    "--store", help="Gateway session store: memory (default) or a redis://, rediss:// or unix:// URL of "
+    "Redis/Valkey, shared by the gateway replicas.")
+_POLICY = typer.Option("--policy", help="Gateway policy: auto | pull | no-pull | reference (default auto).")
+_CONFIG = typer.Option(
+    "--config",
+    help="Gateway TOML config, as for `kvtether serve --config`. kvtether up supplies the cluster (prefill/decode "
+    "URLs), --host, --port and the session/engine TTLs (from --decode-ttl) itself; those win over the file, and so "
+    "do --policy, --otlp-endpoint and --gateway-set.")
+_OTLP_ENDPOINT = typer.Option("--otlp-endpoint", help="Gateway OTLP/HTTP traces endpoint.")
+_GATEWAY_LOG_LEVEL = typer.Option(
+    "--gateway-log-level",
+    help=f"Gateway log level: {' | '.join(LOG_LEVELS)} (default {DEFAULT_GATEWAY_LOG_LEVEL}).")
+_GATEWAY_SET = typer.Option(
+    "--gateway-set", metavar="KEY=VALUE",
+    help="Any other gateway setting (repeatable), over --config: VALUE is read as TOML when it parses "
+    "(max_sessions=5000, partial_reuse=false, unidirectional_prefill='[\"http://h:8100\"]'), else as a string.")
+_LOG_DIR = typer.Option("--log-dir", help="Per-child log files.")
+_JSON = typer.Option("--json/--no-json", metavar=FLAG, help="Print one JSON line with the URLs on stdout.")
+_DRY_RUN = typer.Option("--dry-run/--no-dry-run", metavar=FLAG, help="Print the commands and env; start nothing.")
+
+
+def up(
+    ctx: typer.Context, model: Annotated[str, _MODEL], prefill: Annotated[int, _PREFILL] = 1,
+    decode: Annotated[int, _DECODE] = 1, device: Annotated[str, _DEVICE] = "cpu",
+    vllm_python: Annotated[str | None, _VLLM_PYTHON] = None,
+    decode_ttl: Annotated[float, _DECODE_TTL] = DEFAULT_DECODE_TTL_S,
+    port: Annotated[int, _PORT] = DEFAULT_GATEWAY_PORT, host: Annotated[str, _HOST] = "127.0.0.1",
+    vllm_base_port: Annotated[int | None, _VLLM_BASE_PORT] = None,
+    side_channel_base_port: Annotated[int, _SIDE_CHANNEL_BASE_PORT] = DEFAULT_SIDE_CHANNEL_BASE_PORT,
+    failure_policy: Annotated[str, _FAILURE_POLICY] = "fail", kv_cache_gib: Annotated[int, _KV_CACHE_GIB] = 1,
+    cpu_binds: Annotated[str | None, _CPU_BINDS] = None, prefill_cache: Annotated[bool, _PREFILL_CACHE] = True,
+    with_gateway: Annotated[bool, _WITH_GATEWAY] = True, gateways: Annotated[int, _GATEWAYS] = 1,
+    store: Annotated[str | None, _STORE] = None, policy: Annotated[str | None, _POLICY] = None,
+    config: Annotated[Path | None, _CONFIG] = None, otlp_endpoint: Annotated[str | None, _OTLP_ENDPOINT] = None,
+    gateway_log_level: Annotated[str | None, _GATEWAY_LOG_LEVEL] = None,
+    gateway_set: Annotated[list[str] | None, _GATEWAY_SET] = None, log_dir: Annotated[Path | None, _LOG_DIR] = None,
+    as_json: Annotated[bool, _JSON] = False, dry_run: Annotated[bool, _DRY_RUN] = False,
+) -> None:
+    """Start vLLM prefill/decode instances (bidirectional KV pull) and the kvtether gateway in front.
+
+    Extra vLLM arguments go after `--`, e.g. `kvtether up --model M -- --max-model-len 4096`.
+    Gateway settings: --config FILE (as for `kvtether serve`), --policy, --otlp-endpoint, --gateway-log-level
+    and --gateway-set KEY=VALUE; all are checked before anything starts.
+    """
+    flags = UpFlags(**locals())  # first: the parameters are all the locals there are yet
+    try:
+        plan = plan_cluster(cluster_options(flags))
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    _check_gateway_or_exit(plan)
+    if dry_run:
+        sys.stdout.write(dry_run_text(plan))
+        if as_json:
+            sys.stdout.write(json.dumps(plan.urls()) + "\n")
+        return
+    _preflight_or_exit(plan, host=host, vllm_python_given=vllm_python is not None)
+    console = Console(stderr=True, soft_wrap=True)
+    logs = log_dir or Path(tempfile.mkdtemp(prefix="kvtether-up-"))
+    raise typer.Exit(run_up(plan, log_dir=logs, as_json=as_json, console=console))
 
 
 def register(app: typer.Typer) -> None:
-    @app.command(
-        "up",
-        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    )
-    def up(
-        ctx: typer.Context,
-        model: Annotated[str, typer.Option("--model", help="Model path or name served by every instance.")],
-        prefill: Annotated[int, typer.Option("--prefill", min=1, help="Number of prefill instances.")] = 1,
-        decode: Annotated[int, typer.Option("--decode", min=1, help="Number of decode instances.")] = 1,
-        device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
-        vllm_python: Annotated[
-            str | None, typer.Option("--vllm-python", help="Python of the vLLM environment (default .venv-vllm).")
-        ] = None,
-        decode_ttl: Annotated[
-            float, typer.Option("--decode-ttl", help="decoder_kv_blocks_ttl in seconds (engine side).")
-        ] = DEFAULT_DECODE_TTL_S,
-        port: Annotated[int, typer.Option("--port", help="Gateway port; vLLM ports start at port+100.")] = (
-            DEFAULT_GATEWAY_PORT
-        ),
-        host: Annotated[str, typer.Option("--host", help="Bind address for every server.")] = "127.0.0.1",
-        vllm_base_port: Annotated[
-            int | None,
-            typer.Option("--vllm-base-port", help="First vLLM HTTP port; the instances take consecutive ports, "
-                         "prefill first (default: --port + 100)."),
-        ] = None,
-        side_channel_base_port: Annotated[
-            int, typer.Option("--side-channel-base-port", help="First NIXL side-channel port.")
-        ] = DEFAULT_SIDE_CHANNEL_BASE_PORT,
-        failure_policy: Annotated[
-            str, typer.Option("--kv-load-failure-policy", help="fail (recommended) or recompute.")
-        ] = "fail",
-        kv_cache_gib: Annotated[int, typer.Option("--kv-cache-gib", help="VLLM_CPU_KVCACHE_SPACE (CPU).")] = 1,
-        cpu_binds: Annotated[
-            str | None,
-            typer.Option("--cpu-binds", help="VLLM_CPU_OMP_THREADS_BIND per instance, ';'-separated (P then D)."),
-        ] = None,
-        prefill_cache: Annotated[
-            bool,
-            typer.Option("--prefill-prefix-caching/--no-prefill-prefix-caching", metavar=FLAG,
-                         help="Prefix caching on the prefill instances; off as in vLLM's published reverse-pull "
-                         "runs. Decode keeps it either way."),
-        ] = True,
-        with_gateway: Annotated[
-            bool,
-            typer.Option("--gateway/--no-gateway", metavar=FLAG,
-                         help="Start the kvtether gateway in front; --no-gateway starts only the vLLM instances."),
-        ] = True,
-        gateways: Annotated[
-            int, typer.Option("--gateways", min=1, help="Gateway replicas on consecutive ports from --port (more "
-                              "than one needs --store).")
-        ] = 1,
-        store: Annotated[
-            str | None,
-            typer.Option("--store", help="Gateway session store: memory (default) or a "
-                         "redis://, rediss:// or unix:// URL of Redis/Valkey, shared by the gateway replicas."),
-        ] = None,
-        policy: Annotated[
-            str | None,
-            typer.Option("--policy", help="Gateway policy: auto | pull | no-pull | reference (default auto)."),
-        ] = None,
-        config: Annotated[
-            Path | None,
-            typer.Option(
-                "--config",
-                help="Gateway TOML config, as for `kvtether serve --config`. kvtether up supplies the cluster "
-                "(prefill/decode URLs), --host, --port and the session/engine TTLs (from --decode-ttl) itself; "
-                "those win over the file, and so do --policy, --otlp-endpoint and --gateway-set.",
-            ),
-        ] = None,
-        otlp_endpoint: Annotated[
-            str | None, typer.Option("--otlp-endpoint", help="Gateway OTLP/HTTP traces endpoint.")
-        ] = None,
-        gateway_log_level: Annotated[
-            str | None,
-            typer.Option("--gateway-log-level", help=f"Gateway log level: {' | '.join(LOG_LEVELS)} "
-                         f"(default {DEFAULT_GATEWAY_LOG_LEVEL})."),
-        ] = None,
-        gateway_set: Annotated[
-            list[str] | None,
-            typer.Option(
-                "--gateway-set",
-                metavar="KEY=VALUE",
-                help="Any other gateway setting (repeatable), over --config: VALUE is read as TOML when it parses "
-                "(max_sessions=5000, partial_reuse=false, unidirectional_prefill='[\"http://h:8100\"]'), else "
-                "as a string.",
-            ),
-        ] = None,
-        log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Per-child log files.")] = None,
-        as_json: Annotated[
-            bool, typer.Option("--json/--no-json", metavar=FLAG, help="Print one JSON line with the URLs on stdout.")
-        ] = False,
-        dry_run: Annotated[
-            bool,
-            typer.Option("--dry-run/--no-dry-run", metavar=FLAG, help="Print the commands and env; start nothing."),
-        ] = False,
-    ) -> None:
-        """Start vLLM prefill/decode instances (bidirectional KV pull) and the kvtether gateway in front.
-
-        Extra vLLM arguments go after `--`, e.g. `kvtether up --model M -- --max-model-len 4096`.
-        Gateway settings: --config FILE (as for `kvtether serve`), --policy, --otlp-endpoint, --gateway-log-level
-        and --gateway-set KEY=VALUE; all are checked before anything starts.
-        """
-        if device not in ("cpu", "cuda"):
-            raise typer.BadParameter("--device must be cpu or cuda")
-        if failure_policy not in ("fail", "recompute"):
-            raise typer.BadParameter("--kv-load-failure-policy must be fail or recompute")
-        extra = [a for a in ctx.args if a != "--"]
-        dev: Device = "cpu" if device == "cpu" else "cuda"
-        gateway_flags = {"--policy": policy, "--config": config, "--otlp-endpoint": otlp_endpoint,
-                         "--gateway-log-level": gateway_log_level, "--gateway-set": gateway_set, "--store": store,
-                         "--gateways": gateways if gateways != 1 else None}
-        given = [flag for flag, value in gateway_flags.items() if value is not None]
-        if not with_gateway and given:
-            _usage_error(f"{', '.join(given)}: gateway options, but --no-gateway starts no gateway")
-        if gateway_log_level is not None:
-            gateway_log_level = checked_log_level("up", "--gateway-log-level", gateway_log_level)
-        try:
-            settings = parse_gateway_set(gateway_set or [])
-        except GatewaySettingError as e:
-            _usage_error(str(e))
-        if otlp_endpoint is not None:
-            settings["otlp_endpoint"] = otlp_endpoint
-        if store is not None:
-            settings["store"] = store
-        opts = ClusterOptions(
-            model=model,
-            prefill=prefill,
-            decode=decode,
-            device=dev,
-            vllm_python=vllm_python or default_vllm_python(),
-            decode_ttl_s=decode_ttl,
-            gateway_port=port,
-            host=host,
-            vllm_base_port=vllm_base_port,
-            side_channel_base_port=side_channel_base_port,
-            kv_load_failure_policy="fail" if failure_policy == "fail" else "recompute",
-            kv_cache_space_gib=kv_cache_gib,
-            prefill_prefix_caching=prefill_cache,
-            cpu_binds=cpu_binds.split(";") if cpu_binds else None,
-            extra_vllm_args=extra,
-            gateway=with_gateway,
-            gateways=gateways,
-            gateway_python=sys.executable,
-            gateway_policy=policy,
-            # Absolute: the gateway child is told the path, and it must mean the same file wherever it runs.
-            gateway_config_file=str(config.expanduser().absolute()) if config is not None else None,
-            gateway_settings=settings,
-            gateway_log_level=gateway_log_level or DEFAULT_GATEWAY_LOG_LEVEL,
-        )
-        try:
-            plan = plan_cluster(opts)
-        except ValueError as e:
-            raise typer.BadParameter(str(e)) from e
-        _check_gateway_or_exit(plan)
-        if dry_run:
-            sys.stdout.write(dry_run_text(plan))
-            if as_json:
-                sys.stdout.write(json.dumps(plan.urls()) + "\n")
-            return
-        _preflight_or_exit(plan, host=host, vllm_python_given=vllm_python is not None)
-        console = Console(stderr=True, soft_wrap=True)
-        logs = log_dir or Path(tempfile.mkdtemp(prefix="kvtether-up-"))
-        raise typer.Exit(run_up(plan, log_dir=logs, as_json=as_json, console=console))
-
-
-def _usage_error(msg: str) -> NoReturn:
-    typer.echo(f"kvtether up: {msg}", err=True)
-    raise typer.Exit(EXIT_USAGE)
+    app.command("up", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(up)
 
 
 def _preflight_or_exit(plan: ClusterPlan, *, host: str, vllm_python_given: bool) -> None:
@@ -343,7 +241,7 @@ def _preflight_or_exit(plan: ClusterPlan, *, host: str, vllm_python_given: bool)
     python = plan.instances[0].command.argv[0]
     checked = check_vllm_env(python, plugin=plan.device == "cpu", defaulted=not vllm_python_given)
     if checked.problem is not None:
-        _usage_error(checked.problem)
+        usage_error(checked.problem)
     if checked.note is not None:
         typer.echo(f"kvtether up: {checked.note}", err=True)
     # (host, port, who listens there, the flag that chose the port)
@@ -371,7 +269,7 @@ def _check_gateway_or_exit(plan: ClusterPlan) -> None:
         if plan.gateway is not None and plan.gateway.config_file is not None and "aggregated" in str(e):
             # The file's aggregated nodes meet the prefill/decode URLs up supplies: say which side to change.
             msg += f" (kvtether up starts prefill/decode instances: remove aggregated from {plan.gateway.config_file})"
-        _usage_error(msg)
+        usage_error(msg)
 
 
 def main(argv: Sequence[str] | None = None) -> None:  # pragma: no cover - convenience entry
