@@ -13,14 +13,13 @@ import logging
 from typing import TYPE_CHECKING
 
 import typer
+from kvtether.cli.common.exits import EXIT_FAILED, EXIT_USAGE
+from kvtether.cli.common.failures import fail_as
 from kvtether.cli.common.options import LOG_LEVELS, checked_log_level
 from kvtether.cli.common.ports import listen_fix, listen_problem
 
 if TYPE_CHECKING:
     from kvtether.gateway.config import GatewayConfig
-
-EXIT_FAILED, EXIT_USAGE = 1, 2
-
 
 def register(app: typer.Typer) -> None:
     @app.command("serve")
@@ -56,19 +55,15 @@ def register(app: typer.Typer) -> None:
                               host=host, port=port, policy=policy, otlp_endpoint=otlp_endpoint, store=store,
                               tokenizer=tokenizer)
         except ConfigError as exc:
-            typer.echo(f"kvtether serve: {exc}", err=True)
-            raise typer.Exit(EXIT_USAGE) from None
+            fail_as("serve", EXIT_USAGE, str(exc))
         if workers > 1 and cfg.store == "memory":
             # Each worker would keep its own sessions: alternate turns of a session would lose their handle.
-            typer.echo("kvtether serve: --workers > 1 needs a shared session store (--store redis://HOST:PORT, or "
-                       "KVTETHER_STORE)", err=True)
-            raise typer.Exit(EXIT_USAGE)
+            fail_as("serve", EXIT_USAGE, "--workers > 1 needs a shared session store (--store redis://HOST:PORT, or "
+                    "KVTETHER_STORE)")
         # Checked before the banner, which would otherwise announce an address that uvicorn then fails to bind.
         problem = listen_problem(cfg.host, cfg.port) if cfg.port else None
         if problem is not None:
-            typer.echo(f"kvtether serve: cannot listen on {cfg.host}:{cfg.port}: {problem}; {listen_fix(problem)}",
-                       err=True)
-            raise typer.Exit(EXIT_FAILED)
+            fail_as("serve", EXIT_FAILED, f"cannot listen on {cfg.host}:{cfg.port}: {problem}; {listen_fix(problem)}")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         mode = "aggregated" if cfg.aggregated else f"P/D ({len(cfg.prefill)}P {len(cfg.decode)}D)"
         shared = f", {workers} workers" if workers > 1 else ""

@@ -16,12 +16,11 @@ from typing import Any
 import anyio
 import httpx
 import typer
+from kvtether.cli.common.exits import EXIT_FAILED, EXIT_OK
+from kvtether.cli.common.failures import fail
 from kvtether.cli.common.options import FLAG
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 COLUMNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("session", ("session_id", "id", "session")),
@@ -108,8 +107,7 @@ def register(app: typer.Typer) -> None:
         try:
             rows = anyio.run(fetch_sessions, gateway, timeout)
         except RuntimeError as e:
-            err.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(EXIT_FAILED) from None
+            fail(err, EXIT_FAILED, str(e))
         if as_json:
             typer.echo(json.dumps(rows, indent=2))
             raise typer.Exit(EXIT_OK)

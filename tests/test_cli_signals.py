@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from kvtether.cli.common.signals import STOP_SIGNALS
-from kvtether.cli.demo.command import demo_gateway
+from kvtether.cli.demo.run import demo_gateway
 from processes import Spawn, descendants, start_with_sigint_default, start_with_sigint_ignored, wait_exit
 
 

@@ -266,6 +266,147 @@ def turn_duration_s(t: TurnFacts, cost: CostModel, max_batched: int) -> float:
     return prefill + t.output_tokens * step
 
 
+class _RetentionTimeline:
+    """The sessions' timeline through the retention model (see :func:`retention`): holds per session, the
+    decode nodes' memory, and what became of each hold a later turn came back for."""
+
+    def __init__(self, sessions: Sequence[Sequence[TurnFacts]], setup: RetentionSetup,
+                 durations: Mapping[tuple[str, int], float]) -> None:
+        self.setup, self.durations = setup, durations
+        self.nodes = [f"D{i}" for i in range(setup.decode_nodes)]
+        self.held: dict[str, HeldHandle] = {}  # session -> its live hold
+        self.running: dict[str, int] = dict.fromkeys(self.nodes, 0)  # tokens of turns in flight per node
+        self.pin: dict[str, str] = {}
+        self.gap_sum: dict[str, tuple[float, int]] = {}
+        self.lost: dict[str, str] = {}  # session -> why its hold went (until its next turn reads it)
+        self.outcomes = dict.fromkeys(("available", *LOSS_CAUSES), 0)
+        self.by_turn: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(("available", *LOSS_CAUSES), 0))
+        self.series: list[dict[str, Any]] = []
+        # Events: (time, order, kind, session index, turn position). Arrivals sort after ends at the same instant.
+        self.events: list[tuple[float, int, str, int, int]] = []
+        self.order = 0
+        self.sessions = [list(s) for s in sessions if s]
+        self.waiting = list(range(len(self.sessions)))
+        self.waiting.reverse()
+        self.now = 0.0
+
+    def total_held(self, node: str) -> int:
+        bs = self.setup.block_size
+        return sum(held_blocks_tokens(h.tokens, bs) for h in self.held.values() if h.node == node)
+
+    def sample(self, now: float) -> None:
+        self.series.append({"t": round(now, 3), **{n: self.total_held(n) for n in self.nodes}})
+
+    def expire(self, now: float) -> None:
+        for sid, h in list(self.held.items()):
+            if now >= h.expires_at or now >= h.stored_at + self.setup.decoder_ttl_s:
+                del self.held[sid]
+                self.lost[sid] = "expired"
+
+    def memory(self, node: str) -> DecodeMemory:
+        """The node as its poll would show it: held KV and running turns' KV against its capacity, a turn
+        waiting when they do not fit (its usage then full)."""
+        cap = self.setup.kv_capacity_tokens
+        used = self.total_held(node) + self.running[node]
+        usage = min(1.0, used / cap) if cap else 0.0
+        return DecodeMemory(capacity=cap, block_size=self.setup.block_size, usage=usage, waiting=float(used > cap))
+
+    def review(self, now: float) -> None:
+        self.expire(now)
+        for rel in review(list(self.held.values()), {n: self.memory(n) for n in self.nodes}, now, self.setup.knobs):
+            if rel.session_id in self.held:
+                del self.held[rel.session_id]
+                self.lost[rel.session_id] = _CAUSE.get(rel.reason, "released_budget")
+        for n in self.nodes:
+            over = self.total_held(n) + self.running[n] - self.setup.kv_capacity_tokens
+            for h in sorted((h for h in self.held.values() if h.node == n), key=lambda h: h.stored_at):
+                if over <= 0:
+                    break
+                del self.held[h.session_id]
+                self.lost[h.session_id] = "evicted"
+                over -= held_blocks_tokens(h.tokens, self.setup.block_size)
+
+    def push(self, t: float, kind: str, si: int, pos: int) -> None:
+        self.order += 1
+        heapq.heappush(self.events, (t, self.order, kind, si, pos))
+
+    def start(self, si: int, pos: int) -> None:
+        """A turn arrives: it finds its session's hold (reads or replaces it) or learns why it is gone."""
+        t = self.sessions[si][pos]
+        sid = t.session_id
+        self.review(self.now)
+        if sid not in self.pin:
+            self.pin[sid] = min(self.nodes, key=lambda n: (self.total_held(n) + self.running[n], n))
+        if pos > 0:
+            if sid in self.held:
+                outcome = "available"
+                del self.held[sid]  # the turn reads it (pull) or replaces it: either way D's hold ends
+            else:
+                outcome = self.lost.pop(sid, "expired")
+            self.outcomes[outcome] += 1
+            self.by_turn[t.index][outcome] += 1
+        self.running[self.pin[sid]] += t.prompt_tokens
+        self.push(self.now + self.durations[(sid, t.index)], "end", si, pos)
+
+    def end(self, si: int, pos: int) -> None:
+        """A turn ends: its KV is held until the session's next turn (none after its last; a new session starts)."""
+        turns = self.sessions[si]
+        t = turns[pos]
+        sid = t.session_id
+        node = self.pin[sid]
+        self.running[node] -= t.prompt_tokens
+        if pos < len(turns) - 1:
+            g_sum, g_n = self.gap_sum.get(sid, (0.0, 0))
+            nxt = turns[pos + 1]
+            mean_gap = g_sum / g_n if g_n else None
+            self.held[sid] = HeldHandle(sid, node, t.held_after, f"{sid}/{t.index}", self.now,
+                                        self.now + self.setup.session_ttl_s, self.now, mean_gap)
+            self.lost.pop(sid, None)
+            self.gap_sum[sid] = (g_sum + nxt.gap_s, g_n + 1)
+            self.push(self.now + nxt.gap_s, "start", si, pos + 1)
+        elif self.waiting:
+            nsi = self.waiting.pop()
+            self.push(self.now + self.sessions[nsi][0].gap_s, "start", nsi, 0)
+        self.review(self.now)
+        self.sample(self.now)
+
+    def run(self) -> None:
+        for _ in range(min(self.setup.concurrency, len(self.sessions))):
+            si = self.waiting.pop()
+            self.push(self.sessions[si][0].gap_s, "start", si, 0)
+        interval = self.setup.review_interval_s
+        next_review = interval
+        while self.events:
+            t_ev = self.events[0][0]
+            while next_review <= t_ev:
+                self.review(next_review)
+                self.sample(next_review)
+                next_review += interval
+                # A long quiet stretch: jump ahead instead of reviewing every interval in it (nothing changes but
+                # expiries and idleness, which the review at the next event catches).
+                if t_ev - next_review > 50 * interval:
+                    next_review = t_ev
+            self.now, _, kind, si, pos = heapq.heappop(self.events)
+            if kind == "start":
+                self.start(si, pos)
+            else:
+                self.end(si, pos)
+
+
+def _retention_verdict(outcomes: Mapping[str, int], later: int, gone: int, peak_share: float | None) -> str:
+    if not later:
+        return "no turn after the first: nothing is held between turns"
+    if gone / later <= 0.05:
+        return (f"{outcomes['available'] / later:.0%} of turns find their KV still held; D's held KV peaks at "
+                f"{peak_share:.0%} of its capacity: retention is no obstacle")
+    worst = max(LOSS_CAUSES, key=lambda c: outcomes[c])
+    return (f"{gone / later:.0%} of turns arrive after their KV is gone, mostly {worst.replace('_', ' ')} "
+            f"({outcomes[worst]} turns); held KV peaks at {peak_share:.0%} of D's capacity"
+            + (": raise decoder_kv_blocks_ttl / session_ttl_s" if worst == "expired" else
+               ": raise held_kv_budget or add decode memory" if worst in ("released_budget", "evicted") else
+               ": the running turns need D's memory: add decode memory"))
+
+
 def retention(sessions: Sequence[Sequence[TurnFacts]], setup: RetentionSetup,
               durations: Mapping[tuple[str, int], float]) -> dict[str, Any]:
     """Replay the sessions' timeline (closed loop at ``setup.concurrency``, the recorded gaps, ``durations`` per
@@ -278,157 +419,34 @@ def retention(sessions: Sequence[Sequence[TurnFacts]], setup: RetentionSetup,
     when the releases left it over (oldest holds first)."""
     # Gaps against the TTLs.
     gaps = [t.gap_s for s in sessions for t in s if t.index > 0]
-    over_session_ttl = sum(1 for g in gaps if g >= setup.session_ttl_s)
-    over_decoder_ttl = sum(1 for g in gaps if g >= setup.decoder_ttl_s)
-
-    nodes = [f"D{i}" for i in range(setup.decode_nodes)]
-    cap = {n: setup.kv_capacity_tokens for n in nodes}
-    bs = {n: setup.block_size for n in nodes}
-    held: dict[str, HeldHandle] = {}  # session -> its live hold
-    running: dict[str, int] = dict.fromkeys(nodes, 0)  # tokens of turns in flight per node
-    pin: dict[str, str] = {}
-    gap_sum: dict[str, tuple[float, int]] = {}
-    lost: dict[str, str] = {}  # session -> why its hold went (until its next turn reads it)
-    outcomes = dict.fromkeys(("available", *LOSS_CAUSES), 0)
-    by_turn: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(("available", *LOSS_CAUSES), 0))
-    series: list[dict[str, Any]] = []
-
-    def total_held(node: str) -> int:
-        return sum(held_blocks_tokens(h.tokens, setup.block_size) for h in held.values() if h.node == node)
-
-    def sample(now: float) -> None:
-        series.append({"t": round(now, 3), **{n: total_held(n) for n in nodes}})
-
-    def expire(now: float) -> None:
-        for sid, h in list(held.items()):
-            if now >= h.expires_at or now >= h.stored_at + setup.decoder_ttl_s:
-                del held[sid]
-                lost[sid] = "expired"
-
-    def memory(node: str) -> DecodeMemory:
-        """The node as its poll would show it: held KV and running turns' KV against its capacity, a turn
-        waiting when they do not fit (its usage then full)."""
-        used = total_held(node) + running[node]
-        usage = min(1.0, used / cap[node]) if cap[node] else 0.0
-        return DecodeMemory(capacity=cap[node], block_size=bs[node], usage=usage, waiting=float(used > cap[node]))
-
-    def do_review(now: float) -> None:
-        expire(now)
-        for rel in review(list(held.values()), {n: memory(n) for n in nodes}, now, setup.knobs):
-            if rel.session_id in held:
-                del held[rel.session_id]
-                lost[rel.session_id] = _CAUSE.get(rel.reason, "released_budget")
-        for n in nodes:
-            over = total_held(n) + running[n] - cap[n]
-            for h in sorted((h for h in held.values() if h.node == n), key=lambda h: h.stored_at):
-                if over <= 0:
-                    break
-                del held[h.session_id]
-                lost[h.session_id] = "evicted"
-                over -= held_blocks_tokens(h.tokens, setup.block_size)
-
-    # Events: (time, order, kind, session index, turn position). Arrivals sort after ends at the same instant.
-    events: list[tuple[float, int, str, int, int]] = []
-    order = 0
-    sessions_list = [list(s) for s in sessions if s]
-    waiting = list(range(len(sessions_list)))
-    waiting.reverse()
-    now = 0.0
-
-    def push(t: float, kind: str, si: int, pos: int) -> None:
-        nonlocal order
-        order += 1
-        heapq.heappush(events, (t, order, kind, si, pos))
-
-    for _ in range(min(setup.concurrency, len(sessions_list))):
-        si = waiting.pop()
-        push(sessions_list[si][0].gap_s, "start", si, 0)
-    next_review = setup.review_interval_s
-    while events:
-        t_ev = events[0][0]
-        while next_review <= t_ev:
-            do_review(next_review)
-            sample(next_review)
-            next_review += setup.review_interval_s
-            # A long quiet stretch: jump ahead instead of reviewing every interval in it (nothing changes but
-            # expiries and idleness, which the review at the next event catches).
-            if t_ev - next_review > 50 * setup.review_interval_s:
-                next_review = t_ev
-        now, _, kind, si, pos = heapq.heappop(events)
-        turns = sessions_list[si]
-        t = turns[pos]
-        sid = t.session_id
-        if kind == "start":
-            do_review(now)
-            if sid not in pin:
-                pin[sid] = min(nodes, key=lambda n: (total_held(n) + running[n], n))
-            node = pin[sid]
-            if pos > 0:
-                if sid in held:
-                    outcome = "available"
-                    del held[sid]  # the turn reads it (pull) or replaces it: either way D's hold ends
-                else:
-                    outcome = lost.pop(sid, "expired")
-                outcomes[outcome] += 1
-                by_turn[t.index][outcome] += 1
-            running[node] += t.prompt_tokens
-            push(now + durations[(sid, t.index)], "end", si, pos)
-        else:
-            node = pin[sid]
-            running[node] -= t.prompt_tokens
-            last = pos == len(turns) - 1
-            if not last:
-                g_sum, g_n = gap_sum.get(sid, (0.0, 0))
-                nxt = turns[pos + 1]
-                mean_gap = g_sum / g_n if g_n else None
-                held[sid] = HeldHandle(sid, node, t.held_after, f"{sid}/{t.index}", now,
-                                       now + setup.session_ttl_s, now, mean_gap)
-                lost.pop(sid, None)
-                gap_sum[sid] = (g_sum + nxt.gap_s, g_n + 1)
-                push(now + nxt.gap_s, "start", si, pos + 1)
-            elif waiting:
-                nsi = waiting.pop()
-                push(now + sessions_list[nsi][0].gap_s, "start", nsi, 0)
-            do_review(now)
-            sample(now)
+    timeline = _RetentionTimeline(sessions, setup, durations)
+    timeline.run()
+    outcomes = timeline.outcomes
     later = sum(outcomes.values())
     gone = later - outcomes["available"]
-    share = {c: _r(outcomes[c] / later) if later else None for c in ("available", *LOSS_CAUSES)}
-    peak = {n: max((row[n] for row in series), default=0) for n in nodes}
+    peak = {n: max((row[n] for row in timeline.series), default=0) for n in timeline.nodes}
     peak_share = max(peak.values(), default=0) / setup.kv_capacity_tokens if setup.kv_capacity_tokens else None
-    if not later:
-        verdict = "no turn after the first: nothing is held between turns"
-    elif gone / later <= 0.05:
-        verdict = (f"{outcomes['available'] / later:.0%} of turns find their KV still held; D's held KV peaks at "
-                   f"{peak_share:.0%} of its capacity: retention is no obstacle")
-    else:
-        worst = max(LOSS_CAUSES, key=lambda c: outcomes[c])
-        verdict = (f"{gone / later:.0%} of turns arrive after their KV is gone, mostly {worst.replace('_', ' ')} "
-                   f"({outcomes[worst]} turns); held KV peaks at {peak_share:.0%} of D's capacity"
-                   + (": raise decoder_kv_blocks_ttl / session_ttl_s" if worst == "expired" else
-                      ": raise held_kv_budget or add decode memory" if worst in ("released_budget", "evicted") else
-                      ": the running turns need D's memory: add decode memory"))
     return {
         "gaps_s": _spread(gaps),
         "gaps": [round(g, 3) for g in gaps],
         "session_ttl_s": setup.session_ttl_s,
         "decoder_ttl_s": setup.decoder_ttl_s,
-        "gaps_over_session_ttl": over_session_ttl,
-        "gaps_over_decoder_ttl": over_decoder_ttl,
+        "gaps_over_session_ttl": sum(1 for g in gaps if g >= setup.session_ttl_s),
+        "gaps_over_decoder_ttl": sum(1 for g in gaps if g >= setup.decoder_ttl_s),
         "concurrency": setup.concurrency,
         "turns": later,
         "outcomes": outcomes,
-        "outcome_share": share,
+        "outcome_share": {c: _r(outcomes[c] / later) if later else None for c in ("available", *LOSS_CAUSES)},
         "gone_share": _r(gone / later) if later else None,
-        "per_turn": [{"turn": i, **c} for i, c in sorted(by_turn.items())],
+        "per_turn": [{"turn": i, **c} for i, c in sorted(timeline.by_turn.items())],
         "capacity_tokens": setup.kv_capacity_tokens,
         "budget_tokens": (setup.knobs.budget_share * setup.kv_capacity_tokens
                           if setup.knobs.budget_share is not None else None),
         "peak_held_tokens": peak,
         "peak_held_share": _r(peak_share),
-        "held_series": _thin(series, 600),
-        "duration_s": round(now, 3),
-        "verdict": verdict,
+        "held_series": _thin(timeline.series, 600),
+        "duration_s": round(timeline.now, 3),
+        "verdict": _retention_verdict(outcomes, later, gone, peak_share),
     }
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtether.cli.simstack import DEFAULT_PREFILL_PREFIX_CACHING
-from kvtether.sim.cost import CostModel
+from kvtether.sim.cost import CostModel, Hardware, ModelShape
 from kvtether.sim.presets import PRESETS, Preset, get_preset, gqa_kv_bytes_per_token, gqa_kv_regions
 
 GBIT = 1e9 / 8  # bytes/s in one Gb/s
@@ -126,33 +126,52 @@ def build_shape(
     if session_ttl_s >= decoder_kv_blocks_ttl_s:
         # The gateway refuses this too: a handle it still sends must not be gone on D already.
         session_ttl_s = max(1.0, decoder_kv_blocks_ttl_s - 30.0)
-    cost = base.cost
-    m, hw = cost.model, cost.hardware
+    m, kv_changed = _kv_parts(base, preset, layers=layers, kv_heads=kv_heads, head_dim=head_dim, kv_dtype=kv_dtype)
+    hw, hw_changed = _hardware_parts(base.cost.hardware, gpus_per_node=gpus_per_node, link_gbps=link_gbps)
+    changed = kv_changed + hw_changed
+    shaped = _shaped(base, dataclasses.replace(base.cost, model=m, hardware=hw), changed)
+    return ClusterShape(
+        preset=shaped, base_preset=base.name, prefill=prefill, decode=decode,
+        decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s, session_ttl_s=session_ttl_s,
+        held_kv_budget=held_kv_budget, prefill_prefix_caching=prefill_prefix_caching, changed=tuple(changed),
+    )
+
+
+def _kv_parts(base: Preset, name: str, *, layers: int | None, kv_heads: int | None, head_dim: int | None,
+              kv_dtype: str | None) -> tuple[ModelShape, list[str]]:
+    """The preset's model with its KV parts replaced (the GQA formula), and the parts changed as "name=value"."""
+    m = base.cost.model
+    if all(v is None for v in (layers, kv_heads, head_dim, kv_dtype)):
+        return m, []
+    known = _gqa_parts(base)
+    n_layers = layers if layers is not None else m.n_layers
+    heads = kv_heads if kv_heads is not None else known.get("kv_heads")
+    dim = head_dim if head_dim is not None else known.get("head_dim")
+    if kv_dtype is not None and kv_dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPE_BYTES)}, not {kv_dtype!r}")
+    dtype_bytes = KV_DTYPE_BYTES[kv_dtype] if kv_dtype is not None else known.get("dtype_bytes")
+    if heads is None or dim is None or dtype_bytes is None:
+        raise ValueError(f"preset {name} is not a GQA model: give --layers, --kv-heads, --head-dim and "
+                         "--kv-dtype together")
+    scale = n_layers / m.n_layers
+    m = dataclasses.replace(
+        m,
+        n_layers=n_layers,
+        active_params=m.active_params * scale,
+        weight_bytes=m.weight_bytes * scale,
+        kv_bytes_per_token=gqa_kv_bytes_per_token(n_layers, int(heads), int(dim), float(dtype_bytes)),
+        kv_regions=gqa_kv_regions(n_layers),
+        indexer_bytes_per_token=0.0,
+        indexer_dim=0,
+    )
+    return m, [f"{k}={v}" for k, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                                       ("kv_dtype", kv_dtype)) if v is not None]
+
+
+def _hardware_parts(hw: Hardware, *, gpus_per_node: int | None,
+                    link_gbps: float | None) -> tuple[Hardware, list[str]]:
+    """The node's hardware with its GPU count and link replaced, and the parts changed as "name=value"."""
     changed: list[str] = []
-    if any(v is not None for v in (layers, kv_heads, head_dim, kv_dtype)):
-        known = _gqa_parts(base)
-        n_layers = layers if layers is not None else m.n_layers
-        heads = kv_heads if kv_heads is not None else known.get("kv_heads")
-        dim = head_dim if head_dim is not None else known.get("head_dim")
-        if kv_dtype is not None and kv_dtype not in KV_DTYPE_BYTES:
-            raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPE_BYTES)}, not {kv_dtype!r}")
-        dtype_bytes = KV_DTYPE_BYTES[kv_dtype] if kv_dtype is not None else known.get("dtype_bytes")
-        if heads is None or dim is None or dtype_bytes is None:
-            raise ValueError(f"preset {preset} is not a GQA model: give --layers, --kv-heads, --head-dim and "
-                             "--kv-dtype together")
-        scale = n_layers / m.n_layers
-        m = dataclasses.replace(
-            m,
-            n_layers=n_layers,
-            active_params=m.active_params * scale,
-            weight_bytes=m.weight_bytes * scale,
-            kv_bytes_per_token=gqa_kv_bytes_per_token(n_layers, int(heads), int(dim), float(dtype_bytes)),
-            kv_regions=gqa_kv_regions(n_layers),
-            indexer_bytes_per_token=0.0,
-            indexer_dim=0,
-        )
-        changed += [f"{k}={v}" for k, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                                             ("kv_dtype", kv_dtype)) if v is not None]
     if gpus_per_node is not None:
         if gpus_per_node < 1:
             raise ValueError("gpus per node must be >= 1")
@@ -165,21 +184,20 @@ def build_shape(
             raise ValueError("link Gb/s must be > 0")
         hw = dataclasses.replace(hw, link_bandwidth=link_gbps * GBIT)
         changed.append(f"link_gbps={link_gbps:g}")
-    new_cost = dataclasses.replace(cost, model=m, hardware=hw)
-    if changed:
-        capacity = new_cost.kv_capacity_tokens() if hw.hbm_capacity > 0 else base.kv_capacity_tokens
-        if capacity <= 0:
-            raise ValueError("the model's weights do not leave room for a KV cache on these GPUs")
-        digest = hashlib.sha1(json.dumps(changed).encode()).hexdigest()[:8]
-        shaped = dataclasses.replace(base, name=f"{base.name}~{digest}", cost=new_cost, kv_capacity_tokens=capacity,
-                                     description=f"{base.description}, with {', '.join(changed)}")
-    else:
-        shaped = base
-    return ClusterShape(
-        preset=shaped, base_preset=base.name, prefill=prefill, decode=decode,
-        decoder_kv_blocks_ttl_s=decoder_kv_blocks_ttl_s, session_ttl_s=session_ttl_s,
-        held_kv_budget=held_kv_budget, prefill_prefix_caching=prefill_prefix_caching, changed=tuple(changed),
-    )
+    return hw, changed
+
+
+def _shaped(base: Preset, cost: CostModel, changed: list[str]) -> Preset:
+    """The preset as changed, under a name of its own (the base itself when nothing changed); its KV capacity
+    recomputed from the memory the weights leave."""
+    if not changed:
+        return base
+    capacity = cost.kv_capacity_tokens() if cost.hardware.hbm_capacity > 0 else base.kv_capacity_tokens
+    if capacity <= 0:
+        raise ValueError("the model's weights do not leave room for a KV cache on these GPUs")
+    digest = hashlib.sha1(json.dumps(changed).encode()).hexdigest()[:8]
+    return dataclasses.replace(base, name=f"{base.name}~{digest}", cost=cost, kv_capacity_tokens=capacity,
+                               description=f"{base.description}, with {', '.join(changed)}")
 
 
 def _gqa_parts(p: Preset) -> dict[str, float]:

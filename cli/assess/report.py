@@ -51,84 +51,99 @@ def render_console(console: Console, doc: dict[str, Any]) -> None:
         f"tokens: {escape(doc['tokenizer'])}", soft_wrap=True)
     a = doc.get("answers", {})
     if "q1" in a:
-        q = a["q1"]
-        t = Table(title=QUESTIONS[0][1], title_justify="left")
-        for col in ("turn", "n", "prompt tok", "share p10", "p50", "p90"):
-            t.add_column(col, justify="right")
-        for row in q["per_turn"]:
-            t.add_row(str(row["turn"]), str(row["n"]), _fmt(row["prompt_tokens_mean"], 0),
-                      _fmt(row["share_p10"], pct=True), _fmt(row["share_p50"], pct=True),
-                      _fmt(row["share_p90"], pct=True))
-        console.print(t)
-        ps = q["per_session_share"]
-        console.print(f"  over sessions: mean share p10 {_fmt(ps['p10'], pct=True)}, p50 {_fmt(ps['p50'], pct=True)}, "
-                      f"p90 {_fmt(ps['p90'], pct=True)}; token-weighted {_fmt(q['token_weighted_share'], pct=True)}")
-        _verdict(console, q["verdict"])
+        _console_q1(console, a["q1"])
     if "q2" in a:
-        q = a["q2"]
-        t = Table(title=QUESTIONS[1][1], title_justify="left")
-        for col in ("turn", "n", "KV MB", "pull ms", "recompute ms", "break-even Gb/s", "pays"):
-            t.add_column(col, justify="right")
-        for row in q["per_turn"]:
-            t.add_row(str(row["turn"]), str(row["n"]), _fmt(row["kv_mb_mean"], 1), _fmt(row["transfer_ms_mean"], 1),
-                      _fmt(row["recompute_ms_mean"], 1), _fmt(row["breakeven_gbps_p50"], 0),
-                      _fmt(row["pays_share"], pct=True))
-        console.print(t)
-        console.print(f"  configured link {q['link_gbps']:,.0f} Gb/s; break-even p50 "
-                      f"{_fmt(q['breakeven_gbps']['p50'], 0)} Gb/s, max {_fmt(q['breakeven_gbps']['max'], 0)}; "
-                      f"{q['below_min_reuse']} turns reuse too little to pull, {q['never_pays']} never pay")
-        _verdict(console, q["verdict"])
+        _console_q2(console, a["q2"])
     if "q3" in a:
-        q = a["q3"]
-        console.print(f"[bold]{QUESTIONS[2][1]}[/]")
-        g = q["gaps_s"]
-        console.print(f"  gaps between turns: p50 {_fmt(g['p50'], 2)} s, p90 {_fmt(g['p90'], 2)} s, max "
-                      f"{_fmt(g['max'], 2)} s; over the gateway's handle TTL ({q['session_ttl_s']:g} s): "
-                      f"{q['gaps_over_session_ttl']}, over D's TTL ({q['decoder_ttl_s']:g} s): "
-                      f"{q['gaps_over_decoder_ttl']}")
-        sh = q["outcome_share"]
-        console.print("  replayed at concurrency " + str(q["concurrency"]) + ": " + ", ".join(
-            f"{k.replace('_', ' ')} {_fmt(sh[k], pct=True)} ({q['outcomes'][k]})" for k in sh))
-        console.print(f"  held KV peak {_fmt(q['peak_held_share'], pct=True)} of a decode node's "
-                      f"{q['capacity_tokens']:,} tokens (budget {_fmt(q['budget_tokens'], 0)})")
-        _verdict(console, q["verdict"])
+        _console_q3(console, a["q3"])
     if "gateway" in doc:
-        gw = doc["gateway"]
-        console.print(f"[bold]What the gateway at {escape(gw['url'])} has seen[/] ({gw['mode']}, policy "
-                      f"{gw['policy']}): {gw['pinned_sessions']} pinned sessions")
-        console.print(f"  handle outcomes {gw['handle_outcomes']}; releases {gw['releases']}; "
-                      f"TTFT by source (ms) {gw['ttft_ms_by_source']}", soft_wrap=True)
-        _verdict(console, gw["verdict_q1"])
-        _verdict(console, gw["verdict_q3"])
+        _console_gateway(console, doc["gateway"])
     if "q4" in a:
-        q = a["q4"]
-        opts = q["options"]
-        t = Table(title=QUESTIONS[3][1] + f" (ms, late = turn ≥ {q['late_from_turn']})", title_justify="left")
-        t.add_column("metric")
-        for label in opts:
-            t.add_column(label, justify="right")
-        for key, name in (("ttft_ms", "TTFT"), ("late_ttft_ms", "late TTFT")):
-            for stat in ("p50", "p95", "p99"):
-                t.add_row(f"{name} {stat}", *[_fmt(o[key][stat], 0) for o in opts.values()])
-        t.add_row(_tpot_label(opts), *[_fmt(o["tpot_ms"]["p95"], 1) for o in opts.values()])
-        t.add_row("errors", *[str(o["errors"]) for o in opts.values()])
-        console.print(t)
-        pt = Table(title="TTFT by turn index, p50 / p95 / p99 (ms)", title_justify="left")
-        pt.add_column("turn", justify="right", min_width=4, no_wrap=True)
-        for label in opts:
-            pt.add_column(label, justify="right", no_wrap=True)
-        turns = sorted({r["turn"] for o in opts.values() for r in o["per_turn_ttft_ms"]})
-        for turn in turns:
-            cells = []
-            for o in opts.values():
-                row = next((r for r in o["per_turn_ttft_ms"] if r["turn"] == turn), None)
-                cells.append("–" if row is None else "/".join(_fmt(row[k], 0) for k in ("p50", "p95", "p99")))
-            pt.add_row(str(turn), *cells)
-        console.print(pt)
-        console.print(f"  {escape(doc.get('time_note', ''))}", highlight=False)
-        _verdict(console, q["verdict"])
+        _console_q4(console, a["q4"], doc.get("time_note", ""))
     for note in doc.get("notes", []):
         console.print(f"  [yellow]note:[/] {escape(note)}", soft_wrap=True)
+
+
+def _console_q1(console: Console, q: dict[str, Any]) -> None:
+    t = Table(title=QUESTIONS[0][1], title_justify="left")
+    for col in ("turn", "n", "prompt tok", "share p10", "p50", "p90"):
+        t.add_column(col, justify="right")
+    for row in q["per_turn"]:
+        t.add_row(str(row["turn"]), str(row["n"]), _fmt(row["prompt_tokens_mean"], 0),
+                  _fmt(row["share_p10"], pct=True), _fmt(row["share_p50"], pct=True),
+                  _fmt(row["share_p90"], pct=True))
+    console.print(t)
+    ps = q["per_session_share"]
+    console.print(f"  over sessions: mean share p10 {_fmt(ps['p10'], pct=True)}, p50 {_fmt(ps['p50'], pct=True)}, "
+                  f"p90 {_fmt(ps['p90'], pct=True)}; token-weighted {_fmt(q['token_weighted_share'], pct=True)}")
+    _verdict(console, q["verdict"])
+
+
+def _console_q2(console: Console, q: dict[str, Any]) -> None:
+    t = Table(title=QUESTIONS[1][1], title_justify="left")
+    for col in ("turn", "n", "KV MB", "pull ms", "recompute ms", "break-even Gb/s", "pays"):
+        t.add_column(col, justify="right")
+    for row in q["per_turn"]:
+        t.add_row(str(row["turn"]), str(row["n"]), _fmt(row["kv_mb_mean"], 1), _fmt(row["transfer_ms_mean"], 1),
+                  _fmt(row["recompute_ms_mean"], 1), _fmt(row["breakeven_gbps_p50"], 0),
+                  _fmt(row["pays_share"], pct=True))
+    console.print(t)
+    console.print(f"  configured link {q['link_gbps']:,.0f} Gb/s; break-even p50 "
+                  f"{_fmt(q['breakeven_gbps']['p50'], 0)} Gb/s, max {_fmt(q['breakeven_gbps']['max'], 0)}; "
+                  f"{q['below_min_reuse']} turns reuse too little to pull, {q['never_pays']} never pay")
+    _verdict(console, q["verdict"])
+
+
+def _console_q3(console: Console, q: dict[str, Any]) -> None:
+    console.print(f"[bold]{QUESTIONS[2][1]}[/]")
+    g = q["gaps_s"]
+    console.print(f"  gaps between turns: p50 {_fmt(g['p50'], 2)} s, p90 {_fmt(g['p90'], 2)} s, max "
+                  f"{_fmt(g['max'], 2)} s; over the gateway's handle TTL ({q['session_ttl_s']:g} s): "
+                  f"{q['gaps_over_session_ttl']}, over D's TTL ({q['decoder_ttl_s']:g} s): "
+                  f"{q['gaps_over_decoder_ttl']}")
+    sh = q["outcome_share"]
+    console.print("  replayed at concurrency " + str(q["concurrency"]) + ": " + ", ".join(
+        f"{k.replace('_', ' ')} {_fmt(sh[k], pct=True)} ({q['outcomes'][k]})" for k in sh))
+    console.print(f"  held KV peak {_fmt(q['peak_held_share'], pct=True)} of a decode node's "
+                  f"{q['capacity_tokens']:,} tokens (budget {_fmt(q['budget_tokens'], 0)})")
+    _verdict(console, q["verdict"])
+
+
+def _console_gateway(console: Console, gw: dict[str, Any]) -> None:
+    console.print(f"[bold]What the gateway at {escape(gw['url'])} has seen[/] ({gw['mode']}, policy "
+                  f"{gw['policy']}): {gw['pinned_sessions']} pinned sessions")
+    console.print(f"  handle outcomes {gw['handle_outcomes']}; releases {gw['releases']}; "
+                  f"TTFT by source (ms) {gw['ttft_ms_by_source']}", soft_wrap=True)
+    _verdict(console, gw["verdict_q1"])
+    _verdict(console, gw["verdict_q3"])
+
+
+def _console_q4(console: Console, q: dict[str, Any], time_note: str) -> None:
+    opts = q["options"]
+    t = Table(title=QUESTIONS[3][1] + f" (ms, late = turn ≥ {q['late_from_turn']})", title_justify="left")
+    t.add_column("metric")
+    for label in opts:
+        t.add_column(label, justify="right")
+    for key, name in (("ttft_ms", "TTFT"), ("late_ttft_ms", "late TTFT")):
+        for stat in ("p50", "p95", "p99"):
+            t.add_row(f"{name} {stat}", *[_fmt(o[key][stat], 0) for o in opts.values()])
+    t.add_row(_tpot_label(opts), *[_fmt(o["tpot_ms"]["p95"], 1) for o in opts.values()])
+    t.add_row("errors", *[str(o["errors"]) for o in opts.values()])
+    console.print(t)
+    pt = Table(title="TTFT by turn index, p50 / p95 / p99 (ms)", title_justify="left")
+    pt.add_column("turn", justify="right", min_width=4, no_wrap=True)
+    for label in opts:
+        pt.add_column(label, justify="right", no_wrap=True)
+    turns = sorted({r["turn"] for o in opts.values() for r in o["per_turn_ttft_ms"]})
+    for turn in turns:
+        cells = []
+        for o in opts.values():
+            row = next((r for r in o["per_turn_ttft_ms"] if r["turn"] == turn), None)
+            cells.append("–" if row is None else "/".join(_fmt(row[k], 0) for k in ("p50", "p95", "p99")))
+        pt.add_row(str(turn), *cells)
+    console.print(pt)
+    console.print(f"  {escape(time_note)}", highlight=False)
+    _verdict(console, q["verdict"])
 
 
 def _tpot_label(opts: dict[str, Any]) -> str:
@@ -315,66 +330,82 @@ def render_html(doc: dict[str, Any]) -> str:
     if summary:
         parts.append("<h2>Answers</h2>" + _table(["question", "verdict"], summary))
     if "q1" in a:
-        q = a["q1"]
-        parts += [f"<h2>{html.escape(QUESTIONS[0][1])}</h2>", _verdict_html(q["verdict"]),
-                  f"<figure id='plot-prefix-share'>{plot_prefix_share(q)}</figure>",
-                  _table(["turn", "n", "prompt tokens", "share p10", "p50", "p90"],
-                         [(r["turn"], r["n"], _fmt(r["prompt_tokens_mean"], 0), _fmt(r["share_p10"], pct=True),
-                           _fmt(r["share_p50"], pct=True), _fmt(r["share_p90"], pct=True)) for r in q["per_turn"]]),
-                  f"<p class='meta'>Over sessions (mean share per session): p10 "
-                  f"{_fmt(q['per_session_share']['p10'], pct=True)}, "
-                  f"p50 {_fmt(q['per_session_share']['p50'], pct=True)}"
-                  f", p90 {_fmt(q['per_session_share']['p90'], pct=True)}. Token-weighted share "
-                  f"{_fmt(q['token_weighted_share'], pct=True)}; prompts grow by "
-                  f"{_fmt(q['prompt_growth_tokens_per_turn'], 0)} tokens a turn.</p>"]
+        parts += _html_q1(a["q1"])
     if "q2" in a:
-        q = a["q2"]
-        parts += [f"<h2>{html.escape(QUESTIONS[1][1])}</h2>", _verdict_html(q["verdict"]),
-                  f"<figure id='plot-breakeven'>{plot_breakeven(q)}</figure>",
-                  _table(["turn", "n", "KV MB", "pull ms", "recompute ms", "break-even Gb/s p50", "pull pays"],
-                         [(r["turn"], r["n"], _fmt(r["kv_mb_mean"], 1), _fmt(r["transfer_ms_mean"], 1),
-                           _fmt(r["recompute_ms_mean"], 1), _fmt(r["breakeven_gbps_p50"], 0),
-                           _fmt(r["pays_share"], pct=True)) for r in q["per_turn"]])]
+        parts += _html_q2(a["q2"])
     if "q3" in a:
-        q = a["q3"]
-        parts += [f"<h2>{html.escape(QUESTIONS[2][1])}</h2>", _verdict_html(q["verdict"]),
-                  f"<figure id='plot-gaps'>{plot_gaps(q)}</figure>",
-                  "<figure id='plot-held'>" + plot_held(q["held_series"], q["capacity_tokens"], q["budget_tokens"],
-                                                        "Held KV on the decode nodes over the replayed timeline")
-                  + "</figure>",
-                  _table(["outcome of the previous turn's KV", "turns", "share"],
-                         [(k.replace("_", " "), q["outcomes"][k], _fmt(q["outcome_share"][k], pct=True))
-                          for k in q["outcomes"]])]
+        parts += _html_q3(a["q3"])
     if "gateway" in doc:
-        gw = doc["gateway"]
-        parts += [f"<h2>What the gateway at {html.escape(gw['url'])} has seen</h2>",
-                  _verdict_html(gw["verdict_q1"]), _verdict_html(gw["verdict_q3"]),
-                  _table(["handle outcome", "turns"], sorted(gw["handle_outcomes"].items())),
-                  _table(["release reason", "handles"], sorted(gw["releases"].items())),
-                  _table(["reuse source", "n", "TTFT p50 ms", "p95", "p99"],
-                         [(k, v["n"], v["p50"], v["p95"], v["p99"]) for k, v in gw["ttft_ms_by_source"].items()])]
-        if gw["held_series"]:
-            cap = max((v for v in gw["decode_capacity_tokens"].values() if v), default=None)
-            budget = cap * gw["held_kv_budget_share"] if cap and gw["held_kv_budget_share"] else None
-            parts.append(f"<figure id='plot-gateway-held'>"
-                         f"{plot_held(gw['held_series'], cap, budget, 'Held KV per decode node (gateway /metrics)')}"
-                         "</figure>")
+        parts += _html_gateway(doc["gateway"])
     if "q4" in a:
-        q = a["q4"]
-        opts = q["options"]
-        rows = []
-        for key, name in (("ttft_ms", "TTFT"), ("late_ttft_ms", f"late TTFT (turn ≥ {q['late_from_turn']})")):
-            for stat in ("p50", "p95", "p99"):
-                rows.append((f"{name} {stat}", *[_fmt(o[key][stat], 0) for o in opts.values()]))
-        rows.append((_tpot_label(opts), *[_fmt(o["tpot_ms"]["p95"], 1) for o in opts.values()]))
-        rows.append(("errors", *[o["errors"] for o in opts.values()]))
-        parts += [f"<h2>{html.escape(QUESTIONS[3][1])}</h2>", _verdict_html(q["verdict"]),
-                  f"<figure id='plot-ttft'>{plot_ttft(q)}</figure>",
-                  _table(["ms", *opts], rows),
-                  "<ul class='meta'>" + "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(o['description'])}</li>"
-                                                 for k, o in opts.items()) + "</ul>",
-                  f"<p class='meta'>{html.escape(doc.get('time_note', ''))}</p>"]
+        parts += _html_q4(a["q4"], doc.get("time_note", ""))
     for note in doc.get("notes", []):
         parts.append(f"<p class='note'>Note: {html.escape(note)}</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _html_q1(q: dict[str, Any]) -> list[str]:
+    return [f"<h2>{html.escape(QUESTIONS[0][1])}</h2>", _verdict_html(q["verdict"]),
+            f"<figure id='plot-prefix-share'>{plot_prefix_share(q)}</figure>",
+            _table(["turn", "n", "prompt tokens", "share p10", "p50", "p90"],
+                   [(r["turn"], r["n"], _fmt(r["prompt_tokens_mean"], 0), _fmt(r["share_p10"], pct=True),
+                     _fmt(r["share_p50"], pct=True), _fmt(r["share_p90"], pct=True)) for r in q["per_turn"]]),
+            f"<p class='meta'>Over sessions (mean share per session): p10 "
+            f"{_fmt(q['per_session_share']['p10'], pct=True)}, "
+            f"p50 {_fmt(q['per_session_share']['p50'], pct=True)}"
+            f", p90 {_fmt(q['per_session_share']['p90'], pct=True)}. Token-weighted share "
+            f"{_fmt(q['token_weighted_share'], pct=True)}; prompts grow by "
+            f"{_fmt(q['prompt_growth_tokens_per_turn'], 0)} tokens a turn.</p>"]
+
+
+def _html_q2(q: dict[str, Any]) -> list[str]:
+    return [f"<h2>{html.escape(QUESTIONS[1][1])}</h2>", _verdict_html(q["verdict"]),
+            f"<figure id='plot-breakeven'>{plot_breakeven(q)}</figure>",
+            _table(["turn", "n", "KV MB", "pull ms", "recompute ms", "break-even Gb/s p50", "pull pays"],
+                   [(r["turn"], r["n"], _fmt(r["kv_mb_mean"], 1), _fmt(r["transfer_ms_mean"], 1),
+                     _fmt(r["recompute_ms_mean"], 1), _fmt(r["breakeven_gbps_p50"], 0),
+                     _fmt(r["pays_share"], pct=True)) for r in q["per_turn"]])]
+
+
+def _html_q3(q: dict[str, Any]) -> list[str]:
+    return [f"<h2>{html.escape(QUESTIONS[2][1])}</h2>", _verdict_html(q["verdict"]),
+            f"<figure id='plot-gaps'>{plot_gaps(q)}</figure>",
+            "<figure id='plot-held'>" + plot_held(q["held_series"], q["capacity_tokens"], q["budget_tokens"],
+                                                  "Held KV on the decode nodes over the replayed timeline")
+            + "</figure>",
+            _table(["outcome of the previous turn's KV", "turns", "share"],
+                   [(k.replace("_", " "), q["outcomes"][k], _fmt(q["outcome_share"][k], pct=True))
+                    for k in q["outcomes"]])]
+
+
+def _html_gateway(gw: dict[str, Any]) -> list[str]:
+    parts = [f"<h2>What the gateway at {html.escape(gw['url'])} has seen</h2>",
+             _verdict_html(gw["verdict_q1"]), _verdict_html(gw["verdict_q3"]),
+             _table(["handle outcome", "turns"], sorted(gw["handle_outcomes"].items())),
+             _table(["release reason", "handles"], sorted(gw["releases"].items())),
+             _table(["reuse source", "n", "TTFT p50 ms", "p95", "p99"],
+                    [(k, v["n"], v["p50"], v["p95"], v["p99"]) for k, v in gw["ttft_ms_by_source"].items()])]
+    if gw["held_series"]:
+        cap = max((v for v in gw["decode_capacity_tokens"].values() if v), default=None)
+        budget = cap * gw["held_kv_budget_share"] if cap and gw["held_kv_budget_share"] else None
+        parts.append(f"<figure id='plot-gateway-held'>"
+                     f"{plot_held(gw['held_series'], cap, budget, 'Held KV per decode node (gateway /metrics)')}"
+                     "</figure>")
+    return parts
+
+
+def _html_q4(q: dict[str, Any], time_note: str) -> list[str]:
+    opts = q["options"]
+    rows = []
+    for key, name in (("ttft_ms", "TTFT"), ("late_ttft_ms", f"late TTFT (turn ≥ {q['late_from_turn']})")):
+        for stat in ("p50", "p95", "p99"):
+            rows.append((f"{name} {stat}", *[_fmt(o[key][stat], 0) for o in opts.values()]))
+    rows.append((_tpot_label(opts), *[_fmt(o["tpot_ms"]["p95"], 1) for o in opts.values()]))
+    rows.append(("errors", *[o["errors"] for o in opts.values()]))
+    return [f"<h2>{html.escape(QUESTIONS[3][1])}</h2>", _verdict_html(q["verdict"]),
+            f"<figure id='plot-ttft'>{plot_ttft(q)}</figure>",
+            _table(["ms", *opts], rows),
+            "<ul class='meta'>" + "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(o['description'])}</li>"
+                                           for k, o in opts.items()) + "</ul>",
+            f"<p class='meta'>{html.escape(time_note)}</p>"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from importlib import metadata
 
-import typer
+from kvtether.cli.common.exits import EXIT_USAGE
+from kvtether.cli.common.failures import fail_as
 
 # The metavar of an on/off flag (`--quick/--no-quick`). typer's help shows a type after every option, `<bool>`
 # for a flag, which reads as if the flag took a value (`--quick true`, which it refuses): flags show none.
@@ -20,8 +21,7 @@ def checked_log_level(command: str, flag: str, value: str) -> str:
     `logging.basicConfig` or uvicorn once the command is well under way)."""
     level = value.strip().lower()
     if level not in LOG_LEVELS:
-        typer.echo(f"kvtether {command}: {flag} must be one of {', '.join(LOG_LEVELS)}; got {value!r}", err=True)
-        raise typer.Exit(2)
+        fail_as(command, EXIT_USAGE, f"{flag} must be one of {', '.join(LOG_LEVELS)}; got {value!r}")
     return level
 
 

@@ -221,6 +221,29 @@ def _ms(ns: int, scale: float) -> float:
     return ns / 1e6 * scale
 
 
+def _take_usage(res: TurnResult, usage: Any) -> None:
+    if usage is not None:
+        res.prompt_tokens = usage.prompt_tokens
+        res.completion_tokens = usage.completion_tokens
+        details = getattr(usage, "prompt_tokens_details", None)
+        if details is not None and details.cached_tokens is not None:
+            res.cached_tokens = details.cached_tokens
+
+
+def _failure(e: Exception) -> tuple[str, str]:
+    """A failed request's kind and message (docs/replay.md, *Errors*)."""
+    if isinstance(e, openai.APITimeoutError):
+        return "timeout", str(e)
+    if isinstance(e, openai.APIConnectionError):
+        cause = e.__cause__
+        return "connection", f"{e}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
+    if isinstance(e, openai.APIStatusError):
+        return f"http_{e.status_code}", str(e)[:300]
+    if isinstance(e, openai.APIError):  # an error event inside a 200 stream
+        return "server_error", str(e)[:300]
+    return "stream", f"{type(e).__name__}: {e}"[:300]  # a broken stream mid-way
+
+
 async def _one_turn(
     client: openai.AsyncOpenAI,
     sid: str,
@@ -283,32 +306,14 @@ async def _one_turn(
                 if chunk.usage is not None:
                     usage = chunk.usage
         t_end = time.perf_counter_ns()
-    except openai.APITimeoutError as e:
-        res.error_kind, res.error = "timeout", str(e)
-        return res, None
-    except openai.APIConnectionError as e:
-        cause = e.__cause__
-        res.error_kind, res.error = "connection", f"{e}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
-        return res, None
-    except openai.APIStatusError as e:
-        res.error_kind, res.error = f"http_{e.status_code}", str(e)[:300]
-        return res, None
-    except openai.APIError as e:  # an error event inside a 200 stream
-        res.error_kind, res.error = "server_error", str(e)[:300]
-        return res, None
-    except Exception as e:  # a broken stream mid-way: recorded, never raised out of the run
-        res.error_kind, res.error = "stream", f"{type(e).__name__}: {e}"[:300]
+    except Exception as e:  # recorded, never raised out of the run
+        res.error_kind, res.error = _failure(e)
         return res, None
 
     res.e2e_ms = _ms(t_end - t0, scale)
     if t_first_chunk is not None:
         res.ttfc_ms = _ms(t_first_chunk - t0, scale)
-    if usage is not None:
-        res.prompt_tokens = usage.prompt_tokens
-        res.completion_tokens = usage.completion_tokens
-        details = getattr(usage, "prompt_tokens_details", None)
-        if details is not None and details.cached_tokens is not None:
-            res.cached_tokens = details.cached_tokens
+    _take_usage(res, usage)
     if t_first_token is None or t_last_token is None:
         res.ok = res.empty = True
         res.error = f"no visible token ({chunks} chunks, finish_reason {finish_reason})"

@@ -12,12 +12,12 @@ import tomllib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, get_type_hints
 
+from kvtether.cli.common.exits import EXIT_USAGE
 from kvtether.cli.up.cluster_spec import DEFAULT_GATEWAY_LOG_LEVEL, ClusterPlan
 
 if TYPE_CHECKING:
     from kvtether.gateway.config import GatewayConfig
 
-EXIT_USAGE = 2
 GATEWAY_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 # Gateway settings `--gateway-set` refuses, with where they come from instead: one way in for each.

@@ -1,0 +1,198 @@
+"""The runs of ``kvtether demo``: the bundled sessions through the SDK, once per policy, each on a fresh cluster.
+
+Starts an in-process simulated P/D cluster (1 prefill + 2 decode of a realistic preset), the gateway in
+front of it, and runs a small bundled set of agent sessions through the SDK three times: with the gateway
+policy ``no-pull`` (every turn recomputes its history on prefill), with ``pull`` (vLLM's reverse pull: P
+pulls the verified history back from the decode node and computes only the suffix), and with ``auto``
+(kvtether's per-turn cost-based choice between the suffix on the pinned decode node, the pull, and a cold
+prefill). Each run gets a fresh cluster, so none sees another's caches. Prints one row per turn with the
+three TTFTs side by side.
+
+Times are *simulated* milliseconds: the simulator's clock runs at ``--speed`` × real time, and every
+client-side measurement is multiplied by it. A clock slower than real time (speed < 1) makes the
+simulator's own CPU work (HTTP hops, tokenizing, JSON) a small share of what it reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from kvtether.cli.gen.generate import GenParams, generate_sessions
+from kvtether.gateway import telemetry as T
+from kvtether.sdk.sessionfile import SessionRecord
+
+DEMO_PRESET = "qwen3-32b-h200-tp8"
+# Simulated time = real × speed, so a clock slower than real time shrinks the simulator's own CPU cost: at 0.25
+# the 20-40 ms of real CPU per turn (client, two HTTP hops through the gateway, tokenizing a few thousand words,
+# JSON) shows up as 5-10 simulated ms next to TTFTs of 40-400 ms. The price is wall time: the full demo
+# (2 runs × 3 sessions × 10 turns) takes about a minute on 2 idle cores (1.5 min at load 9 on 2 cores).
+DEFAULT_SPEED = 0.25
+# The engine's retention of a finished request's KV on D (decoder_kv_blocks_ttl, simulated seconds), and the
+# gateway's session TTL kept below it with the same margin as the gateway's defaults (450 s < 480 s).
+ENGINE_KV_TTL_SIM_S = 480.0
+SESSION_TTL_SIM_S = 450.0
+# Replies are text (TOOL_CHOICE); 16 tokens keep the decode time, which no KV reuse changes, short.
+MAX_TOKENS = 16
+# The simulator, like a non-streaming tool parser, holds a tool call back until it is complete: a tool-call
+# turn's TTFT would then be the whole call's decode time, which no KV reuse changes. "none" keeps the tools in
+# the prompt (the agent's real prefix) and makes TTFT about the prompt; the answers are the model's replies.
+TOOL_CHOICE = "none"
+# Turns from this index on count as "late" in the summary: the history is long by then.
+LATE_TURN = 3
+
+
+def demo_sessions(quick: bool = False) -> list[SessionRecord]:
+    """The bundled agent sessions: deterministic (fixed seed), a coding agent's tool loop.
+
+    A 1.2k-token system prompt plus tools, then tool results of 250-600 tokens per turn: the history grows to
+    ~5-6k tokens by the last turn. Answers are the model's own (a tool call or a short reply, then eos; not
+    pinned to max_tokens): a cut-off tool call would stream no visible token at all.
+    """
+    records = generate_sessions(GenParams(
+        sessions=1 if quick else 3,
+        turns=5 if quick else 10,
+        new_tokens="250-600",
+        output_tokens=str(MAX_TOKENS),
+        pin_output=False,
+        think_ms=0.0,
+        user_message_prob=0.2,
+        system_tokens=1200,
+        task_tokens=80,
+        seed=7,
+        id_prefix="demo",
+    ))
+    # Short ids for the tables (the generator's are seed-qualified, for files that get merged).
+    return [dataclasses.replace(r, session_id=f"agent-{i + 1}") for i, r in enumerate(records)]
+
+
+@dataclass(slots=True)
+class DemoTurn:
+    session_id: str
+    turn: int
+    ok: bool
+    prompt_tokens: int | None = None
+    ttft_ms: float | None = None  # simulated
+    source: str | None = None
+    reuse_tokens: int | None = None
+    plan: str | None = None
+    answer: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class DemoRun:
+    policy: str
+    turns: list[DemoTurn] = field(default_factory=list)
+    wall_s: float = 0.0
+    spans: list[Any] = field(default_factory=list)  # ReadableSpan, when traced
+
+
+@asynccontextmanager
+async def demo_gateway(policy: str, speed: float, preset: str, tracer_provider: Any = None,
+                       prefill_cache: bool = False) -> AsyncIterator[str]:
+    """A fresh simulated 1P+2D cluster and an in-process gateway; yields the gateway URL."""
+    from kvtether.gateway.config import GatewayConfig
+    from kvtether.gateway.shell.app import create_app
+    from kvtether.gateway.shell.server import serve_gateway
+    from kvtether.sim.cluster import ClusterSpec, SimCluster
+
+    spec = ClusterSpec(prefill=1, decode=2, preset=preset, speed=speed, decoder_kv_blocks_ttl=ENGINE_KV_TTL_SIM_S,
+                       # As in the vLLM blog's bidirectional-transfer runs: P recomputes what it does not pull.
+                       # With it on, one prefill node serving three sessions in turn keeps every history cached,
+                       # which a loaded cluster (many sessions, several P nodes) does not.
+                       prefill_prefix_caching=prefill_cache)
+    async with SimCluster(spec) as cluster:
+        # The gateway's clock is real time, the engine's is simulated: the same TTLs in real seconds.
+        config = GatewayConfig(prefill=list(cluster.prefill_urls), decode=list(cluster.decode_urls), policy=policy,
+                               session_ttl_s=SESSION_TTL_SIM_S / speed, engine_kv_ttl_s=ENGINE_KV_TTL_SIM_S / speed,
+                               sweep_interval_s=max(1.0, 10.0 / speed))
+        app = create_app(config.validate(), tracer_provider=tracer_provider)
+        stopped: BaseException | None = None
+        async with serve_gateway(config, app=app) as url:
+            # Ctrl-C and SIGTERM stop the demo, which stops the gateway (serve_gateway leaves signals alone).
+            try:
+                yield str(url)
+            except (asyncio.CancelledError, KeyboardInterrupt) as e:
+                # A stop signal: the gateway stops as after a normal run. Handed the cancellation, serve_gateway
+                # would cancel the server mid-shutdown, and uvicorn would log its lifespan's traceback.
+                stopped = e
+        if stopped is not None:
+            raise stopped
+
+
+async def _run_session(url: str, record: SessionRecord, speed: float, emit: Callable[[DemoTurn], None]) -> None:
+    from kvtether.sdk import AgentSession, StampedAsyncOpenAI
+
+    live: list[dict[str, Any] | None] = []
+    async with AgentSession(session_id=record.session_id) as session:
+        client = StampedAsyncOpenAI(session=session, base_url=f"{url}/v1", api_key="kvtether-demo", max_retries=0,
+                                    timeout=120.0)
+        try:
+            for turn, messages, tools in record.requests("live", live):
+                res = DemoTurn(record.session_id, turn.index, ok=False)
+                extra = {k: v for k, v in turn.params.items() if k != "max_tokens"}
+                try:
+                    stream = await client.chat.completions.create(
+                        model=record.model, messages=cast(Any, messages), tools=cast(Any, tools), stream=True,
+                        stream_options={"include_usage": True}, temperature=0, tool_choice=cast(Any, TOOL_CHOICE),
+                        max_tokens=turn.params.get("max_tokens"), extra_body=extra)
+                    headers = stream.response.headers
+                    res.source = headers.get(T.HEADER_REUSE_SOURCE)
+                    tokens = headers.get(T.HEADER_REUSE_TOKENS)
+                    res.reuse_tokens = int(tokens) if tokens and tokens.isdigit() else None
+                    res.plan = headers.get(T.HEADER_PLAN)
+                    async with stream:
+                        async for _ in stream:
+                            pass
+                except Exception as exc:  # one failed turn ends its session (its history would be wrong)
+                    res.error = f"{type(exc).__name__}: {exc}"[:200]
+                    emit(res)
+                    return
+                m = session.last_turn
+                assert m is not None
+                res.ok = m.error is None and m.ttft_ms is not None
+                res.ttft_ms = m.ttft_ms * speed if m.ttft_ms is not None else None
+                res.prompt_tokens = m.prompt_tokens
+                res.answer = m.answer
+                live.append(m.answer)
+                emit(res)
+                if not res.ok:
+                    return
+        finally:
+            await client.close()
+
+
+async def run_policy(policy: str, sessions: list[SessionRecord], *, speed: float = DEFAULT_SPEED,
+                     preset: str = DEMO_PRESET, trace: bool = False, prefill_cache: bool = False,
+                     on_turn: Callable[[DemoTurn], None] | None = None) -> DemoRun:
+    """All sessions, one after the other (a turn's TTFT is then its own, not a neighbour's queueing)."""
+    run = DemoRun(policy)
+    exporter = provider = None
+    if trace:
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    def emit(t: DemoTurn) -> None:
+        run.turns.append(t)
+        if on_turn is not None:
+            on_turn(t)
+
+    t0 = time.perf_counter()
+    async with demo_gateway(policy, speed, preset, provider, prefill_cache) as url:
+        for record in sessions:
+            await _run_session(url, record, speed, emit)
+    run.wall_s = time.perf_counter() - t0
+    if exporter is not None:
+        run.spans = list(exporter.get_finished_spans())
+    return run
