@@ -38,11 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from kvtether.gateway.config import load_config
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
+from kvtether.cli.simstack import StackSpec, sim_stack
 from kvtether.sim.cluster import ClusterSpec, SimCluster
-from placement_policies import calibrated_seeds  # benchmarks/ is on sys.path when run as a script
 
 MODEL = "kvtether-sim"
 POLICIES = (("a", "no-pull", "P/D, no reverse pull"), ("b", "reference", "reference proxy (RR, no guard)"),
@@ -176,22 +173,19 @@ async def _session(client: httpx.AsyncClient, gw: str, s: int, args: argparse.Na
 async def run_policy(policy: str, args: argparse.Namespace) -> Result:
     # (a) is a P/D cluster without bidirectional_kv_xfer: its decode nodes retain nothing after a turn.
     # (With the flag on and handles never used, every turn pins D memory until the engine TTL.)
-    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, preset=args.preset, speed=args.speed,
-                       kv_lease_duration=600.0, bidirectional=policy != "no-pull",
-                       # The published reverse-pull figures (PR #32553, the vLLM blog) ran prefill nodes with
-                       # prefix caching off. With it on and a working set that fits P's KV cache, every policy
-                       # mostly hits P's own cache and the reverse pull has little left to do.
-                       prefill_prefix_caching=args.prefill_prefix_caching == "on")
+    spec = StackSpec(preset=args.preset, prefill=args.prefill, decode=args.decode, speed=args.speed,
+                     # The published reverse-pull figures (PR #32553, the vLLM blog) ran prefill nodes with prefix
+                     # caching off. With it on and a working set that fits P's KV cache, every policy mostly hits
+                     # P's own cache and the reverse pull has little left to do.
+                     prefill_prefix_caching=args.prefill_prefix_caching == "on",
+                     cluster={"kv_lease_duration": 600.0, "bidirectional": policy != "no-pull"})
     oracle_spec = ClusterSpec(prefill=0, decode=0, aggregated=1, preset=args.preset, speed=args.oracle_speed)
     result = Result(policy)
-    async with SimCluster(spec) as cluster, SimCluster(oracle_spec) as oracle:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy=policy,
-                          metrics_poll_interval_s=0.5, bidirectional_prefill=policy != "no-pull",
-                          # auto's estimator seeds from the preset's cost model (a short calibration run)
-                          **calibrated_seeds(args.preset, args.speed))
-        app = create_app(cfg)
-        async with serve_gateway(cfg, app=app) as gw, httpx.AsyncClient(
-            timeout=600, limits=httpx.Limits(keepalive_expiry=2.0)) as client:
+    # The stack's gateway: its times and auto's estimator seeds (calibrated on the preset's cost model) at --speed.
+    settings = {"metrics_poll_interval_s": 0.5, "bidirectional_prefill": policy != "no-pull"}
+    async with sim_stack(spec, policy, gateway=settings) as stack, SimCluster(oracle_spec) as oracle:
+        gw = stack.url
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(keepalive_expiry=2.0)) as client:
             # At most --concurrency sessions at a time: on a small shared CPU the simulator's own (real)
             # CPU time would otherwise swamp the simulated GPU time that TTFT is meant to show.
             limit = asyncio.Semaphore(args.concurrency or args.sessions)
@@ -204,7 +198,7 @@ async def run_policy(policy: str, args: argparse.Namespace) -> Result:
             for idx, body, answer in result.checks:
                 want, _, _ = await _chat(client, oracle.aggregated_urls[0], body, {})
                 result.turns[idx].wrong = not _same(answer, want)
-            for u in cluster.prefill_urls:
+            for u in stack.urls["prefill"]:
                 text = (await client.get(f"{u}/metrics")).text
                 for line in text.splitlines():
                     if line.startswith("vllm:prompt_tokens_cached_by_source_total") and 'source="p2p"' in line:

@@ -93,9 +93,10 @@ def workload(name: str, st: Settings) -> list[Any]:
 
 
 async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st: Settings) -> dict[str, Any]:
-    from kvtether.cli.assess.topology import DecodeTimes, option_gateway
+    from kvtether.cli.assess.topology import option_gateway
     from kvtether.cli.replay.engine import ReplayOptions, join_engine_tpot, new_session_suffix, run_replay
     from kvtether.cli.replay.report import Objectives, attainment
+    from kvtether.cli.simstack.decode_times import DecodeTimes
 
     decode_times = DecodeTimes()
     t0 = time.perf_counter()

@@ -42,24 +42,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import random
 import sys
 import time
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 from kvtether.cli.gen.generate import WORDS, parse_mix
-from kvtether.cli.simstack import calibration
+from kvtether.cli.simstack import StackSpec, sim_stack
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import TUNING_FIELDS, PolicyKnobs
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
-from kvtether.sim.cluster import ClusterSpec, SimCluster
 from kvtether.sim.presets import get_preset
 from kvtether.sim.template import TOOL_FORMATS
 
@@ -254,11 +249,6 @@ async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan
             await asyncio.sleep(plan.think_s[t] / args.speed)
 
 
-def calibrated_seeds(preset_name: str, speed: float) -> dict[str, float]:
-    """Estimator seeds from the preset's cost model, in real seconds at `speed` (kvtether.cli.simstack.calibration)."""
-    return calibration.calibrated_seeds(get_preset(preset_name), speed)
-
-
 def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
     """``auto`` or a variant ``auto@interference_weight=2+horizon_turns=2``: the policy and gateway config
     overrides (JSON values; the cost model's tuning constants go into the config's ``tuning`` table). Variants
@@ -278,44 +268,6 @@ def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
     return policy, knobs
 
 
-# --sim-process: the cluster in a child process of its own (what `kvtether sim --json` does), printing its URLs.
-_SERVE_SIM = """
-import asyncio, json, sys
-from kvtether.sim.cluster import ClusterSpec, SimCluster
-
-async def main():
-    async with SimCluster(ClusterSpec(**json.loads(sys.argv[1]))) as cluster:
-        print(json.dumps(cluster.urls()), flush=True)
-        await asyncio.Event().wait()
-
-asyncio.run(main())
-"""
-
-
-@contextlib.asynccontextmanager
-async def _cluster(spec: ClusterSpec, separate: bool) -> AsyncIterator[tuple[list[str], list[str], SimCluster | None]]:
-    """(prefill URLs, decode URLs, the in-process cluster or None). In-process by default: one Python process
-    (one GIL) then runs the engines, the gateway and the clients, so the gateway's CPU time also delays the
-    simulated engines. Separate: the engines get a core of their own, as vLLM's servers would."""
-    if not separate:
-        async with SimCluster(spec) as cluster:
-            yield cluster.prefill_urls, cluster.decode_urls, cluster
-        return
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _SERVE_SIM, json.dumps(asdict(spec)),
-                                                stdout=asyncio.subprocess.PIPE)
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 120)
-        if not line:
-            raise RuntimeError(f"the simulated cluster exited before it listened (rc {await proc.wait()})")
-        urls = json.loads(line)
-        yield urls["prefill"], urls["decode"], None
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            await proc.wait()
-
-
 def _prefill_blocks(preset: str, tokens: int | None) -> int | None:
     # --prefill-kv-tokens in the preset's blocks (vLLM --num-gpu-blocks-override on P).
     return None if tokens is None else max(1, tokens // get_preset(preset).block_size)
@@ -326,31 +278,27 @@ async def run_policy(name: str, preset: str, plans: list[SessionPlan], args: arg
     policy, knobs = parse_policy(name)
     # Variants give times in simulated seconds like everything else here; the gateway measures real ones.
     knobs = {k: v / args.speed if k in SIM_SECONDS_KNOBS else v for k, v in knobs.items()}
-    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, preset=preset, speed=args.speed,
-                       kv_lease_duration=600.0, bidirectional=policy != "no-pull",
-                       prefill_prefix_caching=args.prefill_prefix_caching == "on",
-                       prefill_num_gpu_blocks=_prefill_blocks(preset, args.prefill_kv_tokens),
-                       tool_call_parser=args.tool_call_parser)
+    spec = StackSpec(preset=preset, prefill=args.prefill, decode=args.decode, speed=args.speed,
+                     prefill_prefix_caching=args.prefill_prefix_caching == "on",
+                     cluster={"kv_lease_duration": 600.0, "bidirectional": policy != "no-pull",
+                              "prefill_num_gpu_blocks": _prefill_blocks(preset, args.prefill_kv_tokens),
+                              "tool_call_parser": args.tool_call_parser})
+    # Over the stack's gateway settings (its times ÷ speed, the seeds calibrated on the preset): the TPOT
+    # objective and the stall window are in simulated seconds like every other time here; the gateway measures
+    # real ones, `1/speed` times longer.
+    settings = {"metrics_poll_interval_s": 1.0, "bidirectional_prefill": policy != "no-pull",
+                "chunk_tokens": get_preset(preset).max_num_batched_tokens,
+                **{k: getattr(PolicyKnobs(), k) / args.speed for k in SIM_SECONDS_KNOBS}, **knobs}
     result = Result(name)
     t0 = time.perf_counter()
-    async with _cluster(spec, args.sim_process) as (prefill_urls, decode_urls, cluster):
-        if args.engine_trace and cluster is not None:
-            for node in cluster.nodes:
+    async with sim_stack(spec, policy, gateway=settings, separate_process=args.sim_process) as stack:
+        if args.engine_trace and stack.cluster is not None:
+            for node in stack.cluster.nodes:
                 node.engine.on_event = lambda e, url=node.url, role=node.cfg.role: result.engine_events.append(
                     {**asdict(e), "node": url, "role": role, "repeat": repeat})
-        cfg = load_config(None, prefill=prefill_urls, decode=decode_urls, policy=policy, metrics_poll_interval_s=1.0,
-                          bidirectional_prefill=policy != "no-pull",
-                          # the engines' decoder_kv_blocks_ttl is 480 simulated s = 480/speed real
-                          session_ttl_s=min(450.0, 450.0 / args.speed),
-                          engine_kv_ttl_s=max(480.0, 480.0 / args.speed),
-                          chunk_tokens=get_preset(preset).max_num_batched_tokens,
-                          # The TPOT objective and the stall window are in simulated seconds like every other
-                          # time here; the gateway measures real ones, `1/speed` times longer.
-                          **{**{k: getattr(PolicyKnobs(), k) / args.speed for k in SIM_SECONDS_KNOBS},
-                             **calibrated_seeds(preset, args.speed), **knobs})
-        app = create_app(cfg)
-        async with serve_gateway(cfg, app=app) as gw, httpx.AsyncClient(
-                timeout=3600, limits=httpx.Limits(keepalive_expiry=2.0, max_connections=200)) as client:
+        gw = stack.url
+        async with httpx.AsyncClient(timeout=3600,
+                                     limits=httpx.Limits(keepalive_expiry=2.0, max_connections=200)) as client:
             start = time.perf_counter()
             await asyncio.gather(*(_session(client, gw, s, p, args, result, start, repeat)
                                    for s, p in enumerate(plans)))

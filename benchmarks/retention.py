@@ -76,15 +76,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from kvtether.cli import simstack
 from kvtether.cli.gen.generate import parse_mix
+from kvtether.cli.simstack import StackSpec, StackTimes, sim_stack
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import PolicyKnobs
 from kvtether.gateway.policy.retention import RELEASE_REASONS, RetentionKnobs
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
 from kvtether.gateway.telemetry import HANDLE_OUTCOMES, RELEASE_FAILURES
 from kvtether.sdk.contract import FINAL_HEADER
-from kvtether.sim.cluster import ClusterSpec, SimCluster
+from kvtether.sim.cluster import SimCluster
 from kvtether.sim.presets import get_preset
 from placement_policies import (  # benchmarks/ is on sys.path when run as a script
     MODEL,
@@ -92,7 +92,6 @@ from placement_policies import (  # benchmarks/ is on sys.path when run as a scr
     TOOLS,
     _pct,
     _words,
-    calibrated_seeds,
     parse_policy,
 )
 
@@ -323,22 +322,35 @@ def parse_run(name: str) -> tuple[str, bool, dict[str, Any]]:
     return policy, unlimited, knobs
 
 
-def gateway_settings(policy: str, args: argparse.Namespace, preset: str) -> dict[str, Any]:
-    """The gateway's settings for a run, in its real seconds: the retention times ÷ --time-scale like the
-    workload's, then simulated / speed like every engine time."""
-    sp = args.speed
+def stack_spec(policy: str, args: argparse.Namespace, preset: str, unlimited: bool = False) -> StackSpec:
+    """The simulated stack of a run: the retention's times ÷ --time-scale like the workload's (the stack gives
+    the gateway each as simulated / speed real seconds), classic P/D for no-pull, a small D unless unlimited."""
+    return StackSpec(
+        preset=preset, prefill=args.prefill, decode=args.decode, speed=args.speed,
+        times=StackTimes(engine_kv_ttl_s=human(args, args.ttl_s),
+                         session_ttl_s=human(args, args.ttl_s - SESSION_TTL_MARGIN_S),
+                         retention_interval_s=human(args, RETENTION_INTERVAL_S),
+                         sweep_interval_s=human(args, SWEEP_S)),
+        prefill_prefix_caching=args.prefill_prefix_caching == "on",
+        cluster={"bidirectional": policy != "no-pull",
+                 "decode_num_gpu_blocks": None if unlimited else decode_blocks(args)})
+
+
+def own_settings(policy: str, args: argparse.Namespace, preset: str) -> dict[str, Any]:
+    """This benchmark's gateway settings over the stack's: no handles without bidirectional_kv_xfer, the /metrics
+    poll in real seconds, and the TPOT budget, simulated / speed like every engine time."""
     return {
-        "policy": policy,
         "bidirectional_prefill": policy != "no-pull",
-        "session_ttl_s": human(args, args.ttl_s - SESSION_TTL_MARGIN_S) / sp,
-        "engine_kv_ttl_s": human(args, args.ttl_s) / sp,
-        "retention_interval_s": human(args, RETENTION_INTERVAL_S) / sp,
-        "sweep_interval_s": human(args, SWEEP_S) / sp,
         "metrics_poll_interval_s": METRICS_POLL_REAL_S,
         "chunk_tokens": get_preset(preset).max_num_batched_tokens,
-        **{k: getattr(PolicyKnobs(), k) / sp for k in SIM_SECONDS_KNOBS},
-        **calibrated_seeds(preset, sp),
+        **{k: getattr(PolicyKnobs(), k) / args.speed for k in SIM_SECONDS_KNOBS},
     }
+
+
+def gateway_settings(policy: str, args: argparse.Namespace, preset: str) -> dict[str, Any]:
+    """The gateway's settings for a run, in its real seconds: the stack's (the retention times ÷ --time-scale,
+    then simulated / speed; the estimator seeds calibrated at speed) and this benchmark's own."""
+    return {**simstack.gateway_settings(stack_spec(policy, args, preset), policy), **own_settings(policy, args, preset)}
 
 
 def decode_blocks(args: argparse.Namespace) -> int:
@@ -394,17 +406,13 @@ def _watch_queue(cluster: SimCluster, result: Result) -> None:
 
 async def run_one(name: str, plans: list[SessionPlan], system: str, args: argparse.Namespace) -> Result:
     policy, unlimited, knobs = parse_run(name)
-    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, preset=args.preset, speed=args.speed,
-                       bidirectional=policy != "no-pull", decoder_kv_blocks_ttl=human(args, args.ttl_s),
-                       prefill_prefix_caching=args.prefill_prefix_caching == "on",
-                       decode_num_gpu_blocks=None if unlimited else decode_blocks(args))
     result = Result(name)
     t0 = time.perf_counter()
-    async with SimCluster(spec) as cluster:
+    settings = {**own_settings(policy, args, args.preset), **knobs}
+    async with sim_stack(stack_spec(policy, args, args.preset, unlimited), policy, gateway=settings) as stack:
+        cluster, app, gw = stack.cluster, stack.app, stack.url
+        assert cluster is not None
         _watch_queue(cluster, result)
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls,
-                          **{**gateway_settings(policy, args, args.preset), **knobs})
-        app = create_app(cfg)
         retention = app.state.gateway.retention
         # The retention policy's expected first gap is a constant in gateway seconds: scaled like the other
         # retention times.
@@ -414,7 +422,7 @@ async def run_one(name: str, plans: list[SessionPlan], system: str, args: argpar
         d0 = cluster.node(cluster.decode_urls[0]).engine
         result.decode_tokens = d0.pool.num_blocks * get_preset(args.preset).block_size
         limits = httpx.Limits(max_connections=args.sessions + 50, keepalive_expiry=2.0)
-        async with serve_gateway(cfg, app=app) as gw, httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
             start = time.perf_counter()
             sampler = asyncio.ensure_future(_sample(cluster, app, args, result, start))
             try:

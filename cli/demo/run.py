@@ -1,21 +1,9 @@
-"""The runs of ``kvtether demo``: the bundled sessions through the SDK, once per policy, each on a fresh cluster.
-
-Starts an in-process simulated P/D cluster (1 prefill + 2 decode of a realistic preset), the gateway in
-front of it, and runs a small bundled set of agent sessions through the SDK three times: with the gateway
-policy ``no-pull`` (every turn recomputes its history on prefill), with ``pull`` (vLLM's reverse pull: P
-pulls the verified history back from the decode node and computes only the suffix), and with ``auto``
-(kvtether's per-turn cost-based choice between the suffix on the pinned decode node, the pull, and a cold
-prefill). Each run gets a fresh cluster, so none sees another's caches. Prints one row per turn with the
-three TTFTs side by side.
-
-Times are *simulated* milliseconds: the simulator's clock runs at ``--speed`` × real time, and every
-client-side measurement is multiplied by it. A clock slower than real time (speed < 1) makes the
-simulator's own CPU work (HTTP hops, tokenizing, JSON) a small share of what it reports.
-"""
+"""The runs of ``kvtether demo``: the bundled agent sessions through the SDK, once per policy, each on a fresh
+simulated stack (cli/simstack), so that none sees another's caches; every turn's TTFT in simulated milliseconds
+(the client's clock × ``--speed``)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kvtether.cli.gen.generate import GenParams, generate_sessions
+from kvtether.cli.simstack import StackSpec, sim_stack
 from kvtether.gateway import telemetry as T
 from kvtether.sdk.sessionfile import SessionRecord
 
@@ -33,10 +22,6 @@ DEMO_PRESET = "qwen3-32b-h200-tp8"
 # JSON) shows up as 5-10 simulated ms next to TTFTs of 40-400 ms. The price is wall time: the full demo
 # (2 runs × 3 sessions × 10 turns) takes about a minute on 2 idle cores (1.5 min at load 9 on 2 cores).
 DEFAULT_SPEED = 0.25
-# The engine's retention of a finished request's KV on D (decoder_kv_blocks_ttl, simulated seconds), and the
-# gateway's session TTL kept below it with the same margin as the gateway's defaults (450 s < 480 s).
-ENGINE_KV_TTL_SIM_S = 480.0
-SESSION_TTL_SIM_S = 450.0
 # Replies are text (TOOL_CHOICE); 16 tokens keep the decode time, which no KV reuse changes, short.
 MAX_TOKENS = 16
 # The simulator, like a non-streaming tool parser, holds a tool call back until it is complete: a tool-call
@@ -96,34 +81,14 @@ class DemoRun:
 @asynccontextmanager
 async def demo_gateway(policy: str, speed: float, preset: str, tracer_provider: Any = None,
                        prefill_cache: bool = False) -> AsyncIterator[str]:
-    """A fresh simulated 1P+2D cluster and an in-process gateway; yields the gateway URL."""
-    from kvtether.gateway.config import GatewayConfig
-    from kvtether.gateway.shell.app import create_app
-    from kvtether.gateway.shell.server import serve_gateway
-    from kvtether.sim.cluster import ClusterSpec, SimCluster
-
-    spec = ClusterSpec(prefill=1, decode=2, preset=preset, speed=speed, decoder_kv_blocks_ttl=ENGINE_KV_TTL_SIM_S,
-                       # As in the vLLM blog's bidirectional-transfer runs: P recomputes what it does not pull.
-                       # With it on, one prefill node serving three sessions in turn keeps every history cached,
-                       # which a loaded cluster (many sessions, several P nodes) does not.
-                       prefill_prefix_caching=prefill_cache)
-    async with SimCluster(spec) as cluster:
-        # The gateway's clock is real time, the engine's is simulated: the same TTLs in real seconds.
-        config = GatewayConfig(prefill=list(cluster.prefill_urls), decode=list(cluster.decode_urls), policy=policy,
-                               session_ttl_s=SESSION_TTL_SIM_S / speed, engine_kv_ttl_s=ENGINE_KV_TTL_SIM_S / speed,
-                               sweep_interval_s=max(1.0, 10.0 / speed))
-        app = create_app(config.validate(), tracer_provider=tracer_provider)
-        stopped: BaseException | None = None
-        async with serve_gateway(config, app=app) as url:
-            # Ctrl-C and SIGTERM stop the demo, which stops the gateway (serve_gateway leaves signals alone).
-            try:
-                yield str(url)
-            except (asyncio.CancelledError, KeyboardInterrupt) as e:
-                # A stop signal: the gateway stops as after a normal run. Handed the cancellation, serve_gateway
-                # would cancel the server mid-shutdown, and uvicorn would log its lifespan's traceback.
-                stopped = e
-        if stopped is not None:
-            raise stopped
+    """A fresh simulated 1P+2D stack (cli/simstack) whose gateway runs `policy`; yields the gateway URL. Ctrl-C
+    and SIGTERM stop the demo, which stops the gateway (the stack leaves signals alone)."""
+    # Prefix caching off on P by default, as in the vLLM blog's bidirectional-transfer runs: P recomputes what it
+    # does not pull. With it on, one prefill node serving three sessions in turn keeps every history cached,
+    # which a loaded cluster (many sessions, several P nodes) does not.
+    spec = StackSpec(preset=preset, prefill=1, decode=2, speed=speed, prefill_prefix_caching=prefill_cache)
+    async with sim_stack(spec, policy, tracer_provider=tracer_provider) as stack:
+        yield stack.url
 
 
 async def _run_session(url: str, record: SessionRecord, speed: float, emit: Callable[[DemoTurn], None]) -> None:

@@ -1,7 +1,31 @@
-"""A simulated cluster and the gateway in front of it, in this process, as `replay --sim`, `assess`, `demo` and the
-benchmarks start it."""
+"""One simulated stack: a simulated vLLM cluster and the gateway in front of it, in this process, as
+`replay --sim`, `assess`, `demo` and the benchmarks start it (stack.py); the engines' own TPOT
+(decode_times.py), the estimator's calibration (calibration.py) and where the stack's logs go (logs.py).
 
-# Prefix caching on a simulated cluster's prefill nodes. Off, as in vLLM's published P/D runs: a simulated
-# cluster serves only the sessions run on it, so with it on one P keeps every history cached, which a P shared
-# by the rest of a production cluster's sessions does not; the pull would then have nothing left to save.
-DEFAULT_PREFILL_PREFIX_CACHING = False
+Importing this package imports neither the simulator nor the gateway: a replay against a running gateway needs
+neither.
+"""
+
+from kvtether.cli.simstack.stack import (
+    COLOCATED,
+    DEFAULT_PREFILL_PREFIX_CACHING,
+    SimStack,
+    StackSpec,
+    StackTimes,
+    gateway_settings,
+    seed_settings,
+    sim_stack,
+    time_settings,
+)
+
+__all__ = [
+    "COLOCATED",
+    "DEFAULT_PREFILL_PREFIX_CACHING",
+    "SimStack",
+    "StackSpec",
+    "StackTimes",
+    "gateway_settings",
+    "seed_settings",
+    "sim_stack",
+    "time_settings",
+]
