@@ -16,11 +16,12 @@ Time: the simulator runs at ``--speed`` simulated seconds per real second (defau
 time) and every reported time is *simulated* (= client-measured real × speed). The gateway's and the
 simulator's own Python CPU time is then a quarter of what it would be at speed 1 relative to the simulated
 GPU time; what is left of it is still in every number (it is overhead a real deployment also pays, scaled).
-TTFT is measured at the client (first content/tool-call delta of a stream, the project's definition), TTFC
-too (first chunk of any kind: the simulator, like vLLM, sends its role chunk with the first engine output, so
-this is the first *token*; TTFT also waits for the tool-call parser to release the function name, a few
-decode steps later); TPOT is each request's time per output token after the first (its first chunk to its
-last delta, over completion_tokens − 1), p95 over requests.
+TTFT, TTFC and TPOT are measured at the client by the CLI's streaming client (kvtether.cli.streaming, the
+project's definitions): TTFT is the first token of any kind (content, reasoning, refusal, tool call), TTFC the
+first chunk of any kind (the simulator, like vLLM, sends its role chunk with the first engine output, so this
+is the first *token*; TTFT also waits for the tool-call parser to release the function name, a few decode steps
+later); TPOT is each request's time per output token after its first token (its first token to its last, over
+completion_tokens − 1), p95 over requests.
 The model writes tool calls in its own format (``--tool-call-parser``, default the preset's): GLM-5's glm47
 releases the name after it and one tag (~4 tokens here), Qwen3's hermes after ~12 tokens.
 
@@ -53,6 +54,7 @@ from typing import Any
 import httpx
 from kvtether.cli.gen.generate import WORDS, parse_mix
 from kvtether.cli.simstack import StackSpec, sim_stack
+from kvtether.cli.streaming import StreamFailure, now_ns, stream_answer
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import TUNING_FIELDS, PolicyKnobs
 from kvtether.sim.presets import get_preset
@@ -83,7 +85,7 @@ class TurnResult:
     session: int
     turn: int
     ttft_s: float  # simulated
-    tpot_s: float | None  # simulated seconds per output token after the first (first chunk → last delta)
+    tpot_s: float | None  # simulated seconds per output token after the first (first token → last token)
     prompt_tokens: int
     source: str = ""  # x-kvtether-reuse-source: decode_local | decode_pull | none | prefill_cache
     # Simulated seconds since the policy's run started: request sent, first token, last token (diagnostics:
@@ -148,63 +150,26 @@ class Chat:
 
 async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
                 speed: float) -> Chat:
-    """Streamed call: the answer, TTFT and mean TPOT (simulated s), prompt tokens, the gateway's reuse source."""
-    t0 = time.perf_counter()
-    first: float | None = None
-    first_chunk: float | None = None
-    last: float | None = None
-    content: list[str] = []
-    reasoning: list[str] = []
-    calls: dict[int, dict[str, Any]] = {}
-    prompt_tokens = completion_tokens = 0
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-        source = resp.headers.get("x-kvtether-reuse-source", "")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(str(chunk["error"]))
-            if chunk.get("usage"):
-                prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
-                completion_tokens = chunk["usage"].get("completion_tokens", 0)
-            if first_chunk is None and chunk.get("choices"):
-                first_chunk = time.perf_counter()
-            for ch in chunk.get("choices") or []:
-                d = ch.get("delta") or {}
-                if d.get("content") or d.get("tool_calls") or d.get("reasoning_content"):
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        last = now
-                if d.get("content"):
-                    content.append(d["content"])
-                if d.get("reasoning_content"):
-                    reasoning.append(d["reasoning_content"])
-                for c in d.get("tool_calls") or []:
-                    slot = calls.setdefault(c.get("index", 0), {"id": c.get("id"), "type": "function",
-                                                                "function": {"name": "", "arguments": ""}})
-                    fn = c.get("function") or {}
-                    slot["function"]["name"] += fn.get("name") or ""
-                    slot["function"]["arguments"] += fn.get("arguments") or ""
-    answer: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
-    if reasoning:
-        answer["reasoning_content"] = "".join(reasoning)
-    if calls:
-        answer["tool_calls"] = [calls[i] for i in sorted(calls)]
-    end = time.perf_counter()
-    first_at = first if first is not None else end
-    ttft = (first_at - t0) * speed
-    # Per output token from the first token (the role chunk comes with it) to the last delta: decode speed,
-    # whatever the parser's chunking. A mean gap between deltas would not be: a glm47 call streams each
-    # argument value as one delta, so its silent tokens would lengthen the "gap" though no step was slower.
-    tpot = ((last - first_chunk) / (completion_tokens - 1) * speed
-            if first_chunk is not None and last is not None and completion_tokens > 1 else None)
-    ttfc = ((first_chunk if first_chunk is not None else first_at) - t0) * speed
-    return Chat(answer, ttft, tpot, prompt_tokens, source, t0, first_at, last if last is not None else first_at, ttfc)
+    """Streamed call, read by the CLI's streaming client (kvtether.cli.streaming, which defines TTFT and TPOT):
+    the answer, TTFT and mean TPOT (simulated s), prompt tokens, the gateway's reuse source."""
+    try:
+        got = await stream_answer(client, f"{url}/v1/chat/completions", body, headers)
+    except StreamFailure as e:
+        raise RuntimeError(e.message) from e
+    r, clock = got.reader, got.clock
+    answer: dict[str, Any] = {"role": "assistant", "content": r.text or None}
+    if r.reasoning:
+        answer["reasoning_content"] = "".join(r.reasoning)
+    if r.calls:
+        answer["tool_calls"] = r.tool_calls
+    end = clock.end if clock.end is not None else now_ns()
+    first = clock.first_token if clock.first_token is not None else end
+    last = clock.last_token if clock.last_token is not None else first
+    first_chunk = clock.first_event if clock.first_event is not None else first
+    tpot_ms = got.tpot_ms(speed)
+    return Chat(answer, (first - clock.t0) / 1e9 * speed, None if tpot_ms is None else tpot_ms / 1000,
+                r.prompt_tokens or 0, got.headers.get("x-kvtether-reuse-source", ""), clock.t0 / 1e9, first / 1e9,
+                last / 1e9, (first_chunk - clock.t0) / 1e9 * speed)
 
 
 async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan, args: argparse.Namespace,

@@ -79,6 +79,7 @@ import httpx
 from kvtether.cli import simstack
 from kvtether.cli.gen.generate import parse_mix
 from kvtether.cli.simstack import StackSpec, StackTimes, sim_stack
+from kvtether.cli.streaming import StreamFailure, stream_answer
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import PolicyKnobs
 from kvtether.gateway.policy.retention import RELEASE_REASONS, RetentionKnobs
@@ -228,56 +229,23 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
                 speed: float) -> tuple[dict[str, Any], float, float | None, int, int, str]:
     """One streamed turn: (answer, TTFT, TPOT (simulated s), prompt tokens, reused tokens, reuse source).
 
-    TTFT is the first content or tool-call delta (the project's definition); TPOT is the first chunk (the first
-    token) to the last delta over completion_tokens − 1. Reused tokens: on a P/D turn what P got from D's held
+    TTFT and TPOT are the CLI's streaming client's (kvtether.cli.streaming): the first token of any kind, and
+    the first token to the last over completion_tokens − 1. Reused tokens: on a P/D turn what P got from D's held
     KV (the gateway's x-kvtether-reuse-tokens, P's own cached_tokens); on a decode-local turn D's prefix-cache
     hit (its usage's cached_tokens), measured by the engine, not the gateway's estimate."""
-    t0 = time.perf_counter()
-    first = first_chunk = last = None
-    calls: dict[int, dict[str, Any]] = {}
-    content: list[str] = []
-    usage: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-        source = resp.headers.get("x-kvtether-reuse-source", "")
-        header_reuse = int(resp.headers.get("x-kvtether-reuse-tokens") or 0)
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(str(chunk["error"]))
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if first_chunk is None and chunk.get("choices"):
-                first_chunk = time.perf_counter()
-            for ch in chunk.get("choices") or []:
-                d = ch.get("delta") or {}
-                if d.get("content") or d.get("tool_calls") or d.get("reasoning_content"):
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        last = now
-                if d.get("content"):
-                    content.append(d["content"])
-                for c in d.get("tool_calls") or []:
-                    slot = calls.setdefault(c.get("index", 0), {"name": "", "arguments": ""})
-                    fn = c.get("function") or {}
-                    slot["name"] += fn.get("name") or ""
-                    slot["arguments"] += fn.get("arguments") or ""
-    end = time.perf_counter()
-    ttft = ((first if first is not None else end) - t0) * speed
-    completion = int(usage.get("completion_tokens") or 0)
-    tpot = ((last - first_chunk) / (completion - 1) * speed
-            if first_chunk is not None and last is not None and completion > 1 else None)
-    if source == "decode_local":
-        reused = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    else:
-        reused = header_reuse
-    answer = {"content": "".join(content), "calls": calls}
-    return answer, ttft, tpot, int(usage.get("prompt_tokens") or 0), reused, source
+    try:
+        got = await stream_answer(client, f"{url}/v1/chat/completions", body, headers)
+    except StreamFailure as e:
+        raise RuntimeError(e.message) from e
+    r = got.reader
+    source = got.headers.get("x-kvtether-reuse-source", "")
+    header_reuse = int(got.headers.get("x-kvtether-reuse-tokens") or 0)
+    reused = (r.cached_tokens or 0) if source == "decode_local" else header_reuse
+    ttft_ms = got.ttft_ms(speed)
+    tpot_ms = got.tpot_ms(speed)
+    answer = {"content": r.text, "calls": r.tool_calls}
+    return (answer, (ttft_ms if ttft_ms is not None else got.e2e_ms(speed) or 0.0) / 1000,
+            None if tpot_ms is None else tpot_ms / 1000, r.prompt_tokens or 0, reused, source)
 
 
 async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan, system: str,

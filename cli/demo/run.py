@@ -13,8 +13,9 @@ from typing import Any, cast
 
 from kvtether.cli.gen.generate import GenParams, generate_sessions
 from kvtether.cli.simstack import StackSpec, sim_stack
+from kvtether.cli.streaming import CHAT, TokenClock, now_ns, reader_for
 from kvtether.gateway import telemetry as T
-from kvtether.sdk.sessionfile import SessionRecord
+from kvtether.sdk.sessionfile import SessionRecord, TurnRecord
 
 DEMO_PRESET = "qwen3-32b-h200-tp8"
 # Simulated time = real × speed, so a clock slower than real time shrinks the simulator's own CPU cost: at 0.25
@@ -91,6 +92,36 @@ async def demo_gateway(policy: str, speed: float, preset: str, tracer_provider: 
         yield stack.url
 
 
+async def _turn(client: Any, record: SessionRecord, turn: TurnRecord, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None, speed: float) -> DemoTurn:
+    """One turn through the SDK's client, its stream read by the one streaming reader (kvtether.cli.streaming):
+    TTFT in simulated ms, the answer as the next turn resends it. A failed request raises."""
+    res = DemoTurn(record.session_id, turn.index, ok=False)
+    extra = {k: v for k, v in turn.params.items() if k != "max_tokens"}
+    clock = TokenClock(t0=now_ns())
+    reader = reader_for(CHAT, clock)
+    stream = await client.chat.completions.create(
+        model=record.model, messages=cast(Any, messages), tools=cast(Any, tools), stream=True,
+        stream_options={"include_usage": True}, temperature=0, tool_choice=cast(Any, TOOL_CHOICE),
+        max_tokens=turn.params.get("max_tokens"), extra_body=extra)
+    headers = stream.response.headers
+    res.source = headers.get(T.HEADER_REUSE_SOURCE)
+    tokens = headers.get(T.HEADER_REUSE_TOKENS)
+    res.reuse_tokens = int(tokens) if tokens and tokens.isdigit() else None
+    res.plan = headers.get(T.HEADER_PLAN)
+    async with stream:
+        async for chunk in stream:
+            now = now_ns()  # first: nothing else may sit between arrival and stamp
+            clock.event(now)
+            reader.read(chunk.to_dict(), now)
+    clock.end = now_ns()
+    res.ttft_ms = clock.ttft_ms(speed)
+    res.ok = reader.error is None and res.ttft_ms is not None
+    res.prompt_tokens = reader.prompt_tokens
+    res.answer = reader.message()
+    return res
+
+
 async def _run_session(url: str, record: SessionRecord, speed: float, emit: Callable[[DemoTurn], None]) -> None:
     from kvtether.sdk import AgentSession, StampedAsyncOpenAI
 
@@ -100,32 +131,12 @@ async def _run_session(url: str, record: SessionRecord, speed: float, emit: Call
                                     timeout=120.0)
         try:
             for turn, messages, tools in record.requests("live", live):
-                res = DemoTurn(record.session_id, turn.index, ok=False)
-                extra = {k: v for k, v in turn.params.items() if k != "max_tokens"}
                 try:
-                    stream = await client.chat.completions.create(
-                        model=record.model, messages=cast(Any, messages), tools=cast(Any, tools), stream=True,
-                        stream_options={"include_usage": True}, temperature=0, tool_choice=cast(Any, TOOL_CHOICE),
-                        max_tokens=turn.params.get("max_tokens"), extra_body=extra)
-                    headers = stream.response.headers
-                    res.source = headers.get(T.HEADER_REUSE_SOURCE)
-                    tokens = headers.get(T.HEADER_REUSE_TOKENS)
-                    res.reuse_tokens = int(tokens) if tokens and tokens.isdigit() else None
-                    res.plan = headers.get(T.HEADER_PLAN)
-                    async with stream:
-                        async for _ in stream:
-                            pass
+                    res = await _turn(client, record, turn, messages, tools, speed)
                 except Exception as exc:  # one failed turn ends its session (its history would be wrong)
-                    res.error = f"{type(exc).__name__}: {exc}"[:200]
-                    emit(res)
+                    emit(DemoTurn(record.session_id, turn.index, ok=False, error=f"{type(exc).__name__}: {exc}"[:200]))
                     return
-                m = session.last_turn
-                assert m is not None
-                res.ok = m.error is None and m.ttft_ms is not None
-                res.ttft_ms = m.ttft_ms * speed if m.ttft_ms is not None else None
-                res.prompt_tokens = m.prompt_tokens
-                res.answer = m.answer
-                live.append(m.answer)
+                live.append(res.answer)
                 emit(res)
                 if not res.ok:
                     return

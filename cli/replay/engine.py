@@ -1,11 +1,9 @@
 """The replay engine: send recorded sessions to an OpenAI-compatible endpoint and time every turn.
 
-- One ``AsyncOpenAI`` client with ``max_retries=0``: a hidden retry would inflate TTFT; a failure is
-  counted as an error instead.
-- Timestamps come from ``time.perf_counter_ns()`` taken before any other work on a chunk.
-  TTFC = first SSE chunk of any kind; TTFT = first chunk carrying content, a tool-call delta,
-  a refusal or a reasoning delta (a role-only first delta is not a token). TPOT = (last token
-  chunk − first token chunk) / (completion tokens − 1).
+- One streaming client (``kvtether.cli.streaming``), never a retry: a hidden retry would inflate TTFT; a
+  failure is counted as an error instead. TTFC, TTFT and TPOT are that client's (its docstring defines them:
+  TTFT is the first token of any kind, content, reasoning, refusal or tool call; TPOT is (last token − first
+  token) / (completion tokens − 1)).
 - Arrivals. ``closed`` (the default): ``--concurrency`` is the number of sessions in flight; a session
   holds its slot through its think times, like a user at a keyboard. ``trace`` (open loop): each session
   starts at its ``metadata.start_offset_ms`` (the importers keep a trace's arrivals there; 0 without one)
@@ -31,8 +29,8 @@ from typing import Any, Literal, cast
 
 import anyio
 import httpx
-import openai
-from kvtether.cli.replay.history import _REASONING_FIELDS, DEFAULT_HISTORY, SessionHistory
+from kvtether.cli.replay.history import DEFAULT_HISTORY, SessionHistory
+from kvtether.cli.streaming import CHAT, PATHS, StreamedAnswer, StreamFailure, now_ns, stream_answer
 from kvtether.sdk.contract import SESSION_HEADER, stamps_for_body
 from kvtether.sdk.sessionfile import History, SessionRecord
 
@@ -169,83 +167,43 @@ async def check_reachable(url: str, timeout_s: float = 5.0) -> None:
         raise Unreachable(f"cannot reach {url} ({type(e).__name__}: {e or 'no answer'})") from None
 
 
-def _has_token(delta: Any) -> bool:
-    if delta.content or delta.tool_calls or getattr(delta, "refusal", None):
-        return True
-    extra = delta.model_extra or {}
-    return bool(extra.get("reasoning_content") or extra.get("reasoning"))
+def _request(model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+             params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The request's body (streamed, usage asked for, the recorded parameters the engine does not own) and the
+    part of it the contract's stamps are computed over."""
+    stamped: dict[str, Any] = {"model": model, "messages": messages}
+    extra = {k: v for k, v in params.items() if k not in _OWNED_PARAMS}
+    if tools:
+        stamped["tools"] = tools
+        extra["tools"] = tools
+    body = {"messages": messages, "model": model, "stream": True, "stream_options": {"include_usage": True}, **extra}
+    return body, stamped
 
 
-class _Answer:
-    """Accumulates the streamed assistant message, for --history live."""
-
-    def __init__(self) -> None:
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.reasoning_key = "reasoning_content"  # the server's name for it (vLLM has used both)
-        self.calls: dict[int, dict[str, Any]] = {}
-
-    def add(self, delta: Any) -> None:
-        if delta.content:
-            self.content.append(delta.content)
-        extra = delta.model_extra or {}
-        for key in _REASONING_FIELDS:  # a server may send both names for the same text: take the first
-            if extra.get(key):
-                self.reasoning.append(str(extra[key]))
-                self.reasoning_key = key
-                break
-        for tc in delta.tool_calls or ():
-            call = self.calls.setdefault(
-                tc.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
-            )
-            if tc.id:
-                call["id"] = tc.id
-            if tc.function is not None:
-                if tc.function.name:
-                    call["function"]["name"] += tc.function.name
-                if tc.function.arguments:
-                    call["function"]["arguments"] += tc.function.arguments
-
-    def message(self) -> dict[str, Any]:
-        text = "".join(self.content)
-        # A tool-call-only answer has content null, as the server's non-streamed message and the SDK recorder have.
-        msg: dict[str, Any] = {"role": "assistant", "content": text if text or not self.calls else None}
-        if self.reasoning:
-            msg[self.reasoning_key] = "".join(self.reasoning)
-        if self.calls:
-            msg["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
-        return msg
+def _reuse_headers(headers: httpx.Headers | None) -> dict[str, str]:
+    return {k.lower(): v for k, v in (headers or {}).items() if k.lower().startswith(REUSE_HEADER_PREFIX)}
 
 
-def _ms(ns: int, scale: float) -> float:
-    return ns / 1e6 * scale
-
-
-def _take_usage(res: TurnResult, usage: Any) -> None:
-    if usage is not None:
-        res.prompt_tokens = usage.prompt_tokens
-        res.completion_tokens = usage.completion_tokens
-        details = getattr(usage, "prompt_tokens_details", None)
-        if details is not None and details.cached_tokens is not None:
-            res.cached_tokens = details.cached_tokens
-
-
-def _failure(e: Exception) -> tuple[str, str]:
-    """A failed request's kind and message (docs/replay.md, *Errors*)."""
-    if isinstance(e, openai.APITimeoutError):
-        return "timeout", str(e)
-    if isinstance(e, openai.APIConnectionError):
-        cause = e.__cause__
-        return "connection", f"{e}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
-    if isinstance(e, openai.APIStatusError):
-        return f"http_{e.status_code}", str(e)[:300]
-    if isinstance(e, openai.APIError):  # an error event inside a 200 stream
-        return "server_error", str(e)[:300]
-    return "stream", f"{type(e).__name__}: {e}"[:300]  # a broken stream mid-way
+def _measured(res: TurnResult, answer: StreamedAnswer, scale: float) -> None:
+    """The turn's times (scaled to the replay's clock) and token counts, from its answer."""
+    r = answer.reader
+    res.e2e_ms = answer.e2e_ms(scale)
+    res.ttfc_ms = answer.ttfc_ms(scale)
+    res.response_id = r.response_id
+    res.prompt_tokens, res.completion_tokens = r.prompt_tokens, r.completion_tokens
+    res.cached_tokens = r.cached_tokens
+    res.ttft_ms = answer.ttft_ms(scale)
+    if res.ttft_ms is None:
+        res.empty = True
+        res.error = f"no visible token ({answer.clock.events} chunks, finish_reason {r.finish_reason})"
+    else:
+        res.tpot_ms = answer.tpot_ms(scale)
+    res.ok = True
 
 
 async def _one_turn(
-    client: openai.AsyncOpenAI,
+    client: httpx.AsyncClient,
+    url: str,
     sid: str,
     turn_index: int,
     model: str,
@@ -255,79 +213,27 @@ async def _one_turn(
     opts: ReplayOptions,
     run_t0: int,
 ) -> tuple[TurnResult, dict[str, Any] | None]:
-    body_for_stamps: dict[str, Any] = {"model": model, "messages": messages}
-    extra_body = {k: v for k, v in params.items() if k not in _OWNED_PARAMS}
-    if tools:
-        body_for_stamps["tools"] = tools
-        extra_body["tools"] = tools
-    headers = {**opts.extra_headers, SESSION_HEADER: sid, **stamps_for_body(body_for_stamps).headers()}
+    """One turn streamed and timed (kvtether.cli.streaming); a failure is recorded, never raised out of the run."""
+    body, stamped = _request(model, messages, tools, params)
+    headers = {**opts.extra_headers, SESSION_HEADER: sid, **stamps_for_body(stamped).headers()}
     res = TurnResult(session_id=sid, turn=turn_index, ok=False, prompt_messages=len(messages))
-    answer = _Answer()
-    scale = opts.time_scale
-    t_first_chunk: int | None = None
-    t_first_token: int | None = None
-    t_last_token: int | None = None
-    token_chunks = 0
-    chunks = 0
-    finish_reason: str | None = None
-    usage: Any = None
-    t0 = time.perf_counter_ns()
-    res.start_ms = _ms(t0 - run_t0, scale)
+    res.start_ms = (now_ns() - run_t0) / 1e6 * opts.time_scale
     try:
-        stream = await client.chat.completions.create(
-            model=model,
-            messages=cast(Any, messages),
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_headers=headers,
-            extra_body=extra_body,
-            timeout=opts.timeout_s,
-        )
-        async with stream:
-            res.reuse = {
-                k.lower(): v for k, v in stream.response.headers.items() if k.lower().startswith(REUSE_HEADER_PREFIX)
-            }
-            res.request_id = stream.response.headers.get("x-request-id")
-            async for chunk in stream:
-                now = time.perf_counter_ns()  # first: nothing else may sit between arrival and stamp
-                if t_first_chunk is None:
-                    t_first_chunk = now
-                    res.response_id = getattr(chunk, "id", None) or None
-                chunks += 1
-                if chunk.choices:
-                    finish_reason = chunk.choices[0].finish_reason or finish_reason
-                    delta = chunk.choices[0].delta
-                    if _has_token(delta):
-                        if t_first_token is None:
-                            t_first_token = now
-                        t_last_token = now
-                        token_chunks += 1
-                        answer.add(delta)
-                if chunk.usage is not None:
-                    usage = chunk.usage
-        t_end = time.perf_counter_ns()
-    except Exception as e:  # recorded, never raised out of the run
-        res.error_kind, res.error = _failure(e)
+        answer = await stream_answer(client, url, body, headers)
+    except StreamFailure as e:
+        res.error_kind, res.error = e.kind, e.message
+        res.reuse = _reuse_headers(e.headers)
+        res.request_id = e.headers.get("x-request-id") if e.headers is not None else None
         return res, None
-
-    res.e2e_ms = _ms(t_end - t0, scale)
-    if t_first_chunk is not None:
-        res.ttfc_ms = _ms(t_first_chunk - t0, scale)
-    _take_usage(res, usage)
-    if t_first_token is None or t_last_token is None:
-        res.ok = res.empty = True
-        res.error = f"no visible token ({chunks} chunks, finish_reason {finish_reason})"
-        return res, answer.message()
-    res.ttft_ms = _ms(t_first_token - t0, scale)
-    n_tokens = res.completion_tokens if res.completion_tokens else token_chunks
-    if n_tokens > 1:
-        res.tpot_ms = _ms(t_last_token - t_first_token, scale) / (n_tokens - 1)
-    res.ok = True
+    res.reuse = _reuse_headers(answer.headers)
+    res.request_id = answer.headers.get("x-request-id")
+    _measured(res, answer, opts.time_scale)
     return res, answer.message()
 
 
 async def _one_session(
-    client: openai.AsyncOpenAI,
+    client: httpx.AsyncClient,
+    url: str,
     session: SessionRecord,
     opts: ReplayOptions,
     run_t0: int,
@@ -348,7 +254,8 @@ async def _one_session(
             if delay > 0:
                 await anyio.sleep(delay / 1000.0 / opts.time_scale)
         _, messages, tools = history.request(i)
-        result, answer = await _one_turn(client, sid, turn.index, model, messages, tools, turn.params, opts, run_t0)
+        result, answer = await _one_turn(client, url, sid, turn.index, model, messages, tools, turn.params, opts,
+                                         run_t0)
         history.answered(i, answer)
         emit(result)
         failed = not result.ok
@@ -406,12 +313,10 @@ async def run_replay(
         if on_result is not None:
             on_result(r)
 
-    client = openai.AsyncOpenAI(
-        base_url=openai_base_url(base_url),
-        api_key=opts.api_key,
-        max_retries=0,
-        timeout=opts.timeout_s,
-    )
+    # Room for every session of an open loop at once (OPEN_LOOP_CAP), as many idle ones as a closed loop keeps.
+    client = httpx.AsyncClient(timeout=opts.timeout_s, headers={"Authorization": f"Bearer {opts.api_key}"},
+                               limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+    url = openai_base_url(base_url) + PATHS[CHAT]
     open_loop = opts.arrivals == "trace"
     limit = anyio.Semaphore(OPEN_LOOP_CAP if open_loop else opts.concurrency)
     starts = arrival_delays_s(sessions, opts.rate, opts.time_scale) if open_loop else [0.0] * len(sessions)
@@ -422,12 +327,12 @@ async def run_replay(
             # From the run's start, not from now: the task group may start this task late.
             await anyio.sleep(max(0.0, start_s - (time.perf_counter_ns() - run_t0) / 1e9))
         async with limit:
-            await _one_session(client, s, opts, run_t0, emit)
+            await _one_session(client, url, s, opts, run_t0, emit)
 
     try:
         async with anyio.create_task_group() as tg:
             for s, start_s in zip(sessions, starts, strict=True):
                 tg.start_soon(guarded, s, start_s)
     finally:
-        await client.close()
+        await client.aclose()
     return ReplayRun(results=results, wall_s=(time.perf_counter_ns() - run_t0) / 1e9)

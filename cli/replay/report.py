@@ -8,17 +8,16 @@ from typing import Any, Literal
 
 from kvtether.cli.common.stats import PERCENTILE_METHOD, p99_warning, summarize
 from kvtether.cli.replay.engine import ReplayRun, TurnResult
+from kvtether.cli.streaming import TIME_DEFINITIONS
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 SCHEMA_VERSION = 1
 
+# The streaming client's times (kvtether.cli.streaming defines them), then how a run is summarized.
 DEFINITIONS = {
-    "ttfc": "request sent → first SSE chunk of any kind",
-    "ttft": "request sent → first chunk with content, tool-call, refusal or reasoning delta",
-    "tpot": "(last token chunk − first token chunk) / (completion_tokens − 1)",
-    "e2e": "request sent → end of stream",
+    **TIME_DEFINITIONS,
     "percentiles": PERCENTILE_METHOD,
     "error_rate": "failed requests / requests sent (skipped turns of a failed session are not sent)",
     "empty": "successful responses without any visible token; excluded from TTFT/TPOT, included in E2E",

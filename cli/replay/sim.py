@@ -13,6 +13,8 @@ from kvtether.cli.simstack import DEFAULT_PREFILL_PREFIX_CACHING, StackSpec, sim
 from kvtether.cli.simstack.decode_times import DecodeTimes
 from kvtether.sdk.sessionfile import SessionRecord
 
+LEARNING_OFF = {"learn_estimates": False}
+
 
 @dataclass(frozen=True, slots=True)
 class SimTarget:
@@ -36,7 +38,7 @@ class SimTarget:
 
     def stack(self) -> StackSpec:
         """The simulated stack this target stands for: the stack's times (the gateway's TTLs ÷ speed) and seeds
-        (calibrated on the preset), as `assess` runs it."""
+        (calibrated on the preset), as `assess` runs it (there, too, with the estimator's learning off)."""
         return StackSpec(preset=self.preset, prefill=self.prefill, decode=self.decode, speed=self.speed,
                          prefill_prefix_caching=self.prefill_prefix_caching)
 
@@ -56,7 +58,9 @@ async def replay_sim(
     load does not inflate as it does the client's.
     """
     decode_times = DecodeTimes()
-    async with sim_stack(target.stack(), policy) as stack:
+    # As assess runs its options: auto decides from the seeds calibrated on the cost model, as a gateway does on a
+    # cluster whose speed it has measured; learning from this process's timings would teach it the machine's load.
+    async with sim_stack(target.stack(), policy, gateway=LEARNING_OFF) as stack:
         assert stack.cluster is not None
         decode_times.watch_decoding(stack.cluster)
         run_opts = dataclasses.replace(opts, model=opts.model or stack.model, time_scale=target.speed)
