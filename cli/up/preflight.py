@@ -19,12 +19,12 @@ _PROBE = r"""
 import importlib, importlib.util, json
 out = {"vllm": importlib.util.find_spec("vllm") is not None, "plugin_error": None, "entry_point": None}
 try:
-    importlib.import_module("kvtether.cli.vllm_plugin")
+    importlib.import_module("kvtether.vllm_plugin")
 except Exception as e:
     out["plugin_error"] = "%s: %s" % (type(e).__name__, e)
 try:
     from importlib.metadata import entry_points
-    out["entry_point"] = any(ep.value.replace(" ", "") == "kvtether.cli.vllm_plugin:register"
+    out["entry_point"] = any(ep.value.replace(" ", "") == "kvtether.vllm_plugin:register"
                              for ep in entry_points(group="vllm.general_plugins"))
 except Exception:
     pass
@@ -70,7 +70,7 @@ def probe_vllm_env(python: str, timeout_s: float = 60.0) -> VllmEnv:
 def source_tree() -> Path | None:
     """The kvtether checkout this code runs from (an editable install), for `pip install -e`; None otherwise."""
     root = Path(__file__).resolve().parents[2]
-    return root if (root / "pyproject.toml").is_file() and (root / "cli" / "vllm_plugin.py").is_file() else None
+    return root if (root / "pyproject.toml").is_file() and (root / "vllm_plugin" / "__init__.py").is_file() else None
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class VllmEnvCheck:
 def check_vllm_env(python: str, *, plugin: bool, defaulted: bool) -> VllmEnvCheck:
     """Whether `kvtether up` can run vLLM with `python` (its vLLM instances' interpreter).
 
-    `plugin`: the instances need kvtether's vLLM plugin (cli/vllm_plugin.py; on CPU, `up` turns its fixes on
+    `plugin`: the instances need kvtether's vLLM plugin (vllm_plugin/; on CPU, `up` turns its fixes on
     through the environment, and without it the engine dies at its first request). `defaulted`: `python` was
     not given with --vllm-python but chosen (.venv-vllm when there is one, else this interpreter)."""
     if not defaulted:
@@ -103,7 +103,7 @@ def check_vllm_env(python: str, *, plugin: bool, defaulted: bool) -> VllmEnvChec
     if plugin and (env.plugin_error is not None or env.entry_point is False):
         tree = source_tree()
         install = f"`{python} -m pip install --no-deps -e {tree or '<kvtether checkout>'}`"
-        why = (f"cannot import kvtether.cli.vllm_plugin ({env.plugin_error})" if env.plugin_error is not None
+        why = (f"cannot import kvtether.vllm_plugin ({env.plugin_error})" if env.plugin_error is not None
                else "has kvtether importable but not installed (no vllm.general_plugins entry point)")
         return VllmEnvCheck(problem=f"--device cpu needs kvtether's vLLM plugin in the vLLM environment, but {python} "
                             f"{given} {why}: install kvtether there with {install} (scripts/setup-vllm-cpu.sh does "

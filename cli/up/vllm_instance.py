@@ -15,7 +15,7 @@ OFFLINE_ENV: dict[str, str] = {
     "VLLM_NO_USAGE_STATS": "1",
 }
 
-# On CPU, NIXL's progress thread busy-polls (pthrDelay = 0); our vLLM plugin (cli/vllm_plugin.py) raises it.
+# On CPU, NIXL's progress thread busy-polls (pthrDelay = 0); our vLLM plugin (vllm_plugin/) raises it.
 CPU_NIXL_PTHR_DELAY_US = 1000
 # vLLM's shared-memory queue re-check (5 s in 0.32) after a lost wake-up; the plugin lowers it on CPU.
 CPU_SHM_RECHECK_MS = 50
@@ -113,7 +113,7 @@ def vllm_instance_command(
         env["KVTETHER_NIXL_PTHR_DELAY_US"] = str(CPU_NIXL_PTHR_DELAY_US)
         # AMX CPUs: vLLM's CPU attention kernel needs the AMX permission before its first decode step.
         env["KVTETHER_CPU_REQUEST_AMX"] = "1"
-        # Bounds the cost of a lost engine-core <-> worker wake-up under CPU contention (cli/vllm_plugin.py).
+        # Bounds the cost of a lost engine-core <-> worker wake-up under CPU contention (vllm_plugin/).
         env["KVTETHER_VLLM_SHM_RECHECK_MS"] = str(CPU_SHM_RECHECK_MS)
         # No sched_yield spinning after each message: a decode holding handles would starve the prefill.
         env["KVTETHER_VLLM_SHM_BUSY_LOOP_MS"] = "0"

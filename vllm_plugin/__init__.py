@@ -1,10 +1,11 @@
 """A vLLM general plugin for CPU machines: NIXL busy-polling, AMX permission, and two SHM-queue stalls.
 
 vLLM loads every `vllm.general_plugins` entry point in each of its processes (API server, engine core,
-workers) before the model and the KV connector are built. kvtether declares one in pyproject.toml:
+workers) before the model and the KV connector are built. kvtether declares one in pyproject.toml (this room,
+`vllm_plugin/`, is its own package: vLLM's processes import nothing of kvtether's command line):
 
     [project.entry-points."vllm.general_plugins"]
-    kvtether_nixl_cpu = "kvtether.cli.vllm_plugin:register"
+    kvtether_nixl_cpu = "kvtether.vllm_plugin:register"
 
 NIXL's Python API (`nixl_cu12/_api.py`, re-exported as `nixl._api`) builds the C++ agent config in
 `nixl_agent.__init__` and hard-codes `agent_config.pthrDelay = 0` right before
