@@ -1,7 +1,7 @@
 """The assessment as a person reads it: a console summary (Rich) and one self-contained HTML page whose plots are
 inline SVG drawn by matplotlib (no JavaScript, no network: the page opens offline, and prints).
 
-Rendering only: every number comes from the assessment document (``assess_cmd`` builds it from the pure analyses).
+Rendering only: every number comes from the assessment document (``output.py`` builds it from the answers).
 """
 
 from __future__ import annotations
