@@ -138,7 +138,7 @@ class TurnResult:
 class ReplayRun:
     results: list[TurnResult]
     wall_s: float  # real seconds
-    # A simulated run's counters, read from the gateway and the nodes before teardown (`SimGateway.counters`).
+    # A simulated run's counters, read from the gateway and the nodes before teardown (`SimStack.counters`).
     counters: dict[str, Any] | None = None
     # Whether `TurnResult.engine_tpot_ms` was joined from the decoding engines (simulated runs).
     engine_tpot: bool = False
