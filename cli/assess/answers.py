@@ -53,7 +53,7 @@ def _simulate(err: Console, f: AssessFlags, options: Sequence[str], inputs: Inpu
               concurrency: int) -> dict[str, Any]:
     """Question 4: one run per option, each on a fresh simulated cluster (exit 1 when one cannot start)."""
     settings = RunSettings(speed=f.speed, concurrency=concurrency, think_scale=f.think_scale,
-                           max_think_ms=f.max_think_ms)
+                           max_think_ms=f.max_think_ms, tpot_objective_ms=f.tpot_slo if f.tpot_slo > 0 else None)
     runs: dict[str, list[TurnTiming]] = {}
     tpots: dict[str, list[float]] = {}
     t0 = time.monotonic()
