@@ -26,10 +26,7 @@ import time
 from typing import Any
 
 import httpx
-from kvtether.gateway.config import load_config
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
-from kvtether.sim.cluster import ClusterSpec, SimCluster
+from kvtether.cli.simstack import StackSpec, sim_stack
 
 MODEL = "kvtether-sim"
 FIELDS = ["model", "messages", "stream", "max_tokens", "max_completion_tokens", "min_tokens", "temperature", "top_p",
@@ -128,12 +125,13 @@ def hostile(rng: random.Random, max_body: int) -> tuple[str, str, bytes, dict[st
 
 async def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
-    spec = ClusterSpec(prefill=1, decode=1, speed=50.0, kv_recompute_threshold=4)
+    spec = StackSpec(preset="toy", prefill=1, decode=1, speed=50.0, prefill_prefix_caching=True,
+                     cluster={"kv_recompute_threshold": 4})
     counts: collections.Counter[str] = collections.Counter()
     examples: dict[str, list[str]] = collections.defaultdict(list)
-    async with SimCluster(spec) as cluster:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, metrics_poll_interval_s=1.0)
-        async with serve_gateway(cfg, app=create_app(cfg)) as url, httpx.AsyncClient(timeout=args.timeout_s) as client:
+    async with sim_stack(spec, "auto", gateway={"metrics_poll_interval_s": 1.0}) as stack:
+        url, cfg = stack.url, stack.config
+        async with httpx.AsyncClient(timeout=args.timeout_s) as client:
             todo = [hostile(rng, cfg.max_body_bytes) for _ in range(args.requests)]
             sem = asyncio.Semaphore(args.concurrency)
 

@@ -13,11 +13,11 @@ history at turns 8 and 16 (a tool result removed from the middle, a tool result 
 frameworks do when they compact or redact. A turn's answer is *wrong* when it differs from what a
 single aggregated node (the oracle) answers for the same messages.
 
-TTFT is measured at the client (first content/reasoning/tool-call delta of a streamed response) and
-converted to simulated seconds (× ``--speed``); gateway and HTTP overhead are scaled too, so small
-values are slightly inflated — ratios between policies are what this is for. The default speed is 0.2
-(the simulator runs five times *slower* than real time), so the gateway's and the simulator's own
-Python CPU time shrinks to a fifth relative to the simulated GPU time it is compared with.
+TTFT is measured at the client (the CLI's streaming client: the first token of any kind, content, reasoning,
+refusal or tool call, of a streamed response) and converted to simulated seconds (× ``--speed``); gateway and
+HTTP overhead are scaled too, so small values are slightly inflated — ratios between policies are what this is
+for. The default speed is 0.2 (the simulator runs five times *slower* than real time), so the gateway's and the
+simulator's own Python CPU time shrinks to a fifth relative to the simulated GPU time it is compared with.
 
 Prefill prefix caching is off by default (``--prefill-prefix-caching off``), as in the published vLLM
 figures for the reverse pull; with it on and a working set that fits the prefill nodes' KV cache, all
@@ -38,11 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from kvtether.gateway.config import load_config
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
+from kvtether.cli.simstack import StackSpec, sim_stack
+from kvtether.cli.streaming import StreamFailure, stream_answer
 from kvtether.sim.cluster import ClusterSpec, SimCluster
-from placement_policies import calibrated_seeds  # benchmarks/ is on sys.path when run as a script
 
 MODEL = "kvtether-sim"
 POLICIES = (("a", "no-pull", "P/D, no reverse pull"), ("b", "reference", "reference proxy (RR, no guard)"),
@@ -101,39 +99,18 @@ def _edit(messages: list[dict[str, Any]], kind: int, tag: str) -> list[dict[str,
 
 async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 headers: dict[str, str]) -> tuple[dict[str, Any], float, int]:
-    """Streamed call: (answer, TTFT seconds real, prompt tokens)."""
-    t0 = time.perf_counter()
-    ttft = None
-    content: list[str] = []
-    calls: dict[int, dict[str, Any]] = {}
-    prompt_tokens = 0
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(str(chunk["error"]))
-            if chunk.get("usage"):
-                prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
-            for ch in chunk.get("choices") or []:
-                d = ch.get("delta") or {}
-                if ttft is None and (d.get("content") or d.get("tool_calls") or d.get("reasoning_content")):
-                    ttft = time.perf_counter() - t0
-                if d.get("content"):
-                    content.append(d["content"])
-                for c in d.get("tool_calls") or []:
-                    slot = calls.setdefault(c.get("index", 0), {"id": c.get("id"), "type": "function",
-                                                                "function": {"name": "", "arguments": ""}})
-                    fn = c.get("function") or {}
-                    slot["function"]["name"] += fn.get("name") or ""
-                    slot["function"]["arguments"] += fn.get("arguments") or ""
-    answer: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
-    if calls:
-        answer["tool_calls"] = [calls[i] for i in sorted(calls)]
-    return answer, ttft if ttft is not None else time.perf_counter() - t0, prompt_tokens
+    """Streamed call, read by the CLI's streaming client (kvtether.cli.streaming, which defines TTFT): (answer,
+    TTFT seconds real, prompt tokens)."""
+    try:
+        got = await stream_answer(client, f"{url}/v1/chat/completions", body, headers)
+    except StreamFailure as e:
+        raise RuntimeError(e.message) from e
+    r = got.reader
+    answer: dict[str, Any] = {"role": "assistant", "content": r.text or None}
+    if r.calls:
+        answer["tool_calls"] = r.tool_calls
+    ttft_ms = got.ttft_ms()
+    return answer, (ttft_ms if ttft_ms is not None else got.e2e_ms() or 0.0) / 1000, r.prompt_tokens or 0
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -176,22 +153,19 @@ async def _session(client: httpx.AsyncClient, gw: str, s: int, args: argparse.Na
 async def run_policy(policy: str, args: argparse.Namespace) -> Result:
     # (a) is a P/D cluster without bidirectional_kv_xfer: its decode nodes retain nothing after a turn.
     # (With the flag on and handles never used, every turn pins D memory until the engine TTL.)
-    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, preset=args.preset, speed=args.speed,
-                       kv_lease_duration=600.0, bidirectional=policy != "no-pull",
-                       # The published reverse-pull figures (PR #32553, the vLLM blog) ran prefill nodes with
-                       # prefix caching off. With it on and a working set that fits P's KV cache, every policy
-                       # mostly hits P's own cache and the reverse pull has little left to do.
-                       prefill_prefix_caching=args.prefill_prefix_caching == "on")
+    spec = StackSpec(preset=args.preset, prefill=args.prefill, decode=args.decode, speed=args.speed,
+                     # The published reverse-pull figures (PR #32553, the vLLM blog) ran prefill nodes with prefix
+                     # caching off. With it on and a working set that fits P's KV cache, every policy mostly hits
+                     # P's own cache and the reverse pull has little left to do.
+                     prefill_prefix_caching=args.prefill_prefix_caching == "on",
+                     cluster={"kv_lease_duration": 600.0, "bidirectional": policy != "no-pull"})
     oracle_spec = ClusterSpec(prefill=0, decode=0, aggregated=1, preset=args.preset, speed=args.oracle_speed)
     result = Result(policy)
-    async with SimCluster(spec) as cluster, SimCluster(oracle_spec) as oracle:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy=policy,
-                          metrics_poll_interval_s=0.5, bidirectional_prefill=policy != "no-pull",
-                          # auto's estimator seeds from the preset's cost model (a short calibration run)
-                          **calibrated_seeds(args.preset, args.speed))
-        app = create_app(cfg)
-        async with serve_gateway(cfg, app=app) as gw, httpx.AsyncClient(
-            timeout=600, limits=httpx.Limits(keepalive_expiry=2.0)) as client:
+    # The stack's gateway: its times and auto's estimator seeds (calibrated on the preset's cost model) at --speed.
+    settings = {"metrics_poll_interval_s": 0.5, "bidirectional_prefill": policy != "no-pull"}
+    async with sim_stack(spec, policy, gateway=settings) as stack, SimCluster(oracle_spec) as oracle:
+        gw = stack.url
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(keepalive_expiry=2.0)) as client:
             # At most --concurrency sessions at a time: on a small shared CPU the simulator's own (real)
             # CPU time would otherwise swamp the simulated GPU time that TTFT is meant to show.
             limit = asyncio.Semaphore(args.concurrency or args.sessions)
@@ -204,7 +178,7 @@ async def run_policy(policy: str, args: argparse.Namespace) -> Result:
             for idx, body, answer in result.checks:
                 want, _, _ = await _chat(client, oracle.aggregated_urls[0], body, {})
                 result.turns[idx].wrong = not _same(answer, want)
-            for u in cluster.prefill_urls:
+            for u in stack.urls["prefill"]:
                 text = (await client.get(f"{u}/metrics")).text
                 for line in text.splitlines():
                     if line.startswith("vllm:prompt_tokens_cached_by_source_total") and 'source="p2p"' in line:

@@ -70,8 +70,8 @@ def _with_arrivals(sessions: list[Any], mean_gap_ms: float, seed: int) -> list[A
 
 
 def workload(name: str, st: Settings) -> list[Any]:
-    from kvtether.cli.generate import GenParams, generate_sessions
-    from kvtether.cli.importers import import_file
+    from kvtether.cli.gen.generate import GenParams, generate_sessions
+    from kvtether.cli.gen.importers import import_file
 
     model = "kvtether-sim"
     if name == "chat":
@@ -94,7 +94,7 @@ def workload(name: str, st: Settings) -> list[Any]:
 def _trace_window(st: Settings) -> list[Any]:
     """`st.sessions` consecutive sessions of the trace, the seed-th window (wrapping), their arrivals as
     recorded from the window's first; think times capped so a run fits here."""
-    from kvtether.cli.importers import import_file
+    from kvtether.cli.gen.importers import import_file
 
     every = import_file(ROOT / "examples/traces/mooncake-conversation-sample.jsonl", "mooncake", model="kvtether-sim")
     start = ((st.seed - 1) * st.sessions) % max(1, len(every))
@@ -106,9 +106,10 @@ def _trace_window(st: Settings) -> list[Any]:
 
 
 async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st: Settings) -> dict[str, Any]:
-    from kvtether.cli.assess_topology import DecodeTimes, option_gateway
-    from kvtether.cli.replay import ReplayOptions, join_engine_tpot, new_session_suffix, run_replay
-    from kvtether.cli.report import Objectives, attainment
+    from kvtether.cli.assess.topology import option_gateway
+    from kvtether.cli.replay.engine import ReplayOptions, join_engine_tpot, new_session_suffix, run_replay
+    from kvtether.cli.replay.report import Objectives, attainment
+    from kvtether.cli.simstack.decode_times import DecodeTimes
 
     decode_times = DecodeTimes()
     t0 = time.perf_counter()
@@ -136,8 +137,8 @@ def _pct(xs: list[float], q: str) -> float | None:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    from kvtether.cli.assess_cluster import build_shape
-    from kvtether.cli.report import goodput
+    from kvtether.cli.assess.cluster import build_shape
+    from kvtether.cli.replay.report import goodput
 
     st = Settings(preset=args.preset, speed=args.speed, ttft_ms=args.ttft, tpot_ms=args.tpot, sessions=args.sessions,
                   seed=args.seed)
@@ -164,7 +165,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def pool(outs: list[dict[str, Any]]) -> dict[str, Any]:
     """Runs of several seeds as one: per workload, option and load, the turns and their samples together."""
-    from kvtether.cli.report import goodput
+    from kvtether.cli.replay.report import goodput
 
     first = outs[0]
     pooled: dict[str, Any] = {**first, "seeds": [o["settings"]["seed"] for o in outs], "workloads": {}}

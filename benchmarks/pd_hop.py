@@ -16,27 +16,25 @@ import statistics
 from typing import Any
 
 import httpx
-from kvtether.gateway.config import load_config
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
-from kvtether.sim.cluster import ClusterSpec, SimCluster
+from kvtether.cli.simstack import StackSpec, sim_stack
 
 PRESET, SPEED = "glm-5-fp8-h200-tp8", 0.25
 
 
 async def hops(policy: str, turns: int, shared_tokenize: bool) -> list[float]:
-    spec = ClusterSpec(prefill=1, decode=1, preset=PRESET, speed=SPEED, kv_lease_duration=600.0)
-    async with SimCluster(spec) as cl:
-        events: list[tuple[str, Any]] = []
-        for n in cl.nodes:
+    spec = StackSpec(preset=PRESET, prefill=1, decode=1, speed=SPEED, prefill_prefix_caching=True,
+                     cluster={"kv_lease_duration": 600.0})
+    events: list[tuple[str, Any]] = []
+    settings = {"metrics_poll_interval_s": 1.0, "max_local_suffix_tokens": 0}
+    async with sim_stack(spec, policy, gateway=settings) as stack:
+        assert stack.cluster is not None
+        for n in stack.cluster.nodes:
             n.engine.on_event = lambda e, role=n.cfg.role: events.append((role, e))
-        cfg = load_config(None, prefill=cl.prefill_urls, decode=cl.decode_urls, policy=policy,
-                          metrics_poll_interval_s=1.0, max_local_suffix_tokens=0)
-        app = create_app(cfg)
         if shared_tokenize:
-            orch = app.state.gateway.orchestrator
+            orch = stack.app.state.gateway.orchestrator
             orch.sv.tokenize_client = orch.sv.client
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=120) as client:
+        url = stack.url
+        async with httpx.AsyncClient(timeout=120) as client:
             messages = [{"role": "system", "content": " ".join(f"w{i}" for i in range(12000))},
                         {"role": "user", "content": "go"}]
             for t in range(turns):

@@ -16,11 +16,12 @@ Time: the simulator runs at ``--speed`` simulated seconds per real second (defau
 time) and every reported time is *simulated* (= client-measured real × speed). The gateway's and the
 simulator's own Python CPU time is then a quarter of what it would be at speed 1 relative to the simulated
 GPU time; what is left of it is still in every number (it is overhead a real deployment also pays, scaled).
-TTFT is measured at the client (first content/tool-call delta of a stream, the project's definition), TTFC
-too (first chunk of any kind: the simulator, like vLLM, sends its role chunk with the first engine output, so
-this is the first *token*; TTFT also waits for the tool-call parser to release the function name, a few
-decode steps later); TPOT is each request's time per output token after the first (its first chunk to its
-last delta, over completion_tokens − 1), p95 over requests.
+TTFT, TTFC and TPOT are measured at the client by the CLI's streaming client (kvtether.cli.streaming, the
+project's definitions): TTFT is the first token of any kind (content, reasoning, refusal, tool call), TTFC the
+first chunk of any kind (the simulator, like vLLM, sends its role chunk with the first engine output, so this
+is the first *token*; TTFT also waits for the tool-call parser to release the function name, a few decode steps
+later); TPOT is each request's time per output token after its first token (its first token to its last, over
+completion_tokens − 1), p95 over requests.
 The model writes tool calls in its own format (``--tool-call-parser``, default the preset's): GLM-5's glm47
 releases the name after it and one tag (~4 tokens here), Qwen3's hermes after ~12 tokens.
 
@@ -42,24 +43,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import random
 import sys
 import time
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
-from kvtether.cli import calibration
-from kvtether.cli.generate import WORDS, parse_mix
+from kvtether.cli.gen.generate import WORDS, parse_mix
+from kvtether.cli.simstack import StackSpec, sim_stack
+from kvtether.cli.streaming import StreamFailure, now_ns, stream_answer
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import TUNING_FIELDS, PolicyKnobs
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
-from kvtether.sim.cluster import ClusterSpec, SimCluster
 from kvtether.sim.presets import get_preset
 from kvtether.sim.template import TOOL_FORMATS
 
@@ -88,7 +85,7 @@ class TurnResult:
     session: int
     turn: int
     ttft_s: float  # simulated
-    tpot_s: float | None  # simulated seconds per output token after the first (first chunk → last delta)
+    tpot_s: float | None  # simulated seconds per output token after the first (first token → last token)
     prompt_tokens: int
     source: str = ""  # x-kvtether-reuse-source: decode_local | decode_pull | none | prefill_cache
     # Simulated seconds since the policy's run started: request sent, first token, last token (diagnostics:
@@ -153,63 +150,26 @@ class Chat:
 
 async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
                 speed: float) -> Chat:
-    """Streamed call: the answer, TTFT and mean TPOT (simulated s), prompt tokens, the gateway's reuse source."""
-    t0 = time.perf_counter()
-    first: float | None = None
-    first_chunk: float | None = None
-    last: float | None = None
-    content: list[str] = []
-    reasoning: list[str] = []
-    calls: dict[int, dict[str, Any]] = {}
-    prompt_tokens = completion_tokens = 0
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-        source = resp.headers.get("x-kvtether-reuse-source", "")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(str(chunk["error"]))
-            if chunk.get("usage"):
-                prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
-                completion_tokens = chunk["usage"].get("completion_tokens", 0)
-            if first_chunk is None and chunk.get("choices"):
-                first_chunk = time.perf_counter()
-            for ch in chunk.get("choices") or []:
-                d = ch.get("delta") or {}
-                if d.get("content") or d.get("tool_calls") or d.get("reasoning_content"):
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        last = now
-                if d.get("content"):
-                    content.append(d["content"])
-                if d.get("reasoning_content"):
-                    reasoning.append(d["reasoning_content"])
-                for c in d.get("tool_calls") or []:
-                    slot = calls.setdefault(c.get("index", 0), {"id": c.get("id"), "type": "function",
-                                                                "function": {"name": "", "arguments": ""}})
-                    fn = c.get("function") or {}
-                    slot["function"]["name"] += fn.get("name") or ""
-                    slot["function"]["arguments"] += fn.get("arguments") or ""
-    answer: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
-    if reasoning:
-        answer["reasoning_content"] = "".join(reasoning)
-    if calls:
-        answer["tool_calls"] = [calls[i] for i in sorted(calls)]
-    end = time.perf_counter()
-    first_at = first if first is not None else end
-    ttft = (first_at - t0) * speed
-    # Per output token from the first token (the role chunk comes with it) to the last delta: decode speed,
-    # whatever the parser's chunking. A mean gap between deltas would not be: a glm47 call streams each
-    # argument value as one delta, so its silent tokens would lengthen the "gap" though no step was slower.
-    tpot = ((last - first_chunk) / (completion_tokens - 1) * speed
-            if first_chunk is not None and last is not None and completion_tokens > 1 else None)
-    ttfc = ((first_chunk if first_chunk is not None else first_at) - t0) * speed
-    return Chat(answer, ttft, tpot, prompt_tokens, source, t0, first_at, last if last is not None else first_at, ttfc)
+    """Streamed call, read by the CLI's streaming client (kvtether.cli.streaming, which defines TTFT and TPOT):
+    the answer, TTFT and mean TPOT (simulated s), prompt tokens, the gateway's reuse source."""
+    try:
+        got = await stream_answer(client, f"{url}/v1/chat/completions", body, headers)
+    except StreamFailure as e:
+        raise RuntimeError(e.message) from e
+    r, clock = got.reader, got.clock
+    answer: dict[str, Any] = {"role": "assistant", "content": r.text or None}
+    if r.reasoning:
+        answer["reasoning_content"] = "".join(r.reasoning)
+    if r.calls:
+        answer["tool_calls"] = r.tool_calls
+    end = clock.end if clock.end is not None else now_ns()
+    first = clock.first_token if clock.first_token is not None else end
+    last = clock.last_token if clock.last_token is not None else first
+    first_chunk = clock.first_event if clock.first_event is not None else first
+    tpot_ms = got.tpot_ms(speed)
+    return Chat(answer, (first - clock.t0) / 1e9 * speed, None if tpot_ms is None else tpot_ms / 1000,
+                r.prompt_tokens or 0, got.headers.get("x-kvtether-reuse-source", ""), clock.t0 / 1e9, first / 1e9,
+                last / 1e9, (first_chunk - clock.t0) / 1e9 * speed)
 
 
 async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan, args: argparse.Namespace,
@@ -254,11 +214,6 @@ async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan
             await asyncio.sleep(plan.think_s[t] / args.speed)
 
 
-def calibrated_seeds(preset_name: str, speed: float) -> dict[str, float]:
-    """Estimator seeds from the preset's cost model, in real seconds at `speed` (kvtether.cli.calibration)."""
-    return calibration.calibrated_seeds(get_preset(preset_name), speed)
-
-
 def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
     """``auto`` or a variant ``auto@interference_weight=2+horizon_turns=2``: the policy and gateway config
     overrides (JSON values; the cost model's tuning constants go into the config's ``tuning`` table). Variants
@@ -278,44 +233,6 @@ def parse_policy(name: str) -> tuple[str, dict[str, Any]]:
     return policy, knobs
 
 
-# --sim-process: the cluster in a child process of its own (what `kvtether sim --json` does), printing its URLs.
-_SERVE_SIM = """
-import asyncio, json, sys
-from kvtether.sim.cluster import ClusterSpec, SimCluster
-
-async def main():
-    async with SimCluster(ClusterSpec(**json.loads(sys.argv[1]))) as cluster:
-        print(json.dumps(cluster.urls()), flush=True)
-        await asyncio.Event().wait()
-
-asyncio.run(main())
-"""
-
-
-@contextlib.asynccontextmanager
-async def _cluster(spec: ClusterSpec, separate: bool) -> AsyncIterator[tuple[list[str], list[str], SimCluster | None]]:
-    """(prefill URLs, decode URLs, the in-process cluster or None). In-process by default: one Python process
-    (one GIL) then runs the engines, the gateway and the clients, so the gateway's CPU time also delays the
-    simulated engines. Separate: the engines get a core of their own, as vLLM's servers would."""
-    if not separate:
-        async with SimCluster(spec) as cluster:
-            yield cluster.prefill_urls, cluster.decode_urls, cluster
-        return
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _SERVE_SIM, json.dumps(asdict(spec)),
-                                                stdout=asyncio.subprocess.PIPE)
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), 120)
-        if not line:
-            raise RuntimeError(f"the simulated cluster exited before it listened (rc {await proc.wait()})")
-        urls = json.loads(line)
-        yield urls["prefill"], urls["decode"], None
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            await proc.wait()
-
-
 def _prefill_blocks(preset: str, tokens: int | None) -> int | None:
     # --prefill-kv-tokens in the preset's blocks (vLLM --num-gpu-blocks-override on P).
     return None if tokens is None else max(1, tokens // get_preset(preset).block_size)
@@ -326,31 +243,27 @@ async def run_policy(name: str, preset: str, plans: list[SessionPlan], args: arg
     policy, knobs = parse_policy(name)
     # Variants give times in simulated seconds like everything else here; the gateway measures real ones.
     knobs = {k: v / args.speed if k in SIM_SECONDS_KNOBS else v for k, v in knobs.items()}
-    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, preset=preset, speed=args.speed,
-                       kv_lease_duration=600.0, bidirectional=policy != "no-pull",
-                       prefill_prefix_caching=args.prefill_prefix_caching == "on",
-                       prefill_num_gpu_blocks=_prefill_blocks(preset, args.prefill_kv_tokens),
-                       tool_call_parser=args.tool_call_parser)
+    spec = StackSpec(preset=preset, prefill=args.prefill, decode=args.decode, speed=args.speed,
+                     prefill_prefix_caching=args.prefill_prefix_caching == "on",
+                     cluster={"kv_lease_duration": 600.0, "bidirectional": policy != "no-pull",
+                              "prefill_num_gpu_blocks": _prefill_blocks(preset, args.prefill_kv_tokens),
+                              "tool_call_parser": args.tool_call_parser})
+    # Over the stack's gateway settings (its times ÷ speed, the seeds calibrated on the preset): the TPOT
+    # objective and the stall window are in simulated seconds like every other time here; the gateway measures
+    # real ones, `1/speed` times longer.
+    settings = {"metrics_poll_interval_s": 1.0, "bidirectional_prefill": policy != "no-pull",
+                "chunk_tokens": get_preset(preset).max_num_batched_tokens,
+                **{k: getattr(PolicyKnobs(), k) / args.speed for k in SIM_SECONDS_KNOBS}, **knobs}
     result = Result(name)
     t0 = time.perf_counter()
-    async with _cluster(spec, args.sim_process) as (prefill_urls, decode_urls, cluster):
-        if args.engine_trace and cluster is not None:
-            for node in cluster.nodes:
+    async with sim_stack(spec, policy, gateway=settings, separate_process=args.sim_process) as stack:
+        if args.engine_trace and stack.cluster is not None:
+            for node in stack.cluster.nodes:
                 node.engine.on_event = lambda e, url=node.url, role=node.cfg.role: result.engine_events.append(
                     {**asdict(e), "node": url, "role": role, "repeat": repeat})
-        cfg = load_config(None, prefill=prefill_urls, decode=decode_urls, policy=policy, metrics_poll_interval_s=1.0,
-                          bidirectional_prefill=policy != "no-pull",
-                          # the engines' decoder_kv_blocks_ttl is 480 simulated s = 480/speed real
-                          session_ttl_s=min(450.0, 450.0 / args.speed),
-                          engine_kv_ttl_s=max(480.0, 480.0 / args.speed),
-                          chunk_tokens=get_preset(preset).max_num_batched_tokens,
-                          # The TPOT objective and the stall window are in simulated seconds like every other
-                          # time here; the gateway measures real ones, `1/speed` times longer.
-                          **{**{k: getattr(PolicyKnobs(), k) / args.speed for k in SIM_SECONDS_KNOBS},
-                             **calibrated_seeds(preset, args.speed), **knobs})
-        app = create_app(cfg)
-        async with serve_gateway(cfg, app=app) as gw, httpx.AsyncClient(
-                timeout=3600, limits=httpx.Limits(keepalive_expiry=2.0, max_connections=200)) as client:
+        gw = stack.url
+        async with httpx.AsyncClient(timeout=3600,
+                                     limits=httpx.Limits(keepalive_expiry=2.0, max_connections=200)) as client:
             start = time.perf_counter()
             await asyncio.gather(*(_session(client, gw, s, p, args, result, start, repeat)
                                    for s, p in enumerate(plans)))

@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from kvtether.cli.cluster_spec import ClusterOptions
-from kvtether.cli.cmd_up import running_cluster
-from kvtether.cli.launcher import gateway_session_ttl, plan_cluster
+from kvtether.cli.up.cluster_spec import ClusterOptions
+from kvtether.cli.up.command import running_cluster
+from kvtether.cli.up.launcher import gateway_session_ttl, plan_cluster
 from kvtether.gateway.config import load_config
 from kvtether.gateway.nodes.cluster import sample_sum
 from kvtether.gateway.shell.app import create_app

@@ -76,15 +76,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from kvtether.cli.generate import parse_mix
+from kvtether.cli import simstack
+from kvtether.cli.gen.generate import parse_mix
+from kvtether.cli.simstack import StackSpec, StackTimes, sim_stack
+from kvtether.cli.streaming import StreamFailure, stream_answer
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import PolicyKnobs
 from kvtether.gateway.policy.retention import RELEASE_REASONS, RetentionKnobs
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
 from kvtether.gateway.telemetry import HANDLE_OUTCOMES, RELEASE_FAILURES
 from kvtether.sdk.contract import FINAL_HEADER
-from kvtether.sim.cluster import ClusterSpec, SimCluster
+from kvtether.sim.cluster import SimCluster
 from kvtether.sim.presets import get_preset
 from placement_policies import (  # benchmarks/ is on sys.path when run as a script
     MODEL,
@@ -92,7 +93,6 @@ from placement_policies import (  # benchmarks/ is on sys.path when run as a scr
     TOOLS,
     _pct,
     _words,
-    calibrated_seeds,
     parse_policy,
 )
 
@@ -229,56 +229,23 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
                 speed: float) -> tuple[dict[str, Any], float, float | None, int, int, str]:
     """One streamed turn: (answer, TTFT, TPOT (simulated s), prompt tokens, reused tokens, reuse source).
 
-    TTFT is the first content or tool-call delta (the project's definition); TPOT is the first chunk (the first
-    token) to the last delta over completion_tokens − 1. Reused tokens: on a P/D turn what P got from D's held
+    TTFT and TPOT are the CLI's streaming client's (kvtether.cli.streaming): the first token of any kind, and
+    the first token to the last over completion_tokens − 1. Reused tokens: on a P/D turn what P got from D's held
     KV (the gateway's x-kvtether-reuse-tokens, P's own cached_tokens); on a decode-local turn D's prefix-cache
     hit (its usage's cached_tokens), measured by the engine, not the gateway's estimate."""
-    t0 = time.perf_counter()
-    first = first_chunk = last = None
-    calls: dict[int, dict[str, Any]] = {}
-    content: list[str] = []
-    usage: dict[str, Any] = {}
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-        source = resp.headers.get("x-kvtether-reuse-source", "")
-        header_reuse = int(resp.headers.get("x-kvtether-reuse-tokens") or 0)
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(str(chunk["error"]))
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if first_chunk is None and chunk.get("choices"):
-                first_chunk = time.perf_counter()
-            for ch in chunk.get("choices") or []:
-                d = ch.get("delta") or {}
-                if d.get("content") or d.get("tool_calls") or d.get("reasoning_content"):
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    else:
-                        last = now
-                if d.get("content"):
-                    content.append(d["content"])
-                for c in d.get("tool_calls") or []:
-                    slot = calls.setdefault(c.get("index", 0), {"name": "", "arguments": ""})
-                    fn = c.get("function") or {}
-                    slot["name"] += fn.get("name") or ""
-                    slot["arguments"] += fn.get("arguments") or ""
-    end = time.perf_counter()
-    ttft = ((first if first is not None else end) - t0) * speed
-    completion = int(usage.get("completion_tokens") or 0)
-    tpot = ((last - first_chunk) / (completion - 1) * speed
-            if first_chunk is not None and last is not None and completion > 1 else None)
-    if source == "decode_local":
-        reused = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    else:
-        reused = header_reuse
-    answer = {"content": "".join(content), "calls": calls}
-    return answer, ttft, tpot, int(usage.get("prompt_tokens") or 0), reused, source
+    try:
+        got = await stream_answer(client, f"{url}/v1/chat/completions", body, headers)
+    except StreamFailure as e:
+        raise RuntimeError(e.message) from e
+    r = got.reader
+    source = got.headers.get("x-kvtether-reuse-source", "")
+    header_reuse = int(got.headers.get("x-kvtether-reuse-tokens") or 0)
+    reused = (r.cached_tokens or 0) if source == "decode_local" else header_reuse
+    ttft_ms = got.ttft_ms(speed)
+    tpot_ms = got.tpot_ms(speed)
+    answer = {"content": r.text, "calls": r.tool_calls}
+    return (answer, (ttft_ms if ttft_ms is not None else got.e2e_ms(speed) or 0.0) / 1000,
+            None if tpot_ms is None else tpot_ms / 1000, r.prompt_tokens or 0, reused, source)
 
 
 async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan, system: str,
@@ -323,22 +290,35 @@ def parse_run(name: str) -> tuple[str, bool, dict[str, Any]]:
     return policy, unlimited, knobs
 
 
-def gateway_settings(policy: str, args: argparse.Namespace, preset: str) -> dict[str, Any]:
-    """The gateway's settings for a run, in its real seconds: the retention times ÷ --time-scale like the
-    workload's, then simulated / speed like every engine time."""
-    sp = args.speed
+def stack_spec(policy: str, args: argparse.Namespace, preset: str, unlimited: bool = False) -> StackSpec:
+    """The simulated stack of a run: the retention's times ÷ --time-scale like the workload's (the stack gives
+    the gateway each as simulated / speed real seconds), classic P/D for no-pull, a small D unless unlimited."""
+    return StackSpec(
+        preset=preset, prefill=args.prefill, decode=args.decode, speed=args.speed,
+        times=StackTimes(engine_kv_ttl_s=human(args, args.ttl_s),
+                         session_ttl_s=human(args, args.ttl_s - SESSION_TTL_MARGIN_S),
+                         retention_interval_s=human(args, RETENTION_INTERVAL_S),
+                         sweep_interval_s=human(args, SWEEP_S)),
+        prefill_prefix_caching=args.prefill_prefix_caching == "on",
+        cluster={"bidirectional": policy != "no-pull",
+                 "decode_num_gpu_blocks": None if unlimited else decode_blocks(args)})
+
+
+def own_settings(policy: str, args: argparse.Namespace, preset: str) -> dict[str, Any]:
+    """This benchmark's gateway settings over the stack's: no handles without bidirectional_kv_xfer, the /metrics
+    poll in real seconds, and the TPOT budget, simulated / speed like every engine time."""
     return {
-        "policy": policy,
         "bidirectional_prefill": policy != "no-pull",
-        "session_ttl_s": human(args, args.ttl_s - SESSION_TTL_MARGIN_S) / sp,
-        "engine_kv_ttl_s": human(args, args.ttl_s) / sp,
-        "retention_interval_s": human(args, RETENTION_INTERVAL_S) / sp,
-        "sweep_interval_s": human(args, SWEEP_S) / sp,
         "metrics_poll_interval_s": METRICS_POLL_REAL_S,
         "chunk_tokens": get_preset(preset).max_num_batched_tokens,
-        **{k: getattr(PolicyKnobs(), k) / sp for k in SIM_SECONDS_KNOBS},
-        **calibrated_seeds(preset, sp),
+        **{k: getattr(PolicyKnobs(), k) / args.speed for k in SIM_SECONDS_KNOBS},
     }
+
+
+def gateway_settings(policy: str, args: argparse.Namespace, preset: str) -> dict[str, Any]:
+    """The gateway's settings for a run, in its real seconds: the stack's (the retention times ÷ --time-scale,
+    then simulated / speed; the estimator seeds calibrated at speed) and this benchmark's own."""
+    return {**simstack.gateway_settings(stack_spec(policy, args, preset), policy), **own_settings(policy, args, preset)}
 
 
 def decode_blocks(args: argparse.Namespace) -> int:
@@ -394,17 +374,13 @@ def _watch_queue(cluster: SimCluster, result: Result) -> None:
 
 async def run_one(name: str, plans: list[SessionPlan], system: str, args: argparse.Namespace) -> Result:
     policy, unlimited, knobs = parse_run(name)
-    spec = ClusterSpec(prefill=args.prefill, decode=args.decode, preset=args.preset, speed=args.speed,
-                       bidirectional=policy != "no-pull", decoder_kv_blocks_ttl=human(args, args.ttl_s),
-                       prefill_prefix_caching=args.prefill_prefix_caching == "on",
-                       decode_num_gpu_blocks=None if unlimited else decode_blocks(args))
     result = Result(name)
     t0 = time.perf_counter()
-    async with SimCluster(spec) as cluster:
+    settings = {**own_settings(policy, args, args.preset), **knobs}
+    async with sim_stack(stack_spec(policy, args, args.preset, unlimited), policy, gateway=settings) as stack:
+        cluster, app, gw = stack.cluster, stack.app, stack.url
+        assert cluster is not None
         _watch_queue(cluster, result)
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls,
-                          **{**gateway_settings(policy, args, args.preset), **knobs})
-        app = create_app(cfg)
         retention = app.state.gateway.retention
         # The retention policy's expected first gap is a constant in gateway seconds: scaled like the other
         # retention times.
@@ -414,7 +390,7 @@ async def run_one(name: str, plans: list[SessionPlan], system: str, args: argpar
         d0 = cluster.node(cluster.decode_urls[0]).engine
         result.decode_tokens = d0.pool.num_blocks * get_preset(args.preset).block_size
         limits = httpx.Limits(max_connections=args.sessions + 50, keepalive_expiry=2.0)
-        async with serve_gateway(cfg, app=app) as gw, httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
             start = time.perf_counter()
             sampler = asyncio.ensure_future(_sample(cluster, app, args, result, start))
             try:

@@ -1,4 +1,6 @@
-"""The `kvtether` command: each sub-command lives in its own module with a `register(app)` function."""
+"""The `kvtether` command: each sub-command is registered by its module (`register(app)`): a command of one module
+is a module here (`serve`, `sim`, `sessions`), a command of several a package (`replay`, `assess`, `up`, `demo`, `gen`)
+whose `command` module registers it."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import threading
 from typing import Any
 
 import typer
-from kvtether.cli.options import FLAG, kvtether_version
+from kvtether.cli.common.options import FLAG, kvtether_version
 from typer.core import TyperCommand, TyperGroup
 
 # A job started in the background by a non-interactive shell inherits SIGINT as ignored, and Python then never
@@ -46,10 +48,9 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 
-# Filled in as the command modules land; every name here must import.
+# The modules that register the commands, in the order of `kvtether --help`; every name here must import.
 _COMMAND_MODULES: tuple[str, ...] = (
-    "cmd_serve", "cmd_sim", "cmd_replay", "cmd_sessions", "cmd_gen", "cmd_up", "cmd_demo",
-    "assess_cmd",
+    "serve", "sim", "replay.command", "sessions", "gen.command", "up.command", "demo.command", "assess.command",
 )
 
 for _name in _COMMAND_MODULES:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from kvtether.cli.assess_analysis import (
+from kvtether.cli.assess.analysis import (
     RetentionSetup,
     TurnFacts,
     TurnTiming,
@@ -17,9 +17,9 @@ from kvtether.cli.assess_analysis import (
     recompute_seconds,
     retention,
 )
-from kvtether.cli.assess_cluster import build_shape
-from kvtether.cli.assess_gateway import GatewaySeen, Scrape, histogram_quantile, parse_metrics, summarize_gateway
-from kvtether.cli.assess_tokens import sim_encoder, turn_facts
+from kvtether.cli.assess.cluster import build_shape
+from kvtether.cli.assess.gateway import GatewaySeen, Scrape, histogram_quantile, parse_metrics, summarize_gateway
+from kvtether.cli.assess.tokens import sim_encoder, turn_facts
 from kvtether.gateway.policy.retention import RetentionKnobs
 from kvtether.sdk.sessionfile import Recorded, SessionRecord, TurnRecord
 from kvtether.sim.cost import CostModel, Hardware, ModelShape

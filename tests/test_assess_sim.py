@@ -79,7 +79,7 @@ async def test_engine_tpot_is_the_cost_models_whatever_the_clock() -> None:
     """At 500× real time the client's clock sees Python overhead, not decode steps; the engine's TPOT is still the
     cost model's decode step, since DecodeTimes counts each step's modelled duration and nothing else."""
     import httpx
-    from kvtether.cli.assess_topology import DecodeTimes
+    from kvtether.cli.simstack.decode_times import DecodeTimes
     from kvtether.sim.cluster import ClusterSpec, SimCluster
 
     spec = ClusterSpec(prefill=0, decode=0, aggregated=1, speed=500)

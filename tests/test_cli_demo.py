@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtether.cli.cmd_demo import DemoRun, DemoTurn, comparable, demo_sessions, render
+from kvtether.cli.demo.render import comparable, render
+from kvtether.cli.demo.run import DemoRun, DemoTurn, demo_sessions
 from rich.console import Console
 
 # One row of the side-by-side table (columns apart by spaces):

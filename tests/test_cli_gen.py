@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import typer
-from kvtether.cli import cmd_gen
-from kvtether.cli.generate import GenParams, generate_sessions, parse_mix
+from kvtether.cli.gen import command as cmd_gen
+from kvtether.cli.gen.generate import GenParams, generate_sessions, parse_mix
 from kvtether.sdk.sessionfile import read_sessions
 from typer.testing import CliRunner
 

@@ -12,14 +12,15 @@ from typing import Any
 
 import pytest
 import typer
-from kvtether.cli import cmd_gen, cmd_replay
-from kvtether.cli.importers import (
+from kvtether.cli.gen import command as cmd_gen
+from kvtether.cli.gen.importers import (
     BLOCK_WORDS,
     ImportFormatError,
     block_words,
     import_file,
     import_mooncake,
 )
+from kvtether.cli.replay import command as cmd_replay
 from kvtether.sdk.sessionfile import SessionRecord, read_sessions
 from kvtether.sim.template import render_chat
 from kvtether.sim.tokenizer import default_tokenizer

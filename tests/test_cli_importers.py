@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import typer
-from kvtether.cli import cmd_gen
-from kvtether.cli.importers import ImportFormatError, import_aiperf, import_file, import_vllm
+from kvtether.cli.gen import command as cmd_gen
+from kvtether.cli.gen.importers import ImportFormatError, import_aiperf, import_file, import_vllm
 from kvtether.sdk.sessionfile import read_sessions
 from typer.testing import CliRunner
 

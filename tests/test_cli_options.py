@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import typer
-from kvtether.cli import cmd_serve
+from kvtether.cli import serve as cmd_serve
+from kvtether.cli.common.options import LOG_LEVELS
 from kvtether.cli.main import app
-from kvtether.cli.options import LOG_LEVELS
 from typer.testing import CliRunner
 
 runner = CliRunner()

@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 import typer
 import uvicorn
-from kvtether.cli import cmd_gen, cmd_replay, cmd_sessions
-from kvtether.cli.generate import GenParams, generate_sessions
+from kvtether.cli import sessions as cmd_sessions
+from kvtether.cli.gen import command as cmd_gen
+from kvtether.cli.gen.generate import GenParams, generate_sessions
 from kvtether.cli.replay import ReplayOptions, ThinkTime, parse_think_time, run_replay
+from kvtether.cli.replay import command as cmd_replay
 from kvtether.sdk.contract import PREFIX_HEADER, SESSION_HEADER, TURN_HEADER
 from kvtether.sdk.sessionfile import write_sessions
 from starlette.applications import Starlette

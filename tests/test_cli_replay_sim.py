@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import typer
-from kvtether.cli import cmd_replay
-from kvtether.cli.generate import GenParams, generate_sessions
+from kvtether.cli.gen.generate import GenParams, generate_sessions
+from kvtether.cli.replay import command as cmd_replay
 from kvtether.sdk.sessionfile import write_sessions
 from typer.testing import CliRunner
 
@@ -33,17 +33,18 @@ def test_compare_three_policies_on_sim(tmp_path: Path) -> None:
 
 
 def test_the_simulated_clusters_logs_stay_off_the_console_unless_sent_to_a_file(tmp_path: Path) -> None:
-    """Think times past D's decoder_kv_blocks_ttl (600 s against 480): the simulated vLLM node releases each
-    session's hold at its TTL and logs it, as vLLM does, and the gateway logs every turn. A user who asked for a
-    table gets none of it on the console; --engine-log FILE gets all of it, the table still on stderr."""
+    """Think times past D's decoder_kv_blocks_ttl (600 s against 480) behind the reference proxy, which never
+    releases a hold: the simulated vLLM node releases each session's hold at its TTL and logs it, as vLLM does,
+    and the gateway logs every turn. A user who asked for a table gets none of it on the console; --engine-log
+    FILE gets all of it, the table still on stderr."""
     f = tmp_path / "g.jsonl"
     params = GenParams(sessions=1, turns=2, new_tokens="20-40", output_tokens="4", think_ms=0, system_tokens=50)
     write_sessions(f, generate_sessions(params))
     app = typer.Typer()
     app.callback()(lambda: None)
     cmd_replay.register(app)
-    argv = ["replay", str(f), "--sim", "toy", "--speed", "500", "--think-time", "fixed:600000",
-            "--max-error-rate", "1", "--no-progress"]
+    argv = ["replay", str(f), "--sim", "toy", "--speed", "500", "--policy", "reference", "--think-time",
+            "fixed:600000", "--max-error-rate", "1", "--no-progress"]
     log = tmp_path / "engines.log"
     by_default = CliRunner().invoke(app, argv)
     to_file = CliRunner().invoke(app, [*argv, "--engine-log", str(log)])

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvtether.cli.cmd_demo import demo_gateway
-from kvtether.cli.supervisor import STOP_SIGNALS
+from kvtether.cli.common.signals import STOP_SIGNALS
+from kvtether.cli.demo.run import demo_gateway
 from processes import Spawn, descendants, start_with_sigint_default, start_with_sigint_ignored, wait_exit
 
 

@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvtether.cli import cmd_serve, cmd_up
+from kvtether.cli import serve as cmd_serve
 from kvtether.cli.main import app
-from kvtether.cli.preflight import VllmEnvCheck, check_vllm_env, source_tree
+from kvtether.cli.up import command as cmd_up
+from kvtether.cli.up.preflight import VllmEnvCheck, check_vllm_env, source_tree
 from typer.testing import CliRunner
 
 runner = CliRunner()
@@ -125,7 +126,7 @@ def test_up_on_cpu_needs_the_plugin_in_the_vllm_environment(tmp_path: Path, no_l
     assert r.exit_code == 2, r.output
     line = _one_line(r.stderr)
     assert line.startswith(f"kvtether up: --device cpu needs kvtether's vLLM plugin in the vLLM environment, but "
-                           f"{python} (--vllm-python) cannot import kvtether.cli.vllm_plugin (ModuleNotFoundError")
+                           f"{python} (--vllm-python) cannot import kvtether.vllm_plugin (ModuleNotFoundError")
     assert f"install kvtether there with `{python} -m pip install --no-deps -e {source_tree()}`" in line
     assert source_tree() == REPO
     assert no_launch == []

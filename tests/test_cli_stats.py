@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from kvtether.cli.report import _ranges, check_slos, parse_slo
-from kvtether.cli.stats import p99_warning, percentile, summarize
+from kvtether.cli.common.stats import p99_warning, percentile, summarize
+from kvtether.cli.replay.report import _ranges, check_slos, parse_slo
 
 
 def test_percentile_hand_computed() -> None:

@@ -8,17 +8,17 @@ import shlex
 from pathlib import Path
 
 import pytest
-from kvtether.cli import cmd_up
-from kvtether.cli.cluster_spec import GATEWAY_OWN_KEYS, ClusterOptions
-from kvtether.cli.cmd_up import running_cluster
-from kvtether.cli.gateway_child import (
+from kvtether.cli.main import app
+from kvtether.cli.up import command as cmd_up
+from kvtether.cli.up.cluster_spec import GATEWAY_OWN_KEYS, ClusterOptions
+from kvtether.cli.up.command import running_cluster
+from kvtether.cli.up.gateway_child import (
     _SET_BY_UP,
     GatewaySettingError,
     gateway_child_config,
     parse_gateway_set,
 )
-from kvtether.cli.launcher import plan_cluster
-from kvtether.cli.main import app
+from kvtether.cli.up.launcher import plan_cluster
 from kvtether.gateway.config import ConfigError
 from typer.testing import CliRunner
 
@@ -68,7 +68,7 @@ def _gateway_child_args(dry_run_out: str) -> list[str]:
     lines = dry_run_out.splitlines()
     line = lines[next(i for i, ln in enumerate(lines) if ln.startswith("# gateway")) + 1]
     words = shlex.split(line)
-    assert words[1:4] == ["-m", "kvtether.cli.cmd_up", "gateway"]
+    assert words[1:4] == ["-m", "kvtether.cli.up.command", "gateway"]
     return words[4:]
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from kvtether.cli.cluster_spec import ChildCommand, ClusterOptions
-from kvtether.cli.cmd_up import running_cluster
-from kvtether.cli.launcher import dry_run_text, gateway_session_ttl, plan_cluster
-from kvtether.cli.supervisor import ChildDied, Supervisor
-from kvtether.cli.vllm_instance import cpu_binds_for, kv_transfer_config
+from kvtether.cli.up.cluster_spec import ChildCommand, ClusterOptions
+from kvtether.cli.up.command import running_cluster
+from kvtether.cli.up.launcher import dry_run_text, gateway_session_ttl, plan_cluster
+from kvtether.cli.up.supervisor import ChildDied, Supervisor
+from kvtether.cli.up.vllm_instance import cpu_binds_for, kv_transfer_config
 from processes import Spawn, read_line, start_with_sigint_default, start_with_sigint_ignored, wait_exit
 
 
@@ -146,7 +146,7 @@ def test_gateway_command_in_front() -> None:
     assert gw.prefill_urls == ("http://127.0.0.1:8100", "http://127.0.0.1:8101")
     assert gw.decode_urls == ("http://127.0.0.1:8102",)
     argv = gw.command.argv
-    assert argv == ("/p/python", "-m", "kvtether.cli.cmd_up", "gateway", argv[4], "--log-level", "warning")
+    assert argv == ("/p/python", "-m", "kvtether.cli.up.command", "gateway", argv[4], "--log-level", "warning")
     assert gw.child_args == argv[4:]
     settings = json.loads(argv[4])
     assert settings == {
@@ -238,7 +238,7 @@ def test_cli_dry_run_json() -> None:
         [
             sys.executable,
             "-c",
-            "from kvtether.cli.cmd_up import main; main()",
+            "from kvtether.cli.up.command import main; main()",
             "--model",
             "/m/tiny",
             "--decode-ttl",
@@ -400,8 +400,8 @@ def test_a_second_stop_signal_hurries_stop_all_instead_of_breaking_it_off(spawn:
         """
         import json, os, signal, sys, threading, time
         from pathlib import Path
-        from kvtether.cli.cluster_spec import ChildCommand
-        from kvtether.cli.supervisor import Supervisor
+        from kvtether.cli.up.cluster_spec import ChildCommand
+        from kvtether.cli.up.supervisor import Supervisor
         log_dir = Path(sys.argv[1])
         stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
         stubborn += "time.sleep(600)"
@@ -453,7 +453,7 @@ def test_cli_up_stops_everything_on_signal(spawn: Spawn, tmp_path: Path, sig: in
     base, (gw_port,) = _free_ports((0, 1, 50, 51))
     proc = spawn(
         [
-            sys.executable, "-c", "from kvtether.cli.cmd_up import main; main()",
+            sys.executable, "-c", "from kvtether.cli.up.command import main; main()",
             "--model", "m", "--vllm-python", str(fake_py), "--json", "--decode-ttl", "30",
             *([] if with_gateway else ["--no-gateway"]),
             "--vllm-base-port", str(base), "--port", str(gw_port),
@@ -506,8 +506,8 @@ def test_children_get_sigterm_when_the_supervisor_is_killed(tmp_path: Path) -> N
     code = textwrap.dedent(
         f"""
         import time
-        from kvtether.cli.cluster_spec import ChildCommand
-        from kvtether.cli.supervisor import Supervisor
+        from kvtether.cli.up.cluster_spec import ChildCommand
+        from kvtether.cli.up.supervisor import Supervisor
         sup = Supervisor()
         c = sup.start(ChildCommand(name="x", argv={cmd.argv!r}, env={dict(cmd.env)!r}, url={cmd.url!r}))
         sup.wait_healthy(c, timeout_s=30)

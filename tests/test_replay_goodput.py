@@ -9,18 +9,11 @@ from typing import Any
 import anyio
 import pytest
 import typer
-from kvtether.cli import cmd_replay
-from kvtether.cli.generate import GenParams, generate_sessions
-from kvtether.cli.replay import (
-    ReplayOptions,
-    SimTarget,
-    TurnResult,
-    arrival_delays_s,
-    join_engine_tpot,
-    replay_sim,
-    start_offset_ms,
-)
-from kvtether.cli.report import Objectives, attainment, goodput, goodput_report, parse_objectives
+from kvtether.cli.gen.generate import GenParams, generate_sessions
+from kvtether.cli.replay import ReplayOptions, SimTarget, TurnResult, replay_sim
+from kvtether.cli.replay import command as cmd_replay
+from kvtether.cli.replay.engine import arrival_delays_s, join_engine_tpot, start_offset_ms
+from kvtether.cli.replay.report import Objectives, attainment, goodput, goodput_report, parse_objectives
 from kvtether.sdk.sessionfile import SessionRecord, write_sessions
 from typer.testing import CliRunner
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 import typer
-from kvtether.cli import cmd_replay
-from kvtether.cli.generate import GenParams, generate_sessions
+from kvtether.cli.gen.generate import GenParams, generate_sessions
 from kvtether.cli.replay import (
     ReplayOptions,
     ReplayRun,
@@ -26,6 +25,7 @@ from kvtether.cli.replay import (
     TurnResult,
     replay_sim,
 )
+from kvtether.cli.replay import command as cmd_replay
 from kvtether.sdk.sessionfile import History, Recorded, SessionRecord, TurnRecord, write_sessions
 from typer.testing import CliRunner
 

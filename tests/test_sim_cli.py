@@ -13,14 +13,14 @@ from typing import Any
 import httpx
 import pytest
 import typer
-from kvtether.cli.cmd_sim import register
+from kvtether.cli.sim import register
 from processes import Spawn, read_line, start_with_sigint_ignored, wait_exit
 from typer.testing import CliRunner
 
 SCRIPT = textwrap.dedent(
     """
     import sys, typer
-    from kvtether.cli.cmd_sim import register
+    from kvtether.cli.sim import register
     app = typer.Typer()
     register(app)
     @app.callback()

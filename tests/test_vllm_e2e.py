@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from kvtether.cli.launcher import gateway_session_ttl
+from kvtether.cli.up.launcher import gateway_session_ttl
 from kvtether.gateway.nodes.cluster import sample_sum
 from vllm_fixtures import (
     DECODE_TTL_S,

@@ -1,4 +1,4 @@
-"""kvtether's vLLM general plugin (cli/vllm_plugin.py), without vLLM: the NIXL pthrDelay patch on a stand-in
+"""kvtether's vLLM general plugin (vllm_plugin/), without vLLM: the NIXL pthrDelay patch on a stand-in
 NIXL package, and the AMX permission request."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtether.cli import vllm_plugin as P
+from kvtether import vllm_plugin as P
 
 
 class _Config:

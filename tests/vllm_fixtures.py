@@ -2,7 +2,7 @@
 
 Not a conftest: test modules import the fixtures they need from here. The real pair is started once per test
 session (shared by every module that uses it, reference-counted) with `kvtether up`'s own command
-construction (`kvtether.cli.launcher`) and process management (`kvtether.cli.cmd_up`), and it is skipped
+construction (`kvtether.cli.up.launcher`) and process management (`kvtether.cli.up.command`), and it is skipped
 with a clear reason when `.venv-vllm` or the tiny model is absent (build both with
 `bash scripts/setup-vllm-cpu.sh`).
 
@@ -29,9 +29,9 @@ from typing import Any
 
 import httpx
 import pytest
-from kvtether.cli.cluster_spec import ClusterOptions
-from kvtether.cli.cmd_up import running_cluster
-from kvtether.cli.launcher import plan_cluster
+from kvtether.cli.up.cluster_spec import ClusterOptions
+from kvtether.cli.up.command import running_cluster
+from kvtether.cli.up.launcher import plan_cluster
 from kvtether.gateway.nodes.cluster import sample_sum
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -1,0 +1,116 @@
+"""Question 4's runs: the same sessions on the simulator, once per serving option, at the same GPU count.
+
+- ``no-pull``, ``reference``, ``auto``: P/D (the shape's prefill and decode nodes) behind the kvtether gateway
+  with that policy: classic disaggregation (P recomputes the history), vLLM's reference proxy (round-robin,
+  the handle attached whenever held), and kvtether's per-turn choice.
+- ``colocated``: as many aggregated nodes as the P/D cluster has nodes, each serving prefill and decode with its
+  own prefix cache (vLLM's default), behind the same gateway in aggregated mode, which pins every session to a
+  replica (``plan_aggregated``): session affinity, so a replica's prefix cache serves the session's history.
+  That is the "colocated serving with cache-aware routing" of the public comparisons, run by the same engine
+  model as the P/D options: the only difference between the runs is the topology and the policy.
+
+Each run is a fresh simulated stack in this process (``cli/simstack``: the cluster and the gateway in front),
+replayed with ``cli/replay/engine.py`` (closed loop, the sessions' recorded gaps, the answers the simulated model
+gives threaded into the next turn's history). The simulator's clock runs ``speed`` times faster than real time;
+the gateway's clock is real, so the stack gives it its time settings (handle TTLs, retention interval) divided by
+``speed``, and estimator seeds calibrated on the cost model at that speed.
+
+TTFT is the client's measurement (real time × ``speed``). TPOT is the engine's own (:class:`DecodeTimes`): the
+time between a request's first and last token counted in the cost model's step durations, so that the TPOT
+objective, which decides which options may win, does not move with this machine's load: a decode step lasts
+milliseconds, the same order as the Python work of streaming its token through the node, the gateway and the
+client, which the client's clock multiplies by ``speed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from kvtether.cli.assess.analysis import TurnTiming
+from kvtether.cli.assess.cluster import ClusterShape, register_preset
+from kvtether.cli.replay.engine import ReplayOptions, ReplayRun, ThinkTime, TurnResult, new_session_suffix, run_replay
+from kvtether.cli.simstack import COLOCATED, StackSpec, StackTimes, sim_stack
+from kvtether.cli.simstack.decode_times import DecodeTimes
+from kvtether.sdk.sessionfile import SessionRecord
+
+PD_POLICIES: tuple[str, ...] = ("no-pull", "reference", "auto")
+OPTIONS: tuple[str, ...] = (*PD_POLICIES, COLOCATED)
+DESCRIPTIONS = {
+    "no-pull": "P/D, P recomputes the history (classic disaggregation)",
+    "reference": "P/D, vLLM's reference proxy: round-robin, handle attached whenever held",
+    "auto": "P/D behind kvtether: per turn decode-local, pull or cold",
+    "pull": "P/D behind kvtether: always pull when a verified handle is held",
+    COLOCATED: "aggregated nodes (prefill + decode each), session-affine routing to the replica's prefix cache",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    speed: float = 10.0  # simulated seconds per real second
+    concurrency: int = 8
+    think_scale: float = 1.0  # recorded gaps × this (simulated time)
+    max_think_ms: float | None = None
+    timeout_s: float = 120.0
+    # Off: auto decides from the seeds calibrated on the cost model, as the gateway would on a cluster whose
+    # speed it has measured; learning from this process's timings would teach it the machine's load instead.
+    learn_estimates: bool = False
+    tpot_objective_ms: float | None = None  # what auto holds decode-local turns to (None: the gateway's default)
+
+
+def option_stack_spec(shape: ClusterShape, speed: float) -> StackSpec:
+    """The simulated stack of `shape` (its preset, as changed, known to the simulator), its clock at `speed`."""
+    return StackSpec(preset=register_preset(shape), prefill=shape.prefill, decode=shape.decode, speed=speed,
+                     times=StackTimes(engine_kv_ttl_s=shape.decoder_kv_blocks_ttl_s, session_ttl_s=shape.session_ttl_s),
+                     prefill_prefix_caching=shape.prefill_prefix_caching)
+
+
+@asynccontextmanager
+async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_estimates: bool = True,
+                         decode_times: DecodeTimes | None = None,
+                         tpot_objective_ms: float | None = None) -> AsyncIterator[tuple[str, str]]:
+    """A fresh simulated stack of `shape` for `option` (simstack); yields (URL, model name). The gateway keeps
+    the shape's held-KV budget and polls its nodes every 0.5 s; `learn_estimates` off keeps the calibrated seeds.
+    `decode_times`, when given, watches the nodes that decode (decode and aggregated). `tpot_objective_ms`: the
+    TPOT objective (simulated ms) the auto policy holds decode-local turns to (its tpot_budget_s)."""
+    settings: dict[str, float | bool] = {
+        "held_kv_budget": shape.held_kv_budget if shape.held_kv_budget is not None else 1.0,
+        "metrics_poll_interval_s": 0.5, "learn_estimates": learn_estimates}
+    if tpot_objective_ms and option != COLOCATED:
+        # The gateway runs on the real clock, the engines at `speed`: a simulated objective is 1/speed of it.
+        settings["tpot_budget_s"] = tpot_objective_ms / 1000.0 / speed
+    async with sim_stack(option_stack_spec(shape, speed), option, gateway=settings) as stack:
+        if decode_times is not None and stack.cluster is not None:
+            decode_times.watch_decoding(stack.cluster)
+        yield stack.url, stack.model
+
+
+@dataclass(frozen=True, slots=True)
+class OptionRun:
+    replay: ReplayRun
+    tpot_ms: list[float]  # per decoding request, from the engine (DecodeTimes)
+
+
+async def run_option(option: str, sessions: Sequence[SessionRecord], shape: ClusterShape, settings: RunSettings,
+                     on_result: Callable[[TurnResult], None] | None = None) -> OptionRun:
+    opts = ReplayOptions(
+        concurrency=settings.concurrency,
+        think_time=ThinkTime("scale", settings.think_scale),
+        history="live",
+        max_think_ms=settings.max_think_ms,
+        timeout_s=settings.timeout_s,
+        time_scale=settings.speed,
+        session_suffix=new_session_suffix(),
+    )
+    decode_times = DecodeTimes()
+    async with option_gateway(option, shape, settings.speed, settings.learn_estimates, decode_times,
+                              settings.tpot_objective_ms) as (url, model):
+        opts.model = model
+        run = await run_replay(sessions, url, opts, on_result)
+    return OptionRun(run, decode_times.tpot_ms())
+
+
+def timings(run: ReplayRun) -> list[TurnTiming]:
+    return [TurnTiming(turn=r.turn, ttft_ms=r.ttft_ms, tpot_ms=r.tpot_ms, ok=r.ok)
+            for r in run.results if not r.skipped]

@@ -1,0 +1,1 @@
+"""What the commands share: exit codes, failures, session loading, the result document, options."""

@@ -1,0 +1,240 @@
+"""One simulated stack: a simulated vLLM cluster of a given shape and the kvtether gateway in front of it, in this
+process, configured for a serving option. `replay --sim`, `assess`, `demo` and the benchmarks all start it here.
+
+A serving option is a gateway policy on a P/D cluster (``no-pull``, ``reference``, ``pull``, ``auto``, ``dynamo``,
+``llm-d``) or ``colocated``: as many aggregated nodes as the P/D shape has nodes (the same GPU count), each
+serving prefill and decode with its own prefix cache, behind the gateway in aggregated mode.
+
+Time. The simulator's clock runs ``speed`` times real time; the gateway's clock is real. So every time setting of
+the stack is given in simulated seconds (``StackTimes``) and the gateway gets each as simulated / speed real
+seconds (``time_settings``, the one rule): its session TTL below the engines' ``decoder_kv_blocks_ttl``, the
+engine TTL it checks that against, its retention review and its expired-session sweep. The engines get their
+TTL as it is (their clock is the simulated one).
+
+Estimator seeds. On a P/D cluster the gateway's estimator starts from seeds calibrated on the preset's cost model
+and converted to real seconds at ``speed`` (``seed_settings``, calibration.py): what an operator sets from a short
+benchmark of the cluster, so that ``auto`` decides as on a cluster whose speed it has measured.
+
+Everything else is the gateway's default unless the caller overrides it (``gateway=``, applied last).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtether.gateway.config import GatewayConfig
+    from kvtether.gateway.shell.app import GatewayApp
+    from kvtether.sim.cluster import ClusterSpec, SimCluster
+
+COLOCATED = "colocated"
+# Prefix caching on a simulated cluster's prefill nodes. Off, as in vLLM's published P/D runs: a simulated
+# cluster serves only the sessions run on it, so with it on one P keeps every history cached, which a P shared
+# by the rest of a production cluster's sessions does not; the pull would then have nothing left to save.
+DEFAULT_PREFILL_PREFIX_CACHING = False
+# The floors of the two intervals in real seconds: a fast clock must not turn the review or the sweep into a
+# busy loop (below them the gateway would spend its time reviewing, not serving).
+MIN_RETENTION_INTERVAL_S = 0.05
+MIN_SWEEP_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class StackTimes:
+    """The stack's time settings, in simulated seconds (the gateway's defaults, vLLM's decoder_kv_blocks_ttl)."""
+
+    engine_kv_ttl_s: float = 480.0  # the engines' decoder_kv_blocks_ttl, and the gateway's engine_kv_ttl_s
+    session_ttl_s: float = 450.0  # the gateway stops sending a handle after this: below the engine's TTL
+    retention_interval_s: float = 1.0  # the gateway reviews its held handles this often
+    sweep_interval_s: float = 10.0  # and drops expired sessions this often
+
+
+@dataclass(frozen=True, slots=True)
+class StackSpec:
+    """The shape of a simulated stack: a P/D cluster of `prefill` + `decode` nodes of `preset` (the colocated
+    option: as many aggregated nodes), its clock `speed` times real time."""
+
+    preset: str
+    prefill: int = 1
+    decode: int = 1
+    speed: float = 1.0
+    times: StackTimes = field(default_factory=StackTimes)
+    prefill_prefix_caching: bool = DEFAULT_PREFILL_PREFIX_CACHING
+    # Further ClusterSpec fields (kv_lease_duration, bidirectional, tool_call_parser, …), as given.
+    cluster: Mapping[str, Any] = field(default_factory=dict)
+
+
+def time_settings(times: StackTimes, speed: float) -> dict[str, float]:
+    """The gateway's time settings in its real seconds: each simulated time ÷ speed (the intervals floored)."""
+    return {
+        "session_ttl_s": times.session_ttl_s / speed,
+        "engine_kv_ttl_s": times.engine_kv_ttl_s / speed,
+        "retention_interval_s": max(MIN_RETENTION_INTERVAL_S, times.retention_interval_s / speed),
+        "sweep_interval_s": max(MIN_SWEEP_INTERVAL_S, times.sweep_interval_s / speed),
+    }
+
+
+def seed_settings(preset: str, speed: float) -> dict[str, float]:
+    """The gateway estimator's seeds calibrated on `preset`'s cost model, in real seconds at `speed`."""
+    from kvtether.cli.simstack.calibration import calibrated_seeds
+    from kvtether.sim.presets import get_preset
+
+    return calibrated_seeds(get_preset(preset), speed)
+
+
+def gateway_settings(spec: StackSpec, option: str) -> dict[str, Any]:
+    """The gateway's settings for `option` on a stack of `spec`, but for the node URLs: the time rule, and on a
+    P/D cluster the policy and the calibrated seeds."""
+    if option == COLOCATED:
+        return time_settings(spec.times, spec.speed)
+    return {"policy": option, **time_settings(spec.times, spec.speed), **seed_settings(spec.preset, spec.speed)}
+
+
+def cluster_spec(spec: StackSpec, option: str) -> ClusterSpec:
+    from kvtether.sim.cluster import ClusterSpec
+
+    colocated = option == COLOCATED
+    return ClusterSpec(prefill=0 if colocated else spec.prefill, decode=0 if colocated else spec.decode,
+                       aggregated=spec.prefill + spec.decode if colocated else 0, preset=spec.preset,
+                       speed=spec.speed, decoder_kv_blocks_ttl=spec.times.engine_kv_ttl_s,
+                       prefill_prefix_caching=spec.prefill_prefix_caching, **spec.cluster)
+
+
+def _sample_sums(registry: Any, name: str, label: str | None = None) -> dict[str, float]:
+    """Sum a metric's samples, by the value of `label` (or under "" for all), from a prometheus registry."""
+    out: dict[str, float] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == name:
+                key = sample.labels.get(label, "") if label else ""
+                out[key] = out.get(key, 0.0) + float(sample.value)
+    return out
+
+
+@dataclass(slots=True)
+class SimStack:
+    """A running simulated stack: the gateway's URL, the model it serves, its configuration and app, and the
+    cluster (None when it runs in a process of its own)."""
+
+    url: str
+    model: str
+    config: GatewayConfig
+    app: GatewayApp
+    cluster: SimCluster | None
+    urls: dict[str, list[str]]  # the nodes by role: prefill, decode, aggregated
+
+    def counters(self) -> dict[str, Any]:
+        """What the run did to the handles and where each node's prompt tokens came from, as counted so far.
+
+        ``handle_outcomes``: the gateway's ``kvtether_handle_outcomes_total`` by outcome (``truncated``: the new
+        prompt departed from what D held, and only the common prefix was reused). ``prompt_tokens_by_source``:
+        per role (prefill, decode), vLLM's ``prompt_tokens_by_source`` summed over the role's nodes
+        (``local_compute``, ``local_cache_hit``: the node's own prefix cache, ``external_kv_transfer``: pulled or
+        pushed KV). ``prefix_cache_hits`` / ``prefix_cache_queries``: vLLM's counters, tokens, per role.
+        """
+        assert self.cluster is not None, "the counters read the in-process cluster's nodes"
+        metrics = self.app.state.gateway.metrics
+        outcomes = _sample_sums(metrics.registry, "kvtether_handle_outcomes_total", "outcome")
+        by_role: dict[str, dict[str, float]] = {}
+        hits: dict[str, float] = {}
+        queries: dict[str, float] = {}
+        for node in self.cluster.nodes:
+            role = node.cfg.role
+            reg = node.metrics.registry
+            sources = by_role.setdefault(role, {})
+            for source, v in _sample_sums(reg, "vllm:prompt_tokens_by_source_total", "source").items():
+                sources[source] = sources.get(source, 0.0) + v
+            hits[role] = hits.get(role, 0.0) + sum(_sample_sums(reg, "vllm:prefix_cache_hits_total").values())
+            queries[role] = queries.get(role, 0.0) + sum(_sample_sums(reg, "vllm:prefix_cache_queries_total").values())
+        return {
+            "handle_outcomes": {k: int(v) for k, v in sorted(outcomes.items()) if v},
+            "reused_tokens": int(sum(_sample_sums(metrics.registry, "kvtether_reused_tokens_total").values())),
+            "prompt_tokens_by_source": {r: {k: int(v) for k, v in sorted(s.items())} for r, s in by_role.items()},
+            "prefix_cache_hits": {k: int(v) for k, v in hits.items()},
+            "prefix_cache_queries": {k: int(v) for k, v in queries.items()},
+        }
+
+
+# The cluster in a child process of its own (what `kvtether sim --json` does), printing its URLs.
+_SERVE_SIM = """
+import asyncio, json, sys
+from kvtether.sim.cluster import ClusterSpec, SimCluster
+
+async def main():
+    async with SimCluster(ClusterSpec(**json.loads(sys.argv[1]))) as cluster:
+        print(json.dumps(cluster.urls()), flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+@contextlib.asynccontextmanager
+async def _cluster(spec: ClusterSpec, separate: bool) -> AsyncIterator[tuple[dict[str, list[str]], SimCluster | None]]:
+    """(the nodes' URLs by role, the in-process cluster or None). In-process by default: one Python process (one
+    GIL) then runs the engines, the gateway and the clients, so the gateway's CPU time also delays the simulated
+    engines. Separate: the engines get a core of their own, as vLLM's servers would."""
+    from kvtether.sim.cluster import SimCluster
+
+    if not separate:
+        async with SimCluster(spec) as cluster:
+            yield cluster.urls(), cluster
+        return
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _SERVE_SIM, json.dumps(asdict(spec)),
+                                                stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        if not line:
+            raise RuntimeError(f"the simulated cluster exited before it listened (rc {await proc.wait()})")
+        yield json.loads(line), None
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+
+
+def _config(spec: StackSpec, option: str, urls: Mapping[str, list[str]],
+            overrides: Mapping[str, Any]) -> GatewayConfig:
+    """The gateway's configuration: its defaults, the stack's settings, then `overrides`. Not from the
+    environment: a simulated stack must not take the operator's secrets (API keys) for its own."""
+    import dataclasses
+
+    from kvtether.gateway.config import GatewayConfig
+
+    nodes: dict[str, Any] = ({"aggregated": list(urls["aggregated"])} if option == COLOCATED
+                             else {"prefill": list(urls["prefill"]), "decode": list(urls["decode"])})
+    settings: dict[str, Any] = {**nodes, **gateway_settings(spec, option), **overrides}
+    return dataclasses.replace(GatewayConfig(), **settings).validate()
+
+
+@contextlib.asynccontextmanager
+async def sim_stack(spec: StackSpec, option: str, *, gateway: Mapping[str, Any] | None = None,
+                    tracer_provider: Any = None, separate_process: bool = False) -> AsyncIterator[SimStack]:
+    """A fresh simulated cluster of `spec`'s shape for `option` and an in-process gateway in front of it.
+
+    `gateway`: settings over the stack's (GatewayConfig field names, real seconds). `tracer_provider`: the
+    gateway's spans go there. `separate_process`: the cluster runs in a child process (no ``cluster`` then).
+    A stop signal (Ctrl-C, SIGTERM) stops the gateway as after a normal run before it goes on: handed the
+    cancellation, the server would be cancelled mid-shutdown and uvicorn would log its lifespan's traceback."""
+    from kvtether.gateway.shell.app import create_app
+    from kvtether.gateway.shell.server import serve_gateway
+
+    cspec = cluster_spec(spec, option)
+    async with _cluster(cspec, separate_process) as (urls, cluster):
+        config = _config(spec, option, urls, gateway or {})
+        app = create_app(config, tracer_provider=tracer_provider)
+        stopped: BaseException | None = None
+        async with serve_gateway(config, app=app) as url:
+            try:
+                yield SimStack(url=str(url), model=cspec.model_name, config=config, app=app, cluster=cluster,
+                               urls=urls)
+            except (asyncio.CancelledError, KeyboardInterrupt) as e:
+                stopped = e
+        if stopped is not None:
+            raise stopped

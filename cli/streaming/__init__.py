@@ -1,0 +1,52 @@
+"""One streaming client: one reader of a streamed answer (chat completions, completions, OpenAI Responses and
+Anthropic Messages SSE) and one definition of the times taken from it, used by `replay`, `assess`, `demo` and
+the benchmarks.
+
+Every event is stamped (``time.perf_counter_ns``) as it arrives, before any other work on it; the request's time
+zero is taken just before it is sent.
+
+- **TTFC**: request sent → the first event of any kind (often a role-only chunk).
+- **TTFT**: request sent → the first event that carries a token of the answer, of any kind: content (text),
+  reasoning, a refusal, or a tool call (its name or its arguments). A role-only first chunk is not a token.
+  Tool-call-only turns count: an agent's turn often has no text.
+- **TPOT**: (last token event − first token event) / (tokens − 1), tokens being the answer's completion tokens
+  from its usage (without usage: the number of token events). An answer of one token has no TPOT.
+- **E2E**: request sent → the end of the stream.
+
+``answers.py`` says per API which events carry a token. A 200 stream that ends without one is an answer
+without a TTFT (an empty answer), never a failure; an error event inside it is one.
+
+``stream_answer`` sends a request with httpx and reads its answer; a caller that reads a stream some other way
+(through the SDK) feeds each event to ``reader_for(api, clock)`` with its arrival time.
+"""
+
+from kvtether.cli.streaming.answers import (
+    APIS,
+    CHAT,
+    COMPLETIONS,
+    MESSAGES,
+    RESPONSES,
+    AnswerReader,
+    has_token,
+    reader_for,
+)
+from kvtether.cli.streaming.client import PATHS, StreamedAnswer, StreamFailure, stream_answer
+from kvtether.cli.streaming.clock import TIME_DEFINITIONS, TokenClock, now_ns
+
+__all__ = [
+    "APIS",
+    "CHAT",
+    "COMPLETIONS",
+    "MESSAGES",
+    "PATHS",
+    "RESPONSES",
+    "TIME_DEFINITIONS",
+    "AnswerReader",
+    "StreamFailure",
+    "StreamedAnswer",
+    "TokenClock",
+    "has_token",
+    "now_ns",
+    "reader_for",
+    "stream_answer",
+]

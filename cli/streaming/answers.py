@@ -1,0 +1,265 @@
+"""The readers of a streamed answer, one per API: each takes the stream's events (parsed JSON, stamped on
+arrival), tells the clock which of them carried a token, and keeps the answer in chat-completions terms (what a
+next turn resends), its usage, finish reason and response id, and an error event if one came.
+
+What carries a token (the package docstring has the definitions):
+
+- chat completions: a choice delta with ``content``, ``reasoning_content`` or ``reasoning``, ``refusal``, or
+  ``tool_calls`` (a call's name or its arguments); a role-only delta does not;
+- completions: a choice with ``text``;
+- Responses: any ``response.*.delta`` event with a non-empty delta (output text, reasoning, reasoning summary,
+  refusal, function-call arguments), and ``response.output_item.added`` of a function call (its name);
+- Messages: a ``content_block_delta`` with text, thinking or tool input JSON, and ``content_block_start`` of a
+  ``tool_use`` block (its name).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from kvtether.cli.streaming.clock import TokenClock
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+RESPONSES = "responses"
+MESSAGES = "messages"
+APIS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES)
+# A server may send the reasoning under either name, even both for the same text (vLLM has used both).
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class AnswerReader:
+    """What every reader keeps; ``read`` is the API's."""
+
+    def __init__(self, clock: TokenClock) -> None:
+        self.clock = clock
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.finish_reason: str | None = None
+        self.response_id: str | None = None
+        self.error: str | None = None  # an error event inside a 200 stream
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.reasoning_key = REASONING_FIELDS[0]  # the server's name for it
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def read(self, data: Mapping[str, Any], now: int) -> None:
+        raise NotImplementedError
+
+    def _call(self, index: int) -> dict[str, Any]:
+        return self.calls.setdefault(index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return [self.calls[i] for i in sorted(self.calls)]
+
+    def message(self) -> dict[str, Any]:
+        """The answer as the assistant message a chat history carries."""
+        text = self.text
+        # A tool-call-only answer has content null, as the server's non-streamed message and the SDK recorder have.
+        msg: dict[str, Any] = {"role": "assistant", "content": text if text or not self.calls else None}
+        if self.reasoning:
+            msg[self.reasoning_key] = "".join(self.reasoning)
+        if self.calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+class ChatReader(AnswerReader):
+    """``chat.completion.chunk`` events; the answer is choice 0's."""
+
+    def read(self, data: Mapping[str, Any], now: int) -> None:
+        if "error" in data:
+            self.error = _error_text(data["error"])
+            return
+        if self.response_id is None and data.get("id"):
+            self.response_id = str(data["id"])
+        choices = data.get("choices") or []
+        if choices and isinstance(choices[0], Mapping):
+            choice = choices[0]
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            delta = choice.get("delta") or {}
+            if isinstance(delta, Mapping) and has_token(delta):
+                self.clock.token(now)
+                self.add(delta)
+        self._usage(data.get("usage"))
+
+    def add(self, delta: Mapping[str, Any]) -> None:
+        if delta.get("content"):
+            self.content.append(str(delta["content"]))
+        for key in REASONING_FIELDS:  # both names for the same text: take the first
+            if delta.get(key):
+                self.reasoning.append(str(delta[key]))
+                self.reasoning_key = key
+                break
+        for tc in delta.get("tool_calls") or ():
+            if not isinstance(tc, Mapping):
+                continue
+            call = self._call(_int(tc.get("index")) or 0)
+            if tc.get("id"):
+                call["id"] = tc["id"]
+            fn = tc.get("function") or {}
+            if fn.get("name"):
+                call["function"]["name"] += fn["name"]
+            if fn.get("arguments"):
+                call["function"]["arguments"] += fn["arguments"]
+
+    def _usage(self, usage: Any) -> None:
+        if not isinstance(usage, Mapping):
+            return
+        self.prompt_tokens = _int(usage.get("prompt_tokens"))
+        self.completion_tokens = _int(usage.get("completion_tokens"))
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, Mapping) and _int(details.get("cached_tokens")) is not None:
+            self.cached_tokens = details["cached_tokens"]
+
+
+def has_token(delta: Mapping[str, Any]) -> bool:
+    """Whether a chat delta carries a token of the answer: content, reasoning, a refusal or a tool call."""
+    return bool(delta.get("content") or delta.get("tool_calls") or delta.get("refusal")
+                or any(delta.get(k) for k in REASONING_FIELDS))
+
+
+class CompletionsReader(ChatReader):
+    """``text_completion`` events (``/v1/completions``): choice 0's ``text``."""
+
+    def read(self, data: Mapping[str, Any], now: int) -> None:
+        if "error" in data:
+            self.error = _error_text(data["error"])
+            return
+        if self.response_id is None and data.get("id"):
+            self.response_id = str(data["id"])
+        choices = data.get("choices") or []
+        if choices and isinstance(choices[0], Mapping):
+            choice = choices[0]
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            if choice.get("text"):
+                self.clock.token(now)
+                self.content.append(str(choice["text"]))
+        self._usage(data.get("usage"))
+
+
+class ResponsesReader(AnswerReader):
+    """OpenAI Responses events (``response.*``)."""
+
+    _ENDS = ("response.completed", "response.incomplete", "response.failed")
+
+    def read(self, data: Mapping[str, Any], now: int) -> None:
+        kind = str(data.get("type") or "")
+        if kind == "error":
+            self.error = _error_text(data.get("error") or data.get("message") or data)
+        elif kind.endswith(".delta") and isinstance(data.get("delta"), str) and data["delta"]:
+            self.clock.token(now)
+            self._delta(kind, _int(data.get("output_index")) or 0, data["delta"])
+        elif kind == "response.output_item.added" and isinstance(data.get("item"), Mapping):
+            item = data["item"]
+            if item.get("type") == "function_call" and item.get("name"):
+                self.clock.token(now)
+                call = self._call(_int(data.get("output_index")) or 0)
+                call["id"] = str(item.get("call_id") or item.get("id") or "")
+                call["function"]["name"] = str(item["name"])
+        elif kind == "response.created" and isinstance(data.get("response"), Mapping):
+            self.response_id = data["response"].get("id") or self.response_id
+        elif kind in self._ENDS and isinstance(data.get("response"), Mapping):
+            self._final(data["response"])
+
+    def _delta(self, kind: str, index: int, delta: str) -> None:
+        if kind == "response.output_text.delta":
+            self.content.append(delta)
+        elif kind.startswith("response.reasoning"):
+            self.reasoning.append(delta)
+        elif kind == "response.function_call_arguments.delta":
+            self._call(index)["function"]["arguments"] += delta
+
+    def _final(self, response: Mapping[str, Any]) -> None:
+        self.response_id = response.get("id") or self.response_id
+        self.finish_reason = str(response.get("status") or "") or None
+        if response.get("status") == "failed":
+            self.error = _error_text(response.get("error") or "response failed")
+        usage = response.get("usage")
+        if isinstance(usage, Mapping):
+            self.prompt_tokens = _int(usage.get("input_tokens"))
+            self.completion_tokens = _int(usage.get("output_tokens"))
+            details = usage.get("input_tokens_details")
+            if isinstance(details, Mapping):
+                self.cached_tokens = _int(details.get("cached_tokens"))
+
+
+# The Messages deltas that carry a token, and the field that holds it.
+_MESSAGES_DELTAS = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
+
+
+class MessagesReader(AnswerReader):
+    """Anthropic Messages events; the prompt is the input tokens and the cached ones together."""
+
+    def read(self, data: Mapping[str, Any], now: int) -> None:
+        kind = data.get("type")
+        if kind == "error":
+            self.error = _error_text(data.get("error") or data)
+        elif kind == "message_start" and isinstance(data.get("message"), Mapping):
+            self.response_id = data["message"].get("id") or self.response_id
+            self._usage(data["message"].get("usage"))
+        elif kind == "content_block_start" and isinstance(data.get("content_block"), Mapping):
+            block = data["content_block"]
+            if block.get("type") == "tool_use" and block.get("name"):
+                self.clock.token(now)
+                call = self._call(_int(data.get("index")) or 0)
+                call["id"] = str(block.get("id") or "")
+                call["function"]["name"] = str(block["name"])
+        elif kind == "content_block_delta" and isinstance(data.get("delta"), Mapping):
+            self._delta(_int(data.get("index")) or 0, data["delta"], now)
+        elif kind == "message_delta":
+            delta = data.get("delta")
+            if isinstance(delta, Mapping) and delta.get("stop_reason"):
+                self.finish_reason = str(delta["stop_reason"])
+            self._usage(data.get("usage"))
+
+    def _delta(self, index: int, delta: Mapping[str, Any], now: int) -> None:
+        field = _MESSAGES_DELTAS.get(str(delta.get("type")))
+        value = delta.get(field) if field is not None else None
+        if not isinstance(value, str) or not value:
+            return
+        self.clock.token(now)
+        if field == "text":
+            self.content.append(value)
+        elif field == "thinking":
+            self.reasoning.append(value)
+        else:
+            self._call(index)["function"]["arguments"] += value
+
+    def _usage(self, usage: Any) -> None:
+        if not isinstance(usage, Mapping):
+            return
+        read = _int(usage.get("cache_read_input_tokens"))
+        if _int(usage.get("input_tokens")) is not None:
+            self.prompt_tokens = (usage["input_tokens"] + (read or 0)
+                                  + (_int(usage.get("cache_creation_input_tokens")) or 0))
+        if read is not None:
+            self.cached_tokens = read
+        if _int(usage.get("output_tokens")) is not None:
+            self.completion_tokens = usage["output_tokens"]
+
+
+def _error_text(error: Any) -> str:
+    if isinstance(error, Mapping) and error.get("message"):
+        return str(error["message"])
+    return error if isinstance(error, str) else json.dumps(error, default=str)
+
+
+def reader_for(api: str, clock: TokenClock) -> AnswerReader:
+    readers: dict[str, type[AnswerReader]] = {CHAT: ChatReader, COMPLETIONS: CompletionsReader,
+                                              RESPONSES: ResponsesReader, MESSAGES: MessagesReader}
+    if api not in readers:
+        raise ValueError(f"api must be one of {', '.join(APIS)}, not {api!r}")
+    return readers[api](clock)

@@ -1,0 +1,111 @@
+"""The streaming client: one request, its SSE answer read event by event, each stamped on arrival."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+from kvtether.cli.streaming.answers import CHAT, AnswerReader, reader_for
+from kvtether.cli.streaming.clock import TokenClock, now_ns
+
+# The path of each API under the server's base URL (…/v1).
+PATHS = {"chat": "/chat/completions", "completions": "/completions", "responses": "/responses",
+         "messages": "/messages"}
+
+
+class StreamFailure(Exception):
+    """A request that got no complete answer. ``kind``: ``timeout`` or ``connection`` (no answer), ``http_<status>``
+    (an error status), ``server_error`` (an error event inside a 200 stream), ``stream`` (the stream broke)."""
+
+    def __init__(self, kind: str, message: str, headers: httpx.Headers | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.headers = headers  # the response's, when one came
+
+
+@dataclass(slots=True)
+class StreamedAnswer:
+    """A streamed answer as received: its clock, what its reader kept, and the response's headers."""
+
+    api: str
+    clock: TokenClock
+    reader: AnswerReader
+    headers: httpx.Headers
+
+    def ttfc_ms(self, scale: float = 1.0) -> float | None:
+        return self.clock.ttfc_ms(scale)
+
+    def ttft_ms(self, scale: float = 1.0) -> float | None:
+        return self.clock.ttft_ms(scale)
+
+    def tpot_ms(self, scale: float = 1.0) -> float | None:
+        return self.clock.tpot_ms(self.reader.completion_tokens, scale)
+
+    def e2e_ms(self, scale: float = 1.0) -> float | None:
+        return self.clock.e2e_ms(scale)
+
+    def message(self) -> dict[str, Any]:
+        return self.reader.message()
+
+
+def _data(line: str) -> Any:
+    """An SSE line's JSON payload; None for anything else (event names, comments, blank lines, [DONE])."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[5:].strip()
+    if not payload or payload == "[DONE]":
+        return None
+    return orjson.loads(payload)
+
+
+async def _read(resp: httpx.Response, reader: AnswerReader) -> None:
+    clock = reader.clock
+    async for line in resp.aiter_lines():
+        now = now_ns()  # first: nothing else may sit between arrival and stamp
+        data = _data(line)
+        if not isinstance(data, Mapping):
+            continue
+        clock.event(now)
+        reader.read(data, now)
+        if reader.error is not None:
+            raise StreamFailure("server_error", reader.error[:300], resp.headers)
+
+
+async def stream_answer(client: httpx.AsyncClient, url: str, body: Mapping[str, Any],
+                        headers: Mapping[str, str] | None = None, *, api: str = CHAT,
+                        request_timeout_s: float | None = None) -> StreamedAnswer:
+    """POST `body` (a streamed request of `api`) to `url` and read its answer to the end of the stream.
+
+    The clock starts just before the request is sent; `request_timeout_s` bounds each wait (the client's own
+    timeout without it). Raises StreamFailure: never a retry, which would hide in the times; the caller counts
+    the failure instead."""
+    clock = TokenClock(t0=now_ns())
+    reader = reader_for(api, clock)
+    timeout = httpx.USE_CLIENT_DEFAULT if request_timeout_s is None else request_timeout_s
+    started = False  # whether the response's head came: a failure after it broke the stream
+    try:
+        async with client.stream("POST", url, json=dict(body), headers=dict(headers or {}), timeout=timeout) as resp:
+            started = True
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode("utf-8", "replace")
+                raise StreamFailure(f"http_{resp.status_code}", f"HTTP {resp.status_code}: {text}"[:300], resp.headers)
+            answer = StreamedAnswer(api, clock, reader, resp.headers)
+            await _read(resp, reader)
+        clock.end = now_ns()
+        return answer
+    except StreamFailure:
+        raise
+    except httpx.TimeoutException as e:
+        if started:
+            raise StreamFailure("stream", f"{type(e).__name__}: {e}"[:300]) from e
+        raise StreamFailure("timeout", f"request timed out ({type(e).__name__}: {e})") from e
+    except httpx.TransportError as e:
+        if started:
+            raise StreamFailure("stream", f"{type(e).__name__}: {e}"[:300]) from e
+        raise StreamFailure("connection", f"connection error ({type(e).__name__}: {e or 'no answer'})") from e
+    except Exception as e:  # a broken stream mid-way (bad JSON, …): recorded by the caller, never a crash
+        raise StreamFailure("stream", f"{type(e).__name__}: {e}"[:300]) from e
