@@ -145,3 +145,34 @@ def test_the_simulated_runs_log_to_the_engine_log_not_the_console(tmp_path: Path
     turns = [line for line in log.read_text().splitlines() if "INFO kvtether.gateway.turn.remember: turn " in line]
     sessions = {line.split(" of ")[1].split(":")[0] for line in turns}
     assert len(sessions) == 2, turns  # one session, replayed once per option (each run's own session id suffix)
+
+
+def test_attainment_and_goodput_per_option(tmp_path: Path) -> None:
+    """Each option's share of turns meeting both objectives (TTFT from the client, TPOT from the engine), and with
+    --goodput the open-loop sweep: objectives nothing misses give every option all its turns and the highest rate
+    as goodput; a TTFT objective no first token can meet gives none and no goodput."""
+    sessions = tmp_path / "s.jsonl"
+    run_cli("gen", "--sessions", "3", "--turns", "3", "--system-tokens", "300", "--new-tokens", "20-60",
+            "--output-tokens", "8-16", "--think-ms", "200", "--seed", "5", "-o", str(sessions))
+    report = tmp_path / "r.html"
+    doc = assess(str(sessions), "--preset", "toy", "--options", "no-pull,auto", "--speed", "10",
+                 "--ttft-slo", "600000", "--tpot-slo", "600000", "--goodput", "1,4", "--report", str(report))
+    q4 = doc["answers"]["q4"]
+    for o in q4["options"].values():
+        assert o["attainment"]["turns"] == 9 and o["attainment"]["attainment"] == 1.0, o["attainment"]
+    sweep = {p["policy"]: p for p in q4["goodput"]["policies"]}
+    assert set(sweep) == {"no-pull", "auto"}
+    assert all([x["rate"] for x in p["levels"]] == [1.0, 4.0] and p["goodput"] == 4.0 for p in sweep.values())
+    assert "goodput (open loop" in report.read_text()
+
+    strict = assess(str(sessions), "--preset", "toy", "--options", "no-pull", "--speed", "10", "--ttft-slo", "0.001",
+                    "--goodput", "1")
+    opt = strict["answers"]["q4"]["options"]["no-pull"]
+    assert opt["attainment"]["attainment"] == 0.0 and opt["attainment"]["met"] == 0
+    assert strict["answers"]["q4"]["goodput"]["policies"][0]["goodput"] is None
+
+
+def test_goodput_needs_rates_and_an_objective(tmp_path: Path) -> None:
+    for args in (["--goodput", "0,2"], ["--goodput", "1", "--ttft-slo", "0", "--tpot-slo", "0"]):
+        result = CliRunner().invoke(app, ["assess", str(SMALL), *args, "-q"])
+        assert result.exit_code == 2, result.output

@@ -480,14 +480,16 @@ def _pcts(xs: Sequence[float]) -> dict[str, float | None]:
 
 def compare_topologies(runs: Mapping[str, Sequence[TurnTiming]], late: int, tpot_slo_ms: float | None,
                        descriptions: Mapping[str, str] | None = None,
-                       engine_tpots: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
+                       engine_tpots: Mapping[str, Sequence[float]] | None = None,
+                       attained: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """TTFT per turn index and on late turns (index ≥ ``late``), TPOT p95, per option; the best option: the lowest
     late-turn TTFT p95 among those whose TPOT p95 meets ``tpot_slo_ms`` (when none does: the lowest TPOT p95),
     with its margin over the runner-up.
 
     ``engine_tpots``: per option, the TPOT of every decoding request as the simulator's engine timed it (in its
     cost model's time, see ``topology.DecodeTimes``); where given, it is the option's ``tpot_ms`` (and
-    the client's measurement moves to ``client_tpot_ms``)."""
+    the client's measurement moves to ``client_tpot_ms``). ``attained``: per option, the share of its turns that
+    met both objectives (replay.report.attainment), reported as its ``attainment``."""
     options: dict[str, Any] = {}
     for label, timings in runs.items():
         ok = [t for t in timings if t.ok]
@@ -509,6 +511,9 @@ def compare_topologies(runs: Mapping[str, Sequence[TurnTiming]], late: int, tpot
         }
         if engine is not None:
             options[label]["client_tpot_ms"] = _pcts(tpots)
+        if attained is not None and label in attained:
+            a = attained[label]
+            options[label]["attainment"] = {k: a[k] for k in ("attainment", "met", "turns", "objectives")}
     usable = {k: v for k, v in options.items() if v["late_ttft_ms"]["p95"] is not None and not v["errors"]}
     meets = {k: v for k, v in usable.items()
              if tpot_slo_ms is None or (v["tpot_ms"]["p95"] is not None and v["tpot_ms"]["p95"] <= tpot_slo_ms)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -21,9 +22,10 @@ from kvtether.cli.assess.analysis import (
 from kvtether.cli.assess.cluster import ClusterShape
 from kvtether.cli.assess.inputs import AssessFlags, Inputs
 from kvtether.cli.assess.tokens import Encoder, turn_facts
-from kvtether.cli.assess.topology import DESCRIPTIONS, RunSettings, run_option, timings
+from kvtether.cli.assess.topology import DESCRIPTIONS, OptionRun, RunSettings, run_option, timings
 from kvtether.cli.common.exits import EXIT_FAILED, EXIT_USAGE
 from kvtether.cli.common.failures import fail
+from kvtether.cli.replay.report import Objectives, attainment, goodput_report, parse_rates
 from kvtether.cli.simstack.logs import ClusterLogs
 from kvtether.gateway.policy.retention import RetentionKnobs
 from kvtether.sdk.sessionfile import SessionRecord
@@ -49,9 +51,39 @@ def assess_sessions(sessions: list[SessionRecord], shape: ClusterShape, encode: 
     }
 
 
+def _objectives(f: AssessFlags) -> Objectives:
+    return Objectives(f.ttft_slo if f.ttft_slo > 0 else None, f.tpot_slo if f.tpot_slo > 0 else None)
+
+
+def _run(err: Console, f: AssessFlags, option: str, inputs: Inputs, settings: RunSettings,
+         cluster_logs: ClusterLogs) -> OptionRun:
+    try:
+        with cluster_logs:
+            return anyio.run(run_option, option, inputs.sessions, inputs.shape, settings)
+    except (OSError, ValueError) as e:
+        fail(err, EXIT_FAILED, f"the simulated {option} run failed to start: {e}")
+
+
+def _sweep(err: Console, f: AssessFlags, options: Sequence[str], inputs: Inputs, settings: RunSettings,
+           cluster_logs: ClusterLogs, rates: Sequence[float]) -> dict[str, Any]:
+    """The goodput sweep: each option open loop (sessions at their start offsets ÷ rate) at every rate, the
+    share of turns meeting both objectives at each, and the highest rate where that share is ≥ 90 %."""
+    runs = []
+    for option in options:
+        for rate in rates:
+            if not f.quiet:
+                err.print(f"  simulating {option} at ×{rate:g} …", highlight=False)
+            run = _run(err, f, option, inputs, replace(settings, arrivals="trace", rate=rate), cluster_logs)
+            errors = sum(1 for r in run.replay.results if not r.ok and not r.skipped)
+            runs.append((option, rate, {"attainment": attainment(run.replay.results, _objectives(f), "engine"),
+                                        "errors": errors, "label": option}))
+    return goodput_report(runs)
+
+
 def _simulate(err: Console, f: AssessFlags, options: Sequence[str], inputs: Inputs, late: int,
               concurrency: int) -> dict[str, Any]:
-    """Question 4: one run per option, each on a fresh simulated cluster (exit 1 when one cannot start)."""
+    """Question 4: one run per option, each on a fresh simulated cluster (exit 1 when one cannot start); with
+    --goodput, the sweep after."""
     settings = RunSettings(speed=f.speed, concurrency=concurrency, think_scale=f.think_scale,
                            max_think_ms=f.max_think_ms, tpot_objective_ms=f.tpot_slo if f.tpot_slo > 0 else None)
     runs: dict[str, list[TurnTiming]] = {}
@@ -61,18 +93,18 @@ def _simulate(err: Console, f: AssessFlags, options: Sequence[str], inputs: Inpu
         cluster_logs = ClusterLogs(f.engine_log)
     except OSError as e:
         fail(err, EXIT_USAGE, f"--engine-log: cannot write {f.engine_log} ({e})")
+    attained: dict[str, dict[str, Any]] = {}
     for option in options:
         if not f.quiet:
             err.print(f"  simulating {option} …", highlight=False)
-        try:
-            with cluster_logs:
-                run = anyio.run(run_option, option, inputs.sessions, inputs.shape, settings)
-        except (OSError, ValueError) as e:
-            fail(err, EXIT_FAILED, f"the simulated {option} run failed to start: {e}")
+        run = _run(err, f, option, inputs, settings, cluster_logs)
         runs[option] = timings(run.replay)
         tpots[option] = run.tpot_ms
+        attained[option] = attainment(run.replay.results, _objectives(f), "engine")
     slo = f.tpot_slo if f.tpot_slo > 0 else None
-    q4 = compare_topologies(runs, late, slo, {k: DESCRIPTIONS[k] for k in runs}, tpots)
+    q4 = compare_topologies(runs, late, slo, {k: DESCRIPTIONS[k] for k in runs}, tpots, attained)
+    if f.goodput is not None:
+        q4["goodput"] = _sweep(err, f, options, inputs, settings, cluster_logs, parse_rates(f.goodput))
     q4["wall_s"] = round(time.monotonic() - t0, 1)
     return q4
 

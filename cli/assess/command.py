@@ -26,6 +26,7 @@ from kvtether.cli.common.failures import fail
 from kvtether.cli.common.options import FLAG
 from kvtether.cli.common.sessions import SESSION_FORMAT
 from kvtether.cli.gen.importers import FORMATS
+from kvtether.cli.replay.report import parse_rates
 from kvtether.cli.simstack import DEFAULT_PREFILL_PREFIX_CACHING
 from rich.console import Console
 
@@ -65,7 +66,13 @@ _SPEED = typer.Option(2.0, "--speed", min=0.01, help="Simulated time = real time
 _THINK_SCALE = typer.Option(1.0, "--think-scale", min=0.0, help="Recorded gaps × this in the runs.")
 _MAX_THINK_MS = typer.Option(None, "--max-think-ms", min=0.0, help="Cap one gap in the runs.")
 _TPOT_SLO = typer.Option(100.0, "--tpot-slo", min=0.0,
-                         help="TPOT p95 objective (ms) an option must meet to be best; 0 = none.")
+                         help="TPOT objective (ms): an option's p95 must meet it to be best, a turn to count as "
+                         "attained, and auto holds its decode-local turns to it; 0 = none.")
+_TTFT_SLO = typer.Option(2000.0, "--ttft-slo", min=0.0,
+                         help="TTFT objective (ms) a turn must meet to count as attained; 0 = none.")
+_GOODPUT = typer.Option(None, "--goodput", metavar="RATES",
+                        help="e.g. 1,2,4: also run each option open loop at each arrival-rate multiplier and report "
+                        "its goodput (the highest rate at which 90 % of turns meet both objectives).")
 _LIMIT = typer.Option(None, "--limit", min=1, help="Only the first N sessions.")
 _REPORT = typer.Option(None, "--report", metavar="HTML", help="HTML report path (default: SESSIONS.assess.html).")
 _JSON = typer.Option(False, "--json/--no-json", metavar=FLAG, help="The whole document to stdout.")
@@ -85,7 +92,8 @@ def assess(
     prefill_prefix_caching: bool = _PREFILL_PREFIX_CACHING, input_format: str = _FORMAT, model: str | None = _MODEL,
     tokenizer: str | None = _TOKENIZER, concurrency: int | None = _CONCURRENCY, options: str = _OPTIONS,
     simulate: bool = _SIMULATE, speed: float = _SPEED, think_scale: float = _THINK_SCALE,
-    max_think_ms: float | None = _MAX_THINK_MS, tpot_slo: float = _TPOT_SLO, limit: int | None = _LIMIT,
+    max_think_ms: float | None = _MAX_THINK_MS, tpot_slo: float = _TPOT_SLO, ttft_slo: float = _TTFT_SLO,
+    goodput: str | None = _GOODPUT, limit: int | None = _LIMIT,
     report: Path | None = _REPORT, as_json: bool = _JSON, quiet: bool = _QUIET, engine_log: str | None = _ENGINE_LOG,
 ) -> None:
     """Answer the four adoption questions (prefix share, pull vs recompute, retention, TTFT by topology)."""
@@ -113,4 +121,11 @@ def check(err: Console, f: AssessFlags) -> list[str]:
     bad = [o for o in run_options if o not in KNOWN_OPTIONS]
     if bad or not run_options:
         fail(err, EXIT_USAGE, f"unknown option(s) {', '.join(bad) or '(none)'}; known: {', '.join(KNOWN_OPTIONS)}")
+    if f.goodput is not None:
+        try:
+            parse_rates(f.goodput)
+        except ValueError as e:
+            fail(err, EXIT_USAGE, str(e))
+        if f.ttft_slo <= 0 and f.tpot_slo <= 0:
+            fail(err, EXIT_USAGE, "--goodput needs an objective (--ttft-slo or --tpot-slo above 0)")
     return run_options

@@ -49,6 +49,8 @@ class AssessFlags:
     think_scale: float
     max_think_ms: float | None
     tpot_slo: float
+    ttft_slo: float
+    goodput: str | None
     limit: int | None
     report: Path | None
     as_json: bool

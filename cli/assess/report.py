@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from kvtether.cli.replay.report import Objectives, render_goodput
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -128,6 +129,8 @@ def _console_q4(console: Console, q: dict[str, Any], time_note: str) -> None:
         for stat in ("p50", "p95", "p99"):
             t.add_row(f"{name} {stat}", *[_fmt(o[key][stat], 0) for o in opts.values()])
     t.add_row(_tpot_label(opts), *[_fmt(o["tpot_ms"]["p95"], 1) for o in opts.values()])
+    if any("attainment" in o for o in opts.values()):
+        t.add_row(_attainment_label(opts), *[_attained(o) for o in opts.values()])
     t.add_row("errors", *[str(o["errors"]) for o in opts.values()])
     console.print(t)
     pt = Table(title="TTFT by turn index, p50 / p95 / p99 (ms)", title_justify="left")
@@ -143,7 +146,22 @@ def _console_q4(console: Console, q: dict[str, Any], time_note: str) -> None:
         pt.add_row(str(turn), *cells)
     console.print(pt)
     console.print(f"  {escape(time_note)}", highlight=False)
+    if "goodput" in q:
+        render_goodput(console, q["goodput"], time_note)
     _verdict(console, q["verdict"])
+
+
+def _attained(o: dict[str, Any]) -> str:
+    a = o.get("attainment")
+    if a is None or a["attainment"] is None:
+        return "–"
+    return f"{100 * a['attainment']:.1f} %"
+
+
+def _attainment_label(opts: dict[str, Any]) -> str:
+    """Says what a turn had to meet to count: its TTFT (client) and TPOT (engine) objectives."""
+    a = next(o["attainment"] for o in opts.values() if "attainment" in o)
+    return f"turns meeting {Objectives(a['objectives']['ttft_ms'], a['objectives']['tpot_ms']).describe()}"
 
 
 def _tpot_label(opts: dict[str, Any]) -> str:
@@ -402,6 +420,12 @@ def _html_q4(q: dict[str, Any], time_note: str) -> list[str]:
         for stat in ("p50", "p95", "p99"):
             rows.append((f"{name} {stat}", *[_fmt(o[key][stat], 0) for o in opts.values()]))
     rows.append((_tpot_label(opts), *[_fmt(o["tpot_ms"]["p95"], 1) for o in opts.values()]))
+    if any("attainment" in o for o in opts.values()):
+        rows.append((_attainment_label(opts), *[_attained(o) for o in opts.values()]))
+    if "goodput" in q:
+        g = {p["policy"]: p["goodput"] for p in q["goodput"]["policies"]}
+        rows.append(("goodput (open loop, ≥ 90 % of turns)",
+                     *["none" if g.get(k) is None else f"×{g[k]:g}" if k in g else "–" for k in opts]))
     rows.append(("errors", *[o["errors"] for o in opts.values()]))
     return [f"<h2>{html.escape(QUESTIONS[3][1])}</h2>", _verdict_html(q["verdict"]),
             f"<figure id='plot-ttft'>{plot_ttft(q)}</figure>",

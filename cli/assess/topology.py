@@ -30,7 +30,16 @@ from dataclasses import dataclass
 
 from kvtether.cli.assess.analysis import TurnTiming
 from kvtether.cli.assess.cluster import ClusterShape, register_preset
-from kvtether.cli.replay.engine import ReplayOptions, ReplayRun, ThinkTime, TurnResult, new_session_suffix, run_replay
+from kvtether.cli.replay.engine import (
+    Arrivals,
+    ReplayOptions,
+    ReplayRun,
+    ThinkTime,
+    TurnResult,
+    join_engine_tpot,
+    new_session_suffix,
+    run_replay,
+)
 from kvtether.cli.simstack import COLOCATED, StackSpec, StackTimes, sim_stack
 from kvtether.cli.simstack.decode_times import DecodeTimes
 from kvtether.sdk.sessionfile import SessionRecord
@@ -57,6 +66,9 @@ class RunSettings:
     # speed it has measured; learning from this process's timings would teach it the machine's load instead.
     learn_estimates: bool = False
     tpot_objective_ms: float | None = None  # what auto holds decode-local turns to (None: the gateway's default)
+    # Closed loop (the sessions as recorded together) or open loop: each session at its start offset ÷ rate.
+    arrivals: Arrivals = "closed"
+    rate: float = 1.0
 
 
 def option_stack_spec(shape: ClusterShape, speed: float) -> StackSpec:
@@ -102,12 +114,15 @@ async def run_option(option: str, sessions: Sequence[SessionRecord], shape: Clus
         timeout_s=settings.timeout_s,
         time_scale=settings.speed,
         session_suffix=new_session_suffix(),
+        arrivals=settings.arrivals,
+        rate=settings.rate,
     )
     decode_times = DecodeTimes()
     async with option_gateway(option, shape, settings.speed, settings.learn_estimates, decode_times,
                               settings.tpot_objective_ms) as (url, model):
         opts.model = model
         run = await run_replay(sessions, url, opts, on_result)
+    join_engine_tpot(run.results, decode_times.tpot_by_request())  # each turn judged by its engine TPOT
     return OptionRun(run, decode_times.tpot_ms())
 
 

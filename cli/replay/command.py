@@ -21,7 +21,7 @@ from kvtether.cli.replay.engine import ARRIVALS, ReplayOptions, parse_think_time
 from kvtether.cli.replay.history import DEFAULT_HISTORY, HISTORY_MODES
 from kvtether.cli.replay.outcome import judge, render, write_document
 from kvtether.cli.replay.plan import DEFAULT_COMPARE, KNOWN_POLICIES, ReplayFlags, ReplayPlan
-from kvtether.cli.replay.report import parse_objectives, parse_slo
+from kvtether.cli.replay.report import parse_objectives, parse_rates, parse_slo
 from kvtether.cli.replay.runs import run_jobs
 from kvtether.cli.replay.sim import SimTarget
 from kvtether.cli.simstack import DEFAULT_PREFILL_PREFIX_CACHING
@@ -133,21 +133,6 @@ def _split_args(args: list[str]) -> tuple[list[str], list[str]]:
             elif part:
                 files.append(part)
     return files, policies
-
-
-def parse_rates(spec: str) -> list[float]:
-    """``0.5,1,2,4``: the --goodput rate multipliers, each > 0, in the order given (duplicates dropped)."""
-    rates: list[float] = []
-    for part in spec.split(","):
-        try:
-            rate = float(part)
-        except ValueError:
-            rate = 0.0
-        if not rate > 0 or rate == float("inf"):
-            raise ValueError(f"bad --goodput {spec!r} (expected rate multipliers > 0, e.g. 0.5,1,2,4)")
-        if rate not in rates:
-            rates.append(rate)
-    return rates
 
 
 @dataclass(frozen=True, slots=True)

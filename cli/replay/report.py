@@ -201,6 +201,21 @@ class Objectives:
         return " and ".join(parts)
 
 
+def parse_rates(spec: str) -> list[float]:
+    """``0.5,1,2,4``: the --goodput rate multipliers, each > 0, in the order given (duplicates dropped)."""
+    rates: list[float] = []
+    for part in spec.split(","):
+        try:
+            rate = float(part)
+        except ValueError:
+            rate = 0.0
+        if not rate > 0 or rate == float("inf"):
+            raise ValueError(f"bad --goodput {spec!r} (expected rate multipliers > 0, e.g. 0.5,1,2,4)")
+        if rate not in rates:
+            rates.append(rate)
+    return rates
+
+
 def parse_objectives(specs: list[str]) -> Objectives:
     """``ttft=2000``, ``tpot=25`` (ms, ``<=`` also accepted); a metric given twice keeps the last."""
     values: dict[str, float] = {}
