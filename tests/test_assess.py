@@ -234,7 +234,7 @@ def test_compare_topologies_judges_tpot_by_the_engines_measurement() -> None:
 
 def test_cluster_parts_replace_the_preset() -> None:
     base = build_shape("llama-3.1-8b-h100")
-    assert not base.prefill_prefix_caching  # as replay's simulated cluster (cli/replay.py)
+    assert not base.prefill_prefix_caching  # as replay's simulated cluster (cli/simstack)
     assert base.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 and base.gpus == 2 and base.link_gbps == pytest.approx(400)
     shape = build_shape("llama-3.1-8b-h100", prefill=2, decode=2, kv_dtype="fp8", link_gbps=100, gpus_per_node=2)
     assert shape.kv_bytes_per_token == 2 * 32 * 8 * 128 * 1
