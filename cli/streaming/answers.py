@@ -80,20 +80,27 @@ class ChatReader(AnswerReader):
     """``chat.completion.chunk`` events; the answer is choice 0's."""
 
     def read(self, data: Mapping[str, Any], now: int) -> None:
+        choice = self._choice(data)
+        delta = choice.get("delta") if choice is not None else None
+        if isinstance(delta, Mapping) and has_token(delta):
+            self.clock.token(now)
+            self.add(delta)
+
+    def _choice(self, data: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """Choice 0 of an event (None: an error, or no choice), once what any event may carry is read: an
+        error, the answer's id, its usage, choice 0's finish reason."""
         if "error" in data:
             self.error = _error_text(data["error"])
-            return
+            return None
         if self.response_id is None and data.get("id"):
             self.response_id = str(data["id"])
-        choices = data.get("choices") or []
-        if choices and isinstance(choices[0], Mapping):
-            choice = choices[0]
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
-            delta = choice.get("delta") or {}
-            if isinstance(delta, Mapping) and has_token(delta):
-                self.clock.token(now)
-                self.add(delta)
         self._usage(data.get("usage"))
+        choices = data.get("choices") or []
+        if not choices or not isinstance(choices[0], Mapping):
+            return None
+        choice: Mapping[str, Any] = choices[0]
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        return choice
 
     def add(self, delta: Mapping[str, Any]) -> None:
         if delta.get("content"):
@@ -135,19 +142,10 @@ class CompletionsReader(ChatReader):
     """``text_completion`` events (``/v1/completions``): choice 0's ``text``."""
 
     def read(self, data: Mapping[str, Any], now: int) -> None:
-        if "error" in data:
-            self.error = _error_text(data["error"])
-            return
-        if self.response_id is None and data.get("id"):
-            self.response_id = str(data["id"])
-        choices = data.get("choices") or []
-        if choices and isinstance(choices[0], Mapping):
-            choice = choices[0]
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
-            if choice.get("text"):
-                self.clock.token(now)
-                self.content.append(str(choice["text"]))
-        self._usage(data.get("usage"))
+        choice = self._choice(data)
+        if choice is not None and choice.get("text"):
+            self.clock.token(now)
+            self.content.append(str(choice["text"]))
 
 
 class ResponsesReader(AnswerReader):
