@@ -6,7 +6,7 @@ template's kwargs."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal, ParamSpec, TypeVar
 
@@ -82,3 +82,12 @@ def effort_in_template_kwargs(out: dict[str, Any], effort: Any) -> None:
     kwargs["reasoning_effort"] = effort
     kwargs.setdefault("enable_thinking", effort != "none")
     out["chat_template_kwargs"] = kwargs
+
+
+def reasoning_of(message: Mapping[str, Any]) -> str:
+    """A chat message's or stream delta's reasoning text ('' for none): ``reasoning``, vLLM's name, else
+    ``reasoning_content``, the name older vLLM versions and other servers use."""
+    reasoning = message.get("reasoning")
+    if reasoning is None:
+        reasoning = message.get("reasoning_content")
+    return reasoning if isinstance(reasoning, str) else ""

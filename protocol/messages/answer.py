@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
+from kvtether.protocol.common import reasoning_of
 from kvtether.protocol.messages.request import translate
 
 # vLLM's Anthropic stop-reason vocabulary, keyed by the chat finish reason it maps from.
@@ -116,10 +117,8 @@ def from_chat(chat_response: Mapping[str, Any], model: str) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         message = {}
     content: list[dict[str, Any]] = []
-    reasoning = message.get("reasoning")
-    if reasoning is None:
-        reasoning = message.get("reasoning_content")
-    if isinstance(reasoning, str) and reasoning:
+    reasoning = reasoning_of(message)
+    if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": thinking_signature(reasoning)})
     text = message.get("content")
     if isinstance(text, str) and text:

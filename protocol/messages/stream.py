@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from kvtether.protocol.common import reasoning_of
 from kvtether.protocol.messages.answer import (
     function_of,
     message_id,
@@ -86,10 +87,8 @@ class StreamTranslator:
         delta = choice.get("delta")
         if not isinstance(delta, Mapping):
             return events
-        reasoning = delta.get("reasoning")
-        if reasoning is None:
-            reasoning = delta.get("reasoning_content")
-        if isinstance(reasoning, str) and reasoning:
+        reasoning = reasoning_of(delta)
+        if reasoning:
             if self._block != "thinking":
                 events += self._stop_and_flush()
                 events.append(self._start({"type": "thinking", "thinking": ""}))

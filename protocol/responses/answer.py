@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvtether.protocol.common import reasoning_of
 from kvtether.protocol.responses.common import ReasoningSeal, decode_custom_input, flat_name
 from kvtether.protocol.responses.request import input_messages
 
@@ -139,10 +140,8 @@ def from_chat(chat: Mapping[str, Any], base: dict[str, Any], *, tools: Any,
     assert isinstance(message, Mapping)
     chat_id = chat.get("id")
     output: list[dict[str, Any]] = []
-    reasoning = message.get("reasoning")
-    if reasoning is None:
-        reasoning = message.get("reasoning_content")
-    if isinstance(reasoning, str) and reasoning:
+    reasoning = reasoning_of(message)
+    if reasoning:
         output.append(reasoning_item(reasoning, output_item_id("rs", chat_id, 0), seal=seal))
     text = message.get("content")
     if isinstance(text, str) and text:

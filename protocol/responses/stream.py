@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from kvtether.protocol.common import reasoning_of
 from kvtether.protocol.responses.answer import (
     ToolNames,
     finish,
@@ -76,10 +77,8 @@ class StreamTranslator:
         delta = choice.get("delta")
         if not isinstance(delta, Mapping):
             return events
-        reasoning = delta.get("reasoning")
-        if reasoning is None:
-            reasoning = delta.get("reasoning_content")
-        if isinstance(reasoning, str) and reasoning:
+        reasoning = reasoning_of(delta)
+        if reasoning:
             events += self._text_delta("reasoning", reasoning)
         content = delta.get("content")
         if isinstance(content, str) and content:
