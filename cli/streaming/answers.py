@@ -16,6 +16,7 @@ What carries a token (the package docstring has the definitions):
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,7 +35,7 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-class AnswerReader:
+class AnswerReader(ABC):
     """What every reader keeps; ``read`` is the API's."""
 
     def __init__(self, clock: TokenClock) -> None:
@@ -50,8 +51,9 @@ class AnswerReader:
         self.reasoning_key = REASONING_FIELDS[0]  # the server's name for it
         self.calls: dict[int, dict[str, Any]] = {}
 
+    @abstractmethod
     def read(self, data: Mapping[str, Any], now: int) -> None:
-        raise NotImplementedError
+        """Take one event of the stream, received at `now` (the clock's ns)."""
 
     def _call(self, index: int) -> dict[str, Any]:
         return self.calls.setdefault(index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
