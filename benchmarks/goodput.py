@@ -108,7 +108,7 @@ def _trace_window(st: Settings) -> list[Any]:
 async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st: Settings) -> dict[str, Any]:
     from kvtether.cli.assess.topology import option_gateway
     from kvtether.cli.replay.engine import ReplayOptions, join_engine_tpot, new_session_suffix, run_replay
-    from kvtether.cli.replay.report import Objectives, attainment
+    from kvtether.cli.replay.report import Objectives, attainment, judge
     from kvtether.cli.simstack.decode_times import DecodeTimes
 
     decode_times = DecodeTimes()
@@ -118,7 +118,9 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
                              timeout_s=300.0, session_suffix=new_session_suffix())
         run = await run_replay(sessions, url, opts)
     join_engine_tpot(run.results, decode_times.tpot_by_request())
-    a = attainment(run.results, Objectives(st.ttft_ms, st.tpot_ms), "engine")
+    objectives = Objectives(st.ttft_ms, st.tpot_ms)
+    a = attainment(run.results, objectives, "engine")
+    missed = [r for r in run.results if not judge(r, objectives, "engine").met]
     late = sorted(r.ttft_ms for r in run.results if r.ok and r.ttft_ms is not None and r.turn >= LATE_TURN)
     tpots = sorted(r.engine_tpot_ms for r in run.results if r.engine_tpot_ms is not None)
     return {"option": option, "rate": rate, "attainment": a["attainment"], "met": a["met"], "turns": a["turns"],
@@ -126,7 +128,18 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
             "late_ttft_ms": {q: _pct(late, q) for q in ("p50", "p95", "p99")},
             "tpot_p95_ms": _pct(tpots, "p95"), "wall_s": round(time.perf_counter() - t0, 1),
             # The samples, so runs of several seeds pool into one table (--pool).
-            "late_ttft_samples": [round(x, 1) for x in late], "tpot_samples": [round(x, 2) for x in tpots]}
+            "late_ttft_samples": [round(x, 1) for x in late], "tpot_samples": [round(x, 2) for x in tpots],
+            # Which turns missed, and what the gateway chose for them: where a policy loses its turns.
+            "missed": [_missed(r) for r in missed]}
+
+
+def _missed(r: Any) -> dict[str, Any]:
+    h = r.reuse
+    return {"session": r.session_id.split("~")[0], "turn": r.turn, "start_ms": round(r.start_ms),
+            "ttft_ms": None if r.ttft_ms is None else round(r.ttft_ms, 1), "engine_tpot_ms": r.engine_tpot_ms,
+            "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "error": r.error_kind,
+            "plan": h.get("x-kvtether-plan"), "reason": h.get("x-kvtether-plan-reason"),
+            "source": h.get("x-kvtether-reuse-source")}
 
 
 def _pct(xs: list[float], q: str) -> float | None:

@@ -305,13 +305,9 @@ class ResponsesReader:
             m.model = response["model"]
         m.answer = responses.chat_answer(response.get("output") or [])
         m.finish_reason = responses.chat_finish_reason(response)
-        usage = response.get("usage")
-        if isinstance(usage, Mapping):
-            m.prompt_tokens = _int(usage.get("input_tokens"))
-            m.completion_tokens = _int(usage.get("output_tokens"))
-            details = usage.get("input_tokens_details")
-            if isinstance(details, Mapping):
-                m.cached_tokens = _int(details.get("cached_tokens"))
+        if isinstance(response.get("usage"), Mapping):
+            u = responses.read_usage(response)
+            m.prompt_tokens, m.completion_tokens, m.cached_tokens = u.input_tokens, u.output_tokens, u.cached_tokens
 
 
 # --- Anthropic Messages -----------------------------------------------------------------------

@@ -84,3 +84,21 @@ async def test_a_tiny_run_gives_attainment_and_goodput_per_option(tmp_path: Path
     assert all(r["tpot_p95_ms"] is not None for r in res["runs"])
     g.plot(out, tmp_path / "goodput.png")
     assert (tmp_path / "goodput.png").stat().st_size > 1000
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(300)
+async def test_a_run_lists_the_turns_it_missed_with_the_gateways_choice() -> None:
+    """Every turn that misses an objective is listed with what the gateway chose for it (its plan and the
+    reason's bucket), so a policy's lost turns can be read, not only counted."""
+    from kvtether.cli.assess.cluster import build_shape
+
+    g = _bench()
+    st = g.Settings(preset="toy", speed=10.0, ttft_ms=0.001, tpot_ms=1_000.0, sessions=2, seed=3)
+    sessions = g.workload("chat", st)
+    row = await g.run_one("auto", sessions, build_shape("toy", prefill=1, decode=2), 1.0, st)
+    assert row["met"] == 0 and len(row["missed"]) == row["turns"] == 16
+    first = [m for m in row["missed"] if m["turn"] == 0]
+    assert len(first) == 2 and all(m["reason"] == "first_turn" and m["plan"] == "none" for m in first), first
+    assert all(m["ttft_ms"] is not None and m["ttft_ms"] > 0.001 and m["error"] is None for m in row["missed"])
+    assert {m["session"] for m in row["missed"]} == {s.session_id for s in sessions}

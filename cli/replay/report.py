@@ -237,23 +237,39 @@ def _turn_tpot(r: TurnResult, source: TpotSource) -> tuple[bool, float | None]:
     return tpot is not None, tpot
 
 
-def attainment(results: list[TurnResult], objectives: Objectives, source: TpotSource) -> dict[str, Any]:
-    """The share of the run's turns that meet every objective.
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """One turn against the objectives: what it met, and whether its TPOT could be judged at all."""
 
-    Every turn of the sessions counts: a failed turn, an empty answer (no token, so no TTFT) and a turn skipped
-    after its session failed meet none. A turn meets TPOT when its TPOT is within the objective; an answer of
-    one token has none and meets it. ``tpot_unmeasured``: multi-token answers without a TPOT from `source`
-    (engine TPOT not joined to the answer); they do not meet a TPOT objective."""
-    met = met_ttft = met_tpot = unmeasured = 0
-    for r in results:
-        served = r.ok and not r.skipped and not r.empty
-        ttft_ok = served and (objectives.ttft_ms is None or (r.ttft_ms is not None and r.ttft_ms <= objectives.ttft_ms))
-        measured, tpot = _turn_tpot(r, source) if served else (True, None)
-        unmeasured += 0 if measured else 1
-        tpot_ok = served and measured and (objectives.tpot_ms is None or tpot is None or tpot <= objectives.tpot_ms)
-        met_ttft += ttft_ok
-        met_tpot += tpot_ok
-        met += ttft_ok and tpot_ok
+    ttft_ok: bool
+    tpot_ok: bool
+    measured: bool
+
+    @property
+    def met(self) -> bool:
+        return self.ttft_ok and self.tpot_ok
+
+
+def judge(r: TurnResult, objectives: Objectives, source: TpotSource) -> Judged:
+    """A failed turn, an empty answer (no token, so no TTFT) and a turn skipped after its session failed meet
+    nothing. A turn meets TPOT when its TPOT is within the objective; an answer of one token has none and meets
+    it; a multi-token answer without a TPOT from `source` is unmeasured and does not meet a TPOT objective."""
+    served = r.ok and not r.skipped and not r.empty
+    ttft_ok = served and (objectives.ttft_ms is None or (r.ttft_ms is not None and r.ttft_ms <= objectives.ttft_ms))
+    measured, tpot = _turn_tpot(r, source) if served else (True, None)
+    tpot_ok = served and measured and (objectives.tpot_ms is None or tpot is None or tpot <= objectives.tpot_ms)
+    return Judged(ttft_ok, tpot_ok, measured)
+
+
+def attainment(results: list[TurnResult], objectives: Objectives, source: TpotSource) -> dict[str, Any]:
+    """The share of the run's turns that meet every objective (`judge`); every turn of the sessions counts.
+    ``tpot_unmeasured``: multi-token answers without a TPOT from `source` (engine TPOT not joined to the
+    answer)."""
+    judged = [judge(r, objectives, source) for r in results]
+    met = sum(j.met for j in judged)
+    met_ttft = sum(j.ttft_ok for j in judged)
+    met_tpot = sum(j.tpot_ok for j in judged)
+    unmeasured = sum(not j.measured for j in judged)
     n = len(results)
     return {
         "objectives": {"ttft_ms": objectives.ttft_ms, "tpot_ms": objectives.tpot_ms},

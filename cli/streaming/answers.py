@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtether.cli.streaming.clock import TokenClock
+from kvtether.protocol.responses import read_usage
 
 CHAT = "chat"
 COMPLETIONS = "completions"
@@ -187,13 +188,10 @@ class ResponsesReader(AnswerReader):
         self.finish_reason = str(response.get("status") or "") or None
         if response.get("status") == "failed":
             self.error = _error_text(response.get("error") or "response failed")
-        usage = response.get("usage")
-        if isinstance(usage, Mapping):
-            self.prompt_tokens = _int(usage.get("input_tokens"))
-            self.completion_tokens = _int(usage.get("output_tokens"))
-            details = usage.get("input_tokens_details")
-            if isinstance(details, Mapping):
-                self.cached_tokens = _int(details.get("cached_tokens"))
+        if isinstance(response.get("usage"), Mapping):
+            u = read_usage(response)
+            self.prompt_tokens, self.completion_tokens = u.input_tokens, u.output_tokens
+            self.cached_tokens = u.cached_tokens
 
 
 # The Messages deltas that carry a token, and the field that holds it.

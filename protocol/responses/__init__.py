@@ -4,11 +4,13 @@ chat request (the rules are in its docstring), ``answer`` raises a whole chat an
 re-exported here."""
 
 from kvtether.protocol.responses.answer import (
+    Usage,
     chat_answer,
     chat_finish_reason,
     conversation_id,
     from_chat,
     output_text,
+    read_usage,
     response_id,
     skeleton,
 )
@@ -22,6 +24,7 @@ __all__ = [
     "ReasoningSeal",
     "ResponsesError",
     "StreamTranslator",
+    "Usage",
     "chat_answer",
     "chat_finish_reason",
     "conversation_id",
@@ -30,6 +33,7 @@ __all__ = [
     "input_messages",
     "is_hosted_tool",
     "output_text",
+    "read_usage",
     "response_id",
     "skeleton",
     "sse",

@@ -8,6 +8,7 @@ import hashlib
 import json
 import uuid
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvtether.protocol.common import reasoning_of
@@ -117,6 +118,29 @@ def usage(chat_usage: Any) -> dict[str, Any] | None:
 
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A Responses object's token counts as a reader takes them: None where the server sent none."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+def read_usage(response: Mapping[str, Any]) -> Usage:
+    """The token counts of a Responses object (or a ``response.completed`` event's response)."""
+    u = response.get("usage")
+    if not isinstance(u, Mapping):
+        return Usage()
+    details = u.get("input_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+    return Usage(_count(u.get("input_tokens")), _count(u.get("output_tokens")), cached)
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def finish(response: dict[str, Any], finish_reason: Any) -> dict[str, Any]:
