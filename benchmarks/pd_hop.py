@@ -2,8 +2,8 @@
 
 One session on a simulated 1P 1D GLM-5-FP8 cluster (speed 0.25), a 16k-token history plus 150-token tool results,
 P/D turns only (``max_local_suffix_tokens`` 0), sequential. Prints each turn's hop in simulated ms for
-``reference`` (no guard, no /tokenize), ``auto``, and, as a control, ``auto`` with /tokenize sharing the prefill
-leg's keep-alive connections: the sharing stalls P's answer ~44 ms real, which is why /tokenize has its own pool.
+``reference`` (no guard, no /tokenize) and ``auto`` (the guard's /tokenize before every prefill leg): what the
+guard adds between P's answer and D's request.
 
     .venv/bin/python benchmarks/pd_hop.py [--turns 8]
 """
@@ -21,7 +21,7 @@ from kvtether.cli.simstack import StackSpec, sim_stack
 PRESET, SPEED = "glm-5-fp8-h200-tp8", 0.25
 
 
-async def hops(policy: str, turns: int, shared_tokenize: bool) -> list[float]:
+async def hops(policy: str, turns: int) -> list[float]:
     spec = StackSpec(preset=PRESET, prefill=1, decode=1, speed=SPEED, prefill_prefix_caching=True,
                      cluster={"kv_lease_duration": 600.0})
     events: list[tuple[str, Any]] = []
@@ -30,9 +30,6 @@ async def hops(policy: str, turns: int, shared_tokenize: bool) -> list[float]:
         assert stack.cluster is not None
         for n in stack.cluster.nodes:
             n.engine.on_event = lambda e, role=n.cfg.role: events.append((role, e))
-        if shared_tokenize:
-            orch = stack.app.state.gateway.orchestrator
-            orch.sv.tokenize_client = orch.sv.client
         url = stack.url
         async with httpx.AsyncClient(timeout=120) as client:
             messages = [{"role": "system", "content": " ".join(f"w{i}" for i in range(12000))},
@@ -60,10 +57,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=8)
     args = ap.parse_args()
     print(f"P→D hop per turn after the first, simulated ms ({PRESET}, speed {SPEED}: real ms = sim / {SPEED})")
-    for policy, shared in (("reference", False), ("auto", False), ("auto", True)):
-        hs = asyncio.run(hops(policy, args.turns, shared))
-        label = policy + (" (/tokenize sharing the prefill connection)" if shared else "")
-        print(f"- {label}: median {statistics.median(hs):.2f} ms; " + ", ".join(f"{h:.1f}" for h in hs))
+    for policy in ("reference", "auto"):
+        hs = asyncio.run(hops(policy, args.turns))
+        print(f"- {policy}: median {statistics.median(hs):.2f} ms; " + ", ".join(f"{h:.1f}" for h in hs))
 
 
 if __name__ == "__main__":

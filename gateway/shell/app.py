@@ -75,8 +75,8 @@ class Gateway:
         # The guard's /tokenize calls get connections of their own. Sharing a keep-alive connection with the
         # prefill leg that follows them delayed P's answer by ~44 ms (measured on the simulator: the P→D hop
         # of every guarded turn 11.3 ms simulated at speed 0.25 against 1.6 ms without /tokenize, and ~1 ms
-        # with its own pool; benchmarks/pd_hop.py). The process sat idle meanwhile, i.e. the wait was in the
-        # connection, not in Python.
+        # with its own pool). The process sat idle meanwhile, i.e. the wait was in the connection, not in
+        # Python. benchmarks/pd_hop.py measures the hop as it is now.
         self.tokenize_client = _upstream_client(config)
         # The completion legs: a client of their own that relays a stream in the pieces the network delivers.
         self.upstream = Upstream(UpstreamLimits(
