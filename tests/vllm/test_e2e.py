@@ -27,7 +27,7 @@ from tests.support.vllm_fixtures import (
 )
 from tests.support.vllm_rig import Rig, gateway, metric
 
-pytestmark = [pytest.mark.anyio, pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(900)]
 
 _TEXT = (
     "alpha beta gamma delta build test cache node block token prefix decode prefill session handle pull "

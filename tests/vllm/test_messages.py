@@ -45,7 +45,7 @@ from tests.support.vllm_fixtures import (
 )
 from tests.support.vllm_rig import Rig, gateway, metric
 
-pytestmark = [pytest.mark.anyio, pytest.mark.vllm, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(1500)]
 
 MAX_TOKENS = 32
 _TEXT = ("alpha beta gamma delta build test cache node block token prefix decode prefill session handle pull "

@@ -38,7 +38,7 @@ from tests.support.vllm_fixtures import Backend
 from tests.support.vllm_rig import Rig, gateway, metric
 from tests.vllm.test_messages import assert_pulls, outcomes, pull_counters, text_mismatch, words
 
-pytestmark = [pytest.mark.anyio, pytest.mark.vllm, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(1500)]
 
 MAX_TOKENS = 32
 

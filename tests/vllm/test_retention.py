@@ -47,7 +47,7 @@ from tests.support.vllm_fixtures import (
 from tests.support.vllm_rig import Rig, gateway
 from tests.vllm.test_e2e import TOKEN_ANSWER, token_request
 
-pytestmark = [pytest.mark.anyio, pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(900)]
 
 M_USAGE = "vllm:kv_cache_usage_perc"
 # D-side NIXL counters (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py): holds freed at their TTL,

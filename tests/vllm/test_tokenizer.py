@@ -24,7 +24,7 @@ from kvtether.gateway.turn import body as B
 
 from tests.support.vllm_fixtures import TINY_MODEL, Backend
 
-pytestmark = [pytest.mark.anyio, pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(600)]
 
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "description": "Read a file",

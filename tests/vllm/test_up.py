@@ -34,7 +34,7 @@ from tests.support.vllm_fixtures import (
     vllm_unavailable_reason,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.vllm_first, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm_first, pytest.mark.timeout(600)]
 
 KVTETHER = Path(sys.executable).with_name("kvtether")
 
