@@ -3,11 +3,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.support.processes import Spawn, spawned
-from tests.support.vllm_fixtures import Backend, shared_vllm_pair
+
+if TYPE_CHECKING:
+    from tests.support.vllm_fixtures import Backend
 
 
 @pytest.fixture
@@ -27,7 +30,10 @@ def spawn() -> Iterator[Spawn]:
 @pytest.fixture(scope="session")
 def vllm_pair(pytestconfig: pytest.Config) -> Iterator[Backend]:
     """The session's one real vLLM pair (support/vllm_fixtures.py): here because tests of two folders use it, the
-    real-vLLM ones and the protocol script that runs on both backends."""
+    real-vLLM ones and the protocol script that runs on both backends. Imported here, not at the top: a run that
+    never asks for the pair (the SDK's on openai 1.x) loads nothing of the launcher."""
+    from tests.support.vllm_fixtures import shared_vllm_pair
+
     with shared_vllm_pair(pytestconfig) as b:
         yield b
 
