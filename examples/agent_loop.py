@@ -7,7 +7,7 @@ cluster and gateway on free ports, and stops them when it ends)::
     kvtether sim --prefill 1 --decode 2 --port 8100
     kvtether serve --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8101 --decode http://127.0.0.1:8102
 
-or the test fake, ``python tests/fake_openai.py --port 8000``. Then::
+or the test fake, ``python tests/support/fake_openai.py --port 8000``. Then::
 
     python examples/agent_loop.py                       # --base-url http://127.0.0.1:8000/v1
     python examples/agent_loop.py --record session.jsonl

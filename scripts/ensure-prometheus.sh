@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make sure `prometheus` and `promtool` are on PATH for tests/test_deploy_prometheus.py, which checks the alert
+# Make sure `prometheus` and `promtool` are on PATH for tests/deploy/test_prometheus.py, which checks the alert
 # rules in deploy/prometheus/ with promtool and runs a throw-away Prometheus (its own port and data directory)
 # against a simulated cluster to prove every dashboard query has data. Idempotent: does nothing but say where
 # the binaries are when both are there; else installs Debian's prometheus package (as root, or through sudo).

@@ -22,4 +22,4 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 "$venv/bin/python" -c 'import openai, sys; v = openai.__version__; print("openai", v); sys.exit(v.split(".")[0] != "1")'
-exec "$venv/bin/pytest" -q -p no:cacheprovider tests/test_sdk_*.py "$@"
+exec "$venv/bin/pytest" -q -p no:cacheprovider tests/sdk "$@"

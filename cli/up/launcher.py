@@ -3,7 +3,7 @@
 
 Nothing here starts a process; `plan_cluster()` returns a `ClusterPlan` with, for every child, the exact
 argv and the environment *additions* (on top of the caller's environment). Process management lives in
-`command.py`; tests (`tests/test_launcher.py`) check the construction without vLLM installed.
+`command.py`; tests (`tests/cli/test_up_launcher.py`) check the construction without vLLM installed.
 
 The gateway child gets its settings on its command line: `python -m kvtether.cli.up.command gateway '<settings JSON>'
 [--config FILE] --log-level LEVEL`, where it calls `load_config(FILE, **settings)`. The settings `up` derives

@@ -1,0 +1,105 @@
+"""benchmarks/goodput.py: its workloads have the arrivals an open-loop replay needs, its table and goodput read
+the runs right, and a tiny run of two options end to end gives an attainment per load."""
+
+from __future__ import annotations
+
+import argparse
+import types
+from pathlib import Path
+
+import pytest
+
+from tests.support import benchmark_scripts
+
+
+def _bench() -> types.ModuleType:
+    return benchmark_scripts.load("goodput")
+
+
+@pytest.mark.parametrize("name", ["chat", "coding", "long-docs", "trace"])
+def test_every_workload_has_sessions_that_arrive_over_time(name: str) -> None:
+    g = _bench()
+    sessions = g.workload(name, g.Settings(sessions=4))
+    assert 1 <= len(sessions) <= 4 and all(len(s.turns) >= 2 for s in sessions)
+    offsets = [s.metadata.get("start_offset_ms", 0.0) for s in sessions]
+    assert offsets[0] == 0.0 or name == "trace"
+    assert len(set(offsets)) == len(offsets), offsets  # not all at once: open loop has something to compress
+
+
+def test_the_table_names_each_options_goodput_and_late_turn_figures() -> None:
+    g = _bench()
+
+    def row(option: str, rate: float, share: float) -> dict[str, object]:
+        return {"option": option, "rate": rate, "attainment": share, "late_ttft_ms": {"p50": 1, "p95": 2, "p99": 3},
+                "tpot_p95_ms": 7.0}
+
+    out = {"loads": [1.0, 2.0], "workloads": {"chat": {
+        "sessions": 2, "turns": 8, "runs": [row("auto", 1.0, 0.95), row("auto", 2.0, 0.5), row("no-pull", 1.0, 0.2),
+                                            row("no-pull", 2.0, 0.1)],
+        "goodput": {"auto": 1.0, "no-pull": None}}}}
+    text = g.render(out)
+    assert "| auto | 95.0 % | 50.0 % | ×1 | 1 / 2 / 3 | 7.0 |" in text
+    assert "| no-pull | 20.0 % | 10.0 % | none |" in text
+
+
+def test_seeds_pool_into_one_table_of_every_turn() -> None:
+    """Attainment pooled is met over turns of all seeds together (not a mean of shares), percentiles are of
+    the samples together, and goodput is read off the pooled attainment."""
+    g = _bench()
+
+    def run(seed: int, met: int, turns: int, late: list[float]) -> dict[str, object]:
+        r = {"option": "auto", "rate": 1.0, "attainment": met / turns, "met": met, "turns": turns, "errors": 0,
+             "late_ttft_samples": late, "tpot_samples": [7.0] * len(late)}
+        return {"settings": {"seed": seed}, "loads": [1.0], "workloads": {"chat": {
+            "sessions": 2, "turns": turns, "runs": [r], "goodput": {"auto": None}}}}
+
+    out = g.pool([run(1, 9, 10, [100.0, 200.0]), run(2, 28, 30, [300.0, 400.0])])
+    pooled = out["workloads"]["chat"]
+    (row,) = pooled["runs"]
+    assert (row["met"], row["turns"]) == (37, 40) and row["attainment"] == pytest.approx(0.925)
+    assert row["late_ttft_ms"]["p50"] == 300.0 and row["late_ttft_ms"]["p99"] == 400.0
+    assert pooled["goodput"] == {"auto": 1.0} and out["seeds"] == [1, 2]
+
+
+def test_the_trace_workload_takes_a_different_window_per_seed() -> None:
+    g = _bench()
+    first = g.workload("trace", g.Settings(sessions=4, seed=1))
+    second = g.workload("trace", g.Settings(sessions=4, seed=2))
+    assert {s.session_id for s in first}.isdisjoint({s.session_id for s in second})
+    assert min(s.metadata["start_offset_ms"] for s in second) == 0.0  # arrivals from the window's first
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(300)
+async def test_a_tiny_run_gives_attainment_and_goodput_per_option(tmp_path: Path) -> None:
+    g = _bench()
+    args = argparse.Namespace(workloads="chat", options="auto,colocated", loads="1,4", preset="toy", speed=10.0,
+                              ttft=60_000.0, tpot=1_000.0, sessions=2, seed=3)
+    out = await g.main_async(args)
+    res = out["workloads"]["chat"]
+    assert [(r["option"], r["rate"]) for r in res["runs"]] == [("auto", 1.0), ("auto", 4.0), ("colocated", 1.0),
+                                                               ("colocated", 4.0)]
+    assert all(r["errors"] == 0 and r["turns"] == 16 for r in res["runs"]), res["runs"]
+    # Objectives this loose are met by every turn: goodput is the highest load tried.
+    assert all(r["attainment"] == 1.0 for r in res["runs"]) and res["goodput"] == {"auto": 4.0, "colocated": 4.0}
+    assert all(r["tpot_p95_ms"] is not None for r in res["runs"])
+    g.plot(out, tmp_path / "goodput.png")
+    assert (tmp_path / "goodput.png").stat().st_size > 1000
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(300)
+async def test_a_run_lists_the_turns_it_missed_with_the_gateways_choice() -> None:
+    """Every turn that misses an objective is listed with what the gateway chose for it (its plan and the
+    reason's bucket), so a policy's lost turns can be read, not only counted."""
+    from kvtether.cli.assess.cluster import build_shape
+
+    g = _bench()
+    st = g.Settings(preset="toy", speed=10.0, ttft_ms=0.001, tpot_ms=1_000.0, sessions=2, seed=3)
+    sessions = g.workload("chat", st)
+    row = await g.run_one("auto", sessions, build_shape("toy", prefill=1, decode=2), 1.0, st)
+    assert row["met"] == 0 and len(row["missed"]) == row["turns"] == 16
+    first = [m for m in row["missed"] if m["turn"] == 0]
+    assert len(first) == 2 and all(m["reason"] == "first_turn" and m["plan"] == "none" for m in first), first
+    assert all(m["ttft_ms"] is not None and m["ttft_ms"] > 0.001 and m["error"] is None for m in row["missed"])
+    assert {m["session"] for m in row["missed"]} == {s.session_id for s in sessions}

@@ -1,0 +1,190 @@
+"""Anthropic Messages through the gateway on the simulator: a Claude-Code-like tool loop (billing header, session
+header, tools, tool results), streamed and not, answered as the oracle answers the same turn sent as chat, with
+later turns reusing the decode node's KV; errors and keys in Anthropic's shape; count_tokens."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from kvtether.protocol import messages as M
+
+from tests.support.gateway_agent import MODEL, tool_result
+from tests.support.sim_rig import Rig, metric, rig
+
+pytestmark = pytest.mark.anyio
+
+TOOLS = [
+    {"name": "read_file", "description": "Read a file of the repository",
+     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
+    {"name": "grep", "description": "Search the repository",
+     "input_schema": {"type": "object", "properties": {"pattern": {"type": "string"}}, "required": ["pattern"]},
+     "cache_control": {"type": "ephemeral"}},
+]
+
+
+def request(messages: list[dict[str, Any]], turn: int, *, stream: bool) -> dict[str, Any]:
+    return {
+        "model": MODEL, "max_tokens": 60, "stream": stream, "temperature": 0, "tools": TOOLS,
+        "system": [
+            # Claude Code's per-request attribution block: different every turn, stripped as vLLM strips it.
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.328; cch={turn:08x};"},
+            {"type": "text", "text": "You are a coding agent. " + tool_result("sys-m", 120),
+             "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": messages,
+        "metadata": {"user_id": json.dumps({"device_id": "d", "session_id": "meta-session"})},
+        "context_management": {"edits": []},
+    }
+
+
+async def send(r: Rig, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any], httpx.Headers]:
+    """One Messages call; the message as a client rebuilds it (a stream's events folded into one)."""
+    if not body["stream"]:
+        resp = await r.client.post(f"{r.url}/v1/messages?beta=true", json=body, headers=headers)
+        assert resp.status_code == 200, resp.text
+        return resp.json(), resp.headers
+    content: list[dict[str, Any]] = []
+    partial: dict[int, str] = {}
+    names: list[str] = []
+    message: dict[str, Any] = {}
+    async with r.client.stream("POST", f"{r.url}/v1/messages?beta=true", json=body, headers=headers) as resp:
+        assert resp.status_code == 200, (await resp.aread()).decode()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        event = None
+        async for line in resp.aiter_lines():
+            if line.startswith("event:"):
+                event = line[6:].strip()
+                names.append(event)
+                continue
+            if not line.startswith("data:"):
+                continue
+            data = json.loads(line[5:])
+            assert data["type"] == event
+            if event == "message_start":
+                message = data["message"]
+            elif event == "content_block_start":
+                content.append(dict(data["content_block"]))
+            elif event == "content_block_delta":
+                block, delta = content[data["index"]], data["delta"]
+                if delta["type"] == "text_delta":
+                    block["text"] = block.get("text", "") + delta["text"]
+                elif delta["type"] == "input_json_delta":
+                    partial[data["index"]] = partial.get(data["index"], "") + delta["partial_json"]
+                elif delta["type"] == "thinking_delta":
+                    block["thinking"] = block.get("thinking", "") + delta["thinking"]
+            elif event == "message_delta":
+                message.update(data["delta"])
+                message["usage"] = {**message.get("usage", {}), **data["usage"]}
+        headers_out = resp.headers
+    assert names[0] == "message_start" and names[-1] == "message_stop" and "message_delta" in names
+    for i, raw in partial.items():
+        content[i]["input"] = json.loads(raw) if raw else {}
+    message["content"] = content
+    return message, headers_out
+
+
+def comparable(message: dict[str, Any]) -> dict[str, Any]:
+    """What two correct runs share (ids and thinking signatures are per answer)."""
+    blocks = []
+    for b in message["content"]:
+        b = {k: v for k, v in b.items() if k not in ("id", "signature")}
+        blocks.append(b)
+    return {"content": blocks, "stop_reason": message.get("stop_reason")}
+
+
+async def oracle(r: Rig, body: dict[str, Any]) -> dict[str, Any]:
+    """The same turn as chat, straight to an aggregated simulator node, raised back to a Messages answer."""
+    chat = M.to_chat({**body, "stream": False})
+    resp = await r.client.post(f"{r.oracle}/v1/chat/completions", json=chat)
+    assert resp.status_code == 200, resp.text
+    return M.from_chat(resp.json(), MODEL)
+
+
+def follow_up(messages: list[dict[str, Any]], answer: dict[str, Any], turn: int) -> list[dict[str, Any]]:
+    """The next turn's history: the answer as Claude Code keeps it, then its tool results or a user message."""
+    out = [*messages, {"role": "assistant", "content": answer["content"]}]
+    uses = [b for b in answer["content"] if b["type"] == "tool_use"]
+    if uses:
+        out.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": u["id"], "content": tool_result(f"m{turn}.{i}", 50)}
+            for i, u in enumerate(uses)]})
+    else:
+        out.append({"role": "user", "content": [{"type": "text", "text": f"Go on ({turn}). " +
+                                                  tool_result(f"f{turn}", 20)}]})
+    return out
+
+
+async def test_a_messages_tool_loop_answers_as_the_oracle_and_later_turns_reuse() -> None:
+    async with rig(sim={"decoder_kv_blocks_ttl": 1e9}) as r:
+        headers = {"x-claude-code-session-id": "cc-1", "anthropic-version": "2023-06-01", "x-api-key": "any"}
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Fix the build. " + tool_result("t", 30)}]
+        sources = []
+        kinds: set[str] = set()
+        for turn in range(5):
+            body = request(messages, turn, stream=turn % 2 == 1)
+            got, resp_headers = await send(r, body, headers)
+            want = await oracle(r, body)
+            assert comparable(got) == comparable(want), f"turn {turn} differs from the oracle"
+            kinds.update(b["type"] for b in got["content"])
+            assert got["role"] == "assistant" and got["usage"]["output_tokens"] > 0
+            sources.append(resp_headers.get("x-kvtether-reuse-source"))
+            messages = follow_up(messages, got, turn)
+        assert {"text", "tool_use"} <= kinds, kinds  # the loop had tool calls and text answers
+        # The billing block changes every turn and is stripped, so every later turn pulls the history back.
+        assert sources[1:] == ["decode_pull"] * 4, sources
+        assert await metric(r.client, r.url, "kvtether_handle_outcomes_total", outcome="attached") == 4
+        [s] = (await r.client.get(f"{r.url}/admin/sessions")).json()
+        assert s["session_id"] == "cc-1" and s["turns"] == 5
+        assert await metric(r.client, r.url, "kvtether_requests_total", route="messages", status="2xx") == 5
+
+
+async def test_claude_code_subagents_and_metadata_name_their_own_sessions() -> None:
+    async with rig() as r:
+        body = request([{"role": "user", "content": "hello " + tool_result("sa", 10)}], 0, stream=False)
+        await send(r, body, {"x-claude-code-session-id": "cc-2", "x-claude-code-agent-id": "explore-1"})
+        await send(r, body, {})  # no header: metadata.user_id's session_id
+        ids = sorted(s["session_id"] for s in (await r.client.get(f"{r.url}/admin/sessions")).json())
+        assert ids == ["cc-2:agent:explore-1", "meta-session"]
+
+
+async def test_errors_come_in_anthropics_shape() -> None:
+    async with rig(api_keys={"key-messages-01": "team"}) as r:
+        body = request([{"role": "user", "content": "hi"}], 0, stream=False)
+        no_key = await r.client.post(f"{r.url}/v1/messages", json=body)
+        assert no_key.status_code == 401
+        assert no_key.json()["type"] == "error" and no_key.json()["error"]["type"] == "authentication_error"
+        ok = await r.client.post(f"{r.url}/v1/messages", json=body, headers={"x-api-key": "key-messages-01"})
+        assert ok.status_code == 200 and ok.json()["type"] == "message"
+        bad = await r.client.post(f"{r.url}/v1/messages", json={**body, "max_tokens": 0},
+                                  headers={"x-api-key": "key-messages-01"})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        assert "max_tokens" in bad.json()["error"]["message"]
+        # Server tools are dropped by default (tests/gateway/api/test_hosted_tools.py); a tool_choice naming one is
+        # still refused.
+        server_tool = {**body, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+                       "tool_choice": {"type": "tool", "name": "web_search"}}
+        refused = await r.client.post(f"{r.url}/v1/messages", json=server_tool,
+                                      headers={"x-api-key": "key-messages-01"})
+        assert refused.status_code == 400 and "web_search" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["type"] == "invalid_request_error"
+        unknown = await r.client.post(f"{r.url}/v1/messages", json={**body, "model": "claude-opus-4"},
+                                      headers={"x-api-key": "key-messages-01"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+        smuggled = await r.client.post(f"{r.url}/v1/messages", json={**body, "kv_transfer_params": {"x": 1}},
+                                       headers={"x-api-key": "key-messages-01"})
+        assert smuggled.status_code == 400 and smuggled.json()["type"] == "error"
+
+
+async def test_count_tokens_is_the_prompt_the_decode_node_renders() -> None:
+    async with rig() as r:
+        body = request([{"role": "user", "content": "count me " + tool_result("c", 40)}], 0, stream=False)
+        resp = await r.client.post(f"{r.url}/v1/messages/count_tokens", json=body)
+        assert resp.status_code == 200, resp.text
+        chat = M.to_chat(body)
+        done = await r.client.post(f"{r.oracle}/v1/chat/completions", json={**chat, "max_tokens": 1})
+        assert resp.json() == {"input_tokens": done.json()["usage"]["prompt_tokens"]}
+        bad = await r.client.post(f"{r.url}/v1/messages/count_tokens", json={"model": MODEL})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"

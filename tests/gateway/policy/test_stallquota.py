@@ -1,0 +1,125 @@
+"""Per-request TPOT quotas of stall (pure) and how the cost policy uses them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from kvtether.gateway.policy import NodeLoad, PolicyKnobs, TurnFacts, choose
+from kvtether.gateway.policy.stallquota import Credit, Exposure, absorb, credit, quota_s
+
+from tests.gateway.policy.test_costpolicy import D0, D1, MOE, P0, history_turn
+
+
+def test_a_quota_is_the_share_of_the_answers_decode_time() -> None:
+    # 128 tokens: 127 decode steps after the prefill's first token, at 15 ms each, 10 % of that.
+    assert quota_s(0.10, 128, 0.015) == pytest.approx(0.10 * 127 * 0.015)
+    assert quota_s(0.10, 0, 0.015) == pytest.approx(0.0015)  # at least one step
+    assert quota_s(0.0, 128, 0.015) == 0.0
+    with pytest.raises(ValueError):
+        quota_s(1.5, 128, 0.015)
+
+
+def test_a_quota_never_lets_the_request_break_its_tpot_objective() -> None:
+    # Six tokens at 7 ms: a 15 % share is 5.25 ms of stall; the 25 ms objective alone would allow 5 × 18 ms.
+    assert quota_s(0.15, 6, 0.007, 0.025) == pytest.approx(0.15 * 5 * 0.007)
+    # A step near the objective: half of the decode time (50 ms) would be TPOT 30 ms; the objective caps the
+    # stall at 5 × 5 ms (TPOT 20 ms + 25 ms / 5 = 25 ms).
+    assert quota_s(0.5, 6, 0.020, 0.025) == pytest.approx(5 * 0.005)
+    # A step already at the objective leaves no room at all.
+    assert quota_s(0.5, 100, 0.030, 0.025) == 0.0
+
+
+def test_the_credit_is_the_tightest_requests_headroom_with_its_quota() -> None:
+    assert credit([]) == Credit(math.inf, math.inf)
+    fresh, used = Exposure(0.20), Exposure(0.30, absorbed_s=0.25)
+    c = credit([fresh, used])
+    assert c.credit_s == pytest.approx(0.05)
+    assert c.quota_s == pytest.approx(0.30)
+
+
+def test_a_local_prefill_charges_every_decoding_request() -> None:
+    after = absorb({1: Exposure(0.2), 2: Exposure(0.2, 0.1)}, 0.07)
+    assert after[1].absorbed_s == pytest.approx(0.07)
+    assert after[2].absorbed_s == pytest.approx(0.17)
+    assert absorb(after, -1.0) == after  # a negative stall refunds nothing
+
+
+BUSY = (NodeLoad(D0, running=2), NodeLoad(D1))
+# The quota's own arithmetic: no node bucket, no interference price, the turn stays on its pinned D.
+QUOTA_ONLY = PolicyKnobs(interference_weight=0.0, rebalance_decode=False)
+
+
+def _local_stall(turn: TurnFacts) -> float:
+    d = choose(turn, D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
+    return next(o for o in d.options if o.option == "decode_local").stall_s
+
+
+def test_a_request_near_its_quota_sends_a_turn_that_would_stall_it_through_p() -> None:
+    roomy = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=0.5, request_stall_quota_s=0.5)
+    first = choose(roomy, D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
+    assert first.option == "decode_local", first.reason
+    stall = _local_stall(roomy)
+    assert 0.03 < stall < 0.1  # a MoE prefill step: several decode steps of a small batch
+    tight = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=stall * 0.9,
+                         request_stall_quota_s=0.5)
+    spent = choose(tight, D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
+    assert spent.option == "pull", spent.reason
+    assert "TPOT quota" in spent.trace_attributes()["rejected.decode_local"]
+    assert "tightest TPOT quota" in spent.reason
+
+
+def test_a_draining_quota_prices_the_stall_and_a_full_one_does_not() -> None:
+    def interference(credit_s: float) -> float:
+        turn = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=credit_s,
+                            request_stall_quota_s=0.4)
+        d = choose(turn, D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
+        return next(o for o in d.options if o.option == "decode_local").interference_s
+
+    stall = _local_stall(history_turn(16000, 300, expected_output_tokens=32))
+    assert interference(0.4) == 0.0  # full: the weight (0 here) alone
+    assert interference(0.2) == pytest.approx(1.0 * stall)  # half left: quota/credit − 1 = 1 per stall-second
+    assert interference(0.1) == pytest.approx(3.0 * stall)
+
+
+def test_nobody_decoding_means_no_quota_binds() -> None:
+    # An idle D is stalled by nothing: even an exhausted quota figure (stale) does not stop the local turn.
+    idle = (NodeLoad(D0), NodeLoad(D1))
+    turn = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=0.0, request_stall_quota_s=0.2)
+    assert choose(turn, D0, (NodeLoad(P0),), idle, MOE, QUOTA_ONLY).option == "decode_local"
+
+
+def test_a_request_with_no_room_at_all_refuses_the_local_turn_without_error() -> None:
+    # A request already over the TPOT ceiling has a quota of 0 (and a credit of 0, or below once a forced
+    # local turn charged it anyway).
+    for credit_s in (0.0, -0.05):
+        turn = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=credit_s,
+                            request_stall_quota_s=0.0)
+        d = choose(turn, D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
+        assert d.option == "pull", d.reason
+        assert "TPOT quota" in d.trace_attributes()["rejected.decode_local"]
+
+
+@pytest.mark.parametrize("credit_s,quota", [(math.nan, 1.0), (0.1, -1.0), (0.1, math.nan)])
+def test_invalid_quota_facts(credit_s: float, quota: float) -> None:
+    with pytest.raises(ValueError):
+        TurnFacts(100, 10, request_stall_credit_s=credit_s, request_stall_quota_s=quota)
+
+
+def test_a_long_tool_result_runs_on_d_while_its_requests_have_room_and_through_p_once_they_do_not() -> None:
+    """A 5000-token suffix (within the default 8192-token local limit, one chunked step) on a 20k history: on
+    an idle D it runs locally (nobody to stall, no pull); on a busy D only while every decoding request can
+    absorb its stall, which is several times a short suffix's."""
+    long_turn = history_turn(25000, 5000)
+    decodes = (NodeLoad(D0), NodeLoad(D1))
+    assert choose(long_turn, D0, (NodeLoad(P0),), decodes, MOE).option == "decode_local"
+    roomy = choose(replace(long_turn, request_stall_credit_s=1.0, request_stall_quota_s=1.0),
+                   D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
+    assert roomy.option == "decode_local", roomy.reason
+    stall = next(o for o in roomy.options if o.option == "decode_local").stall_s
+    assert stall > 2 * _local_stall(history_turn(16000, 300, expected_output_tokens=32))
+    tight = choose(replace(long_turn, request_stall_credit_s=stall / 2, request_stall_quota_s=1.0),
+                   D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
+    assert tight.option == "pull", tight.reason
+
