@@ -40,7 +40,7 @@ class Rig:
 async def rig(*, prefill: int = 1, decode: int = 1, aggregated: int = 0, sim: dict[str, Any] | None = None,
               store: Any = None, **gw: Any) -> AsyncIterator[Rig]:
     # These tests pin down the pull mechanics: policy "pull" unless a test asks otherwise ("auto" may run a
-    # turn on D instead; tests/test_gateway_auto.py covers it).
+    # turn on D instead; tests/gateway/test_auto.py covers it).
     gw.setdefault("policy", "pull")
     gw.setdefault("metrics_poll_interval_s", 0.5)
     spec = ClusterSpec(prefill=prefill, decode=decode, aggregated=aggregated, speed=SPEED,
