@@ -1,4 +1,5 @@
-"""A turn in flight: its context, its final leg, what its legs returned, and the gateway parts every step uses.
+"""A turn in flight: its context (identity and request), its placement, how it is going, its final leg, what its
+legs returned, and the gateway parts every step uses.
 
 Plain records plus :class:`Services`, the one object the request path's steps (identify, gather, place, legs,
 relay, remember) share: configuration, the cluster view, the session store, metrics, tracing, the upstream
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,10 +36,11 @@ PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 VLLM_SESSION_HEADER = "x-session-id"
 
 
-@dataclass
+@dataclass(frozen=True)
 class TurnContext:
-    """One turn's own state, from identify to remember: the request and its session, what its placement assumed
-    of the nodes, and how it went. What a step finds is what it returns, not a field here."""
+    """One turn's identity and request, as identify found them; nothing writes it later. What the other steps
+    find is what they return: the placement (:class:`Placement`), its legs (:class:`FinalLeg`, :class:`LegResult`),
+    and how the turn is going (:class:`Progress`)."""
 
     # The request and its session (identify).
     kind: str  # chat | completions
@@ -64,21 +66,6 @@ class TurnContext:
     # the session's gap since its last turn ended, for retention's idle estimate.
     final: bool = False
     arrived_at: float = 0.0
-    # What the placement assumed of the nodes, recorded by the orchestrator as it places the turn: the prefix
-    # of the prompt D's prefix cache holds (verified) and what each P's may hold (policy/copies.py), from
-    # gather; the load view the plan saw (what each leg queued behind). The legs' learning and the end of the
-    # turn compare what happened with it.
-    decode_cached: int = 0
-    prefill_cached: dict[str, int] = field(default_factory=dict)
-    plan_view: ClusterView | None = None
-    # How it went: the nodes it found failing (every later placement avoids them); seconds spent awaiting
-    # nodes before the final leg (tokenize, prefill) and when that leg was sent, so that
-    # final_leg_at - t0 - upstream_s is the gateway's own share of the TTFT.
-    exclude: set[str] = field(default_factory=set)
-    upstream_s: float = 0.0
-    final_leg_at: float | None = None
-    # (decode node, key) of its entry in D's per-request TPOT quotas, from its placement to its answer's end.
-    exposure: tuple[str, int] | None = None
 
     @property
     def model(self) -> str:
@@ -88,9 +75,27 @@ class TurnContext:
     def parent_ctx(self) -> otel_context.Context:
         return trace.set_span_in_context(self.span)
 
+
+@dataclass(frozen=True)
+class Placement:
+    """What the plan step returns: the plan, and what it assumed of the nodes — the legs' learning and the end of
+    the turn compare what happened with it. A re-placement (after a failed node) returns a new one that replaces
+    it, and leaves its TPOT-quota entry."""
+
+    plan: Plan
+    # The load view the plan saw: what each leg queued behind (None: aggregated mode, which learns nothing).
+    view: ClusterView | None = None
+    # From gather, for every placement of the turn: the prefix of the prompt D's prefix cache holds (verified),
+    # and what each P's may hold (policy/copies.py).
+    decode_cached: int = 0
+    prefill_cached: Mapping[str, int] = field(default_factory=dict)
+    # (decode node, key) of the turn's entry in D's per-request TPOT quotas, held from this placement to the
+    # answer's end (Services.enter_decoding / leave_decoding); None: no quotas kept.
+    exposure: tuple[str, int] | None = None
+
     def load_at_plan(self, node: str) -> tuple[float, float]:
         """(running, waiting) of `node` as the plan saw it: what this leg queued behind."""
-        view = self.plan_view
+        view = self.view
         for n in (*view.prefill, *view.decode) if view is not None else ():
             if n.url == node:
                 return n.running, n.waiting
@@ -98,11 +103,23 @@ class TurnContext:
 
 
 @dataclass
+class Progress:
+    """How the turn is going, kept by the orchestrator (one per turn) and added to by the steps that find out: the
+    nodes found failing (every later placement avoids them), the seconds spent awaiting nodes before the final
+    leg (tokenize, prefill legs), and the placement in force — the one whose TPOT-quota entry the turn holds,
+    left if the turn fails."""
+
+    exclude: set[str] = field(default_factory=set)
+    upstream_s: float = 0.0
+    placed: Placement | None = None
+
+
+@dataclass
 class FinalLeg:
     """The leg whose answer the client sees (D in P/D mode, the replica in aggregated mode), as the legs, the
     relay and the end of the turn read it."""
 
-    plan: Plan
+    placed: Placement  # the placement it executes: its plan, and what it assumed of the nodes
     name: str  # decode | aggregated: its phase in errors and metrics
     source: str  # where the prompt's reused KV came from (x-kvtether-reuse-source)
     headers: dict[str, str] = field(default_factory=dict)  # the x-kvtether-* headers its answer carries
@@ -110,7 +127,16 @@ class FinalLeg:
     expected_output_tokens: int = 256
     # The handle a decode-local turn did not use: D still holds it, so it is put back after the turn.
     unused: TakenHandle | None = None
-    span: trace.Span = trace.INVALID_SPAN  # its CLIENT span, from when it is sent (legs.final_leg)
+    # From its sending on (legs.final_leg): its CLIENT span, when it was sent (perf_counter), and the seconds
+    # the turn had spent awaiting nodes by then (tokenize, prefill legs), so that sent_at - t0 - upstream_s is
+    # the gateway's own share of the TTFT.
+    span: trace.Span = trace.INVALID_SPAN
+    sent_at: float | None = None
+    upstream_s: float = 0.0
+
+    @property
+    def plan(self) -> Plan:
+        return self.placed.plan
 
     @property
     def node(self) -> str:
@@ -259,21 +285,20 @@ class Services:
             return False
         return not ctx.stream or node.stream_handles
 
-    def enter_decoding(self, ctx: TurnContext, node: str, expected_output_tokens: int) -> None:
-        """This turn's answer was placed to decode on `node`: it gets its TPOT quota of stall there
-        (policy/stallquota.py), in place of any entry an earlier placement of the turn made."""
+    def enter_decoding(self, node: str, expected_output_tokens: int,
+                       replacing: Placement | None) -> tuple[str, int] | None:
+        """A turn's answer was placed to decode on `node`: its entry in the TPOT quotas of stall there
+        (policy/stallquota.py), in place of the one its placement being replaced made (left here)."""
         if self.learning.request_stall_share >= 1.0:
-            return  # no quotas kept
-        self.leave_decoding(ctx)
+            return None  # no quotas kept
+        self.leave_decoding(replacing)
         n = self.cluster.nodes.get(node)
         running = n.load().running if n is not None else 1.0  # polled gauge or this gateway's own, the fresher
         key = self.learning.decoding(node, expected_output_tokens, running, self.clock())
-        if key is not None:
-            ctx.exposure = (node, key)
+        return (node, key) if key is not None else None
 
-    def leave_decoding(self, ctx: TurnContext) -> None:
-        """Nothing decodes for this turn any more: its answer ended, or the turn failed."""
-        if ctx.exposure is not None:
-            node, key = ctx.exposure
-            ctx.exposure = None
-            self.learning.done_decoding(node, key)
+    def leave_decoding(self, placed: Placement | None) -> None:
+        """Nothing decodes for the placement's turn any more: its answer ended, or the turn failed (or was placed
+        anew). Leaving an entry again is harmless: its key is never reused."""
+        if placed is not None and placed.exposure is not None:
+            self.learning.done_decoding(*placed.exposure)

@@ -19,7 +19,7 @@ from kvtether.gateway.policy.copies import cut
 from kvtether.gateway.policy.placement import HandleState, Turn
 from kvtether.gateway.stores.sessions import TakenHandle
 from kvtether.gateway.turn import body as B
-from kvtether.gateway.turn.context import Services, TurnContext
+from kvtether.gateway.turn.context import Progress, Services, TurnContext
 from kvtether.gateway.turn.tokenize import tokenize
 
 
@@ -41,7 +41,8 @@ class Gathered:
         return dict(self.turn.prefill_cached)
 
 
-async def gather(sv: Services, ctx: TurnContext, round_robin: int) -> Gathered:
+async def gather(sv: Services, ctx: TurnContext, round_robin: int, progress: Progress) -> Gathered:
+    """What the plan needs to know of the turn; a ``/tokenize`` wait is added to the turn's `progress`."""
     policy = sv.config.policy
     state = ctx.state
     taken, handle_state = await _take_handle(sv, ctx)
@@ -53,7 +54,7 @@ async def gather(sv: Services, ctx: TurnContext, round_robin: int) -> Gathered:
     decode_cached = 0
     cached_held = state.cached if state is not None and sv.config.cache_aware else None
     if (policy == "pull" or sv.config.cache_aware) and (has_handle or cached_held is not None):
-        prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx)
+        prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx, progress)
         if prompt_ids is not None:
             reuse, decode_cached = _guard(sv, ctx, taken if has_handle else None, prompt_ids)
     elif policy == "pull" or sv.config.cache_aware:

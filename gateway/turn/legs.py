@@ -22,7 +22,7 @@ from kvtether.gateway import telemetry as T
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.guard.readback import DECODE_PULL, Read, read_of, reported_cached_tokens
 from kvtether.gateway.guard.verify import handle_num_tokens
-from kvtether.gateway.policy.placement import Plan, Turn
+from kvtether.gateway.policy.placement import Turn
 from kvtether.gateway.policy.retention import ReleaseReason
 from kvtether.gateway.transport.upstream import UpstreamResponse
 from kvtether.gateway.turn import body as B
@@ -30,7 +30,9 @@ from kvtether.gateway.turn.context import (
     PATHS,
     FinalLeg,
     LegResult,
+    Placement,
     Prefilled,
+    Progress,
     Services,
     TurnContext,
     UpstreamFailure,
@@ -49,14 +51,16 @@ class Whole:
     result: LegResult
 
 
-async def prefill_with_recovery(sv: Services, ctx: TurnContext, the_plan: Plan, kv: dict[str, Any] | None,
-                                replan: Callable[[Turn], Plan]) -> tuple[Prefilled, Plan]:
+async def prefill_with_recovery(sv: Services, ctx: TurnContext, progress: Progress, placed: Placement,
+                                kv: dict[str, Any] | None,
+                                replan: Callable[[Turn], Placement]) -> tuple[Prefilled, Placement]:
     """The prefill leg, recovered: a failed pull is retried once without its handle (docs/protocol.md §2: an expired
-    or failed pull errors the prefill), a failed P is replaced by another (`replan`) while one is left."""
+    or failed pull errors the prefill), a failed P is replaced by another (`replan`) while one is left. Returns
+    what P did and the placement it did it in (the re-placement, after a failed P); a failed P joins the nodes
+    the turn's `progress` avoids."""
     for _ in range(1 + len(sv.cluster.role("prefill"))):
-        assert the_plan.prefill is not None
         try:
-            return await prefill(sv, ctx, the_plan.prefill, kv), the_plan
+            return await prefill(sv, ctx, progress, placed, kv), placed
         except UpstreamFailure as failure:
             sv.count_error(failure)
             if kv is not None:
@@ -70,17 +74,21 @@ async def prefill_with_recovery(sv: Services, ctx: TurnContext, the_plan: Plan, 
             if not failure.node_fault:
                 raise
             sv.mark_failed(failure)
-            ctx.exclude.add(failure.node)
-            turn = Turn(policy=sv.config.policy, new_session=False, pinned_decode=the_plan.decode,
-                        round_robin=0, exclude=frozenset(ctx.exclude))
+            progress.exclude.add(failure.node)
+            turn = Turn(policy=sv.config.policy, new_session=False, pinned_decode=placed.plan.decode,
+                        round_robin=0, exclude=frozenset(progress.exclude))
             try:
-                the_plan = replan(turn)
+                placed = replan(turn)
             except GatewayError:
                 raise failure from None  # no other prefill node: report what went wrong upstream
     raise GatewayError(502, "every prefill node failed", type_="upstream_error", code="upstream_failed")
 
 
-async def prefill(sv: Services, ctx: TurnContext, node: str, kv: dict[str, Any] | None) -> Prefilled:
+async def prefill(sv: Services, ctx: TurnContext, progress: Progress, placed: Placement,
+                  kv: dict[str, Any] | None) -> Prefilled:
+    """The placement's prefill leg (its wait added to the turn's `progress`), learned from."""
+    node = placed.plan.prefill
+    assert node is not None
     span = sv.leg_span(ctx, node, "prefill")
     started = time.perf_counter()
     sv.cluster.begin(node)
@@ -100,7 +108,7 @@ async def prefill(sv: Services, ctx: TurnContext, node: str, kv: dict[str, Any] 
         except httpx.HTTPError as exc:
             raise UpstreamFailure.from_http(node, "prefill", exc) from None
         finally:
-            ctx.upstream_s += time.perf_counter() - started
+            progress.upstream_s += time.perf_counter() - started
         data = _json_or_none(resp)
         if resp.status_code != 200 or not isinstance(data, dict):
             raise UpstreamFailure(node, "prefill", f"HTTP {resp.status_code}", resp.status_code, data)
@@ -115,7 +123,7 @@ async def prefill(sv: Services, ctx: TurnContext, node: str, kv: dict[str, Any] 
                            T.GEN_AI_RESPONSE_ID: response_id, T.GEN_AI_RESPONSE_MODEL: response_model,
                            T.GEN_AI_USAGE_INPUT: prompt, T.GEN_AI_USAGE_CACHE_READ: read.cached_tokens,
                            T.ATTR_HANDLE_READ: read.source == DECODE_PULL if kv is not None else None})
-        _prefill_learned(sv, ctx, node, prompt, read, time.perf_counter() - started, kv)
+        _prefill_learned(sv, ctx, placed, node, prompt, read, time.perf_counter() - started, kv)
         return Prefilled(params if isinstance(params, dict) else None, read)
     except UpstreamFailure as failure:
         span.set_attribute(T.ERROR_TYPE, str(failure.status or "connection"))
@@ -126,33 +134,36 @@ async def prefill(sv: Services, ctx: TurnContext, node: str, kv: dict[str, Any] 
         span.end()
 
 
-def _prefill_learned(sv: Services, ctx: TurnContext, node: str, prompt: int | None, read: Read, seconds: float,
-                     kv: dict[str, Any] | None) -> None:
-    """What the policy learns from a prefill leg: P's speed, and the new KV its cache took in."""
+def _prefill_learned(sv: Services, ctx: TurnContext, placed: Placement, node: str, prompt: int | None, read: Read,
+                     seconds: float, kv: dict[str, Any] | None) -> None:
+    """What the policy learns from a prefill leg: P's speed, and the new KV its cache took in, against what its
+    placement assumed (P's load, its own prefix-cache hit)."""
     if prompt is None:
         return
     # P reads from D only what its own cache lacks of the handle (min(handle, prompt) − its own hit), and
     # nothing when it reported no read; its own hit is the plan's estimate (vLLM reports only the sum).
     pulled = 0
     if kv is not None and read.source == DECODE_PULL:
-        pulled = max(0, min(handle_num_tokens(kv) or 0, prompt) - ctx.prefill_cached.get(node, 0))
+        pulled = max(0, min(handle_num_tokens(kv) or 0, prompt) - placed.prefill_cached.get(node, 0))
     holder = ctx.state.decode if ctx.state is not None else None
     sv.learning.prefill_done(node, prompt, read.cached_tokens, seconds, now=sv.clock(),
-                             load=ctx.load_at_plan(node), pulled_tokens=pulled, pulled_from=holder)
+                             load=placed.load_at_plan(node), pulled_tokens=pulled, pulled_from=holder)
     # Without a read P's cached tokens are its own hit; with one they include what it read from D (which its
     # cache takes in too), so the plan's estimate of its own hit stands in.
-    own = ctx.prefill_cached.get(node, 0) if pulled else read.cached_tokens
+    own = placed.prefill_cached.get(node, 0) if pulled else read.cached_tokens
     sv.learning.wrote(node, prompt, own)
 
 
-async def final_leg(sv: Services, ctx: TurnContext, leg: FinalLeg, payload: dict[str, Any]) -> Whole | Stream:
+async def final_leg(sv: Services, ctx: TurnContext, progress: Progress, leg: FinalLeg,
+                    payload: dict[str, Any]) -> Whole | Stream:
     """The leg whose answer the client sees: its whole answer, read, or its stream held back up to the first
     chunk with choices (until then a failure is the leg's: raised, and the turn may be retried). Its span and
-    its count in D's in-flight requests stay open until the end of the turn (remember.finish)."""
+    its count in D's in-flight requests stay open until the end of the turn (remember.finish); when it was
+    sent and how long the turn had awaited nodes by then (the turn's `progress`) are the leg's."""
     node = leg.node
     leg.span = span = sv.leg_span(ctx, node, leg.name)
     sv.cluster.begin(node)  # ended by remember.finish, or below on failure
-    ctx.final_leg_at = time.perf_counter()
+    leg.sent_at, leg.upstream_s = time.perf_counter(), progress.upstream_s
     sresp: UpstreamResponse | None = None
     try:
         if not ctx.stream:
@@ -166,7 +177,7 @@ async def final_leg(sv: Services, ctx: TurnContext, leg: FinalLeg, payload: dict
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
         span.end()
         sv.cluster.end(node)
-        sv.leave_decoding(ctx)
+        sv.leave_decoding(leg.placed)
         if sresp is not None and not isinstance(exc, UpstreamFailure):
             with anyio.CancelScope(shield=True):
                 await sresp.aclose()

@@ -3,8 +3,10 @@
 Each step lives in a module of its own (``identify``, ``gather``, ``place``, ``legs``, ``relay``, ``remember``)
 and returns what it found; this module runs them in the order docs/protocol.md §1–2 prescribes and owns what
 spans steps: executing the plan (which handle to send, which legs to run), one re-placement after a failed
-node (so a dead node fails at most the request in flight, never the session's next turn), and the end of the
-turn — the client's response, with the turn remembered before it is whole.
+node (so a dead node fails at most the request in flight, never the session's next turn), how the turn is
+going (its ``Progress``: the nodes found failing, the time awaiting nodes, the placement in force, whose
+TPOT-quota entry a failed turn leaves), and the end of the turn — the client's response, with the turn
+remembered before it is whole.
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ from kvtether.gateway.stores.sessions import SessionStore, TakenHandle
 from kvtether.gateway.transport.streaming import RelayResponse
 from kvtether.gateway.transport.upstream import Upstream
 from kvtether.gateway.turn import body as B
-from kvtether.gateway.turn.context import FinalLeg, Prefilled, Services, TurnContext, UpstreamFailure
+from kvtether.gateway.turn.context import (
+    FinalLeg,
+    Placement,
+    Prefilled,
+    Progress,
+    Services,
+    TurnContext,
+    UpstreamFailure,
+)
 from kvtether.gateway.turn.gather import Gathered, gather
 from kvtether.gateway.turn.identify import identify
 from kvtether.gateway.turn.legs import Whole, final_leg, prefill_with_recovery
@@ -85,10 +95,11 @@ class Orchestrator:
                              upstream_auth=upstream_auth, clock=sv.clock)
         if on_identified is not None and ctx.session_id is not None:
             on_identified(ctx.session_id)
+        progress = Progress()
         try:
-            leg, answer = await (self._aggregated(ctx) if sv.config.mode == "aggregated" else self._pd(ctx))
+            leg, answer = await (self._aggregated if sv.config.mode == "aggregated" else self._pd)(ctx, progress)
         except BaseException as exc:  # the turn failed, or its client left: nothing decodes for it any more
-            sv.leave_decoding(ctx)
+            sv.leave_decoding(progress.placed)
             if isinstance(exc, UpstreamFailure):
                 return exc.client_response()
             if isinstance(exc, GatewayError):
@@ -101,47 +112,49 @@ class Orchestrator:
         # 5. relay. The reuse decision is final before the decode leg starts, so it can go into the headers.
         return RelayResponse(relay(sv, ctx, leg, answer, end), headers={"cache-control": "no-cache", **leg.headers})
 
-    async def _pd(self, ctx: TurnContext) -> tuple[FinalLeg, Answer]:
-        found = await gather(self.sv, ctx, self.placer.next_rr())  # 2. gather
-        # What the placement assumes of the nodes' caches, for the legs' learning and the end of the turn.
-        ctx.decode_cached, ctx.prefill_cached = found.decode_cached, found.prefill_cached
-        the_plan = self.plan(ctx, found.turn)  # 3. plan
-        kv, unused = self._offer(found, the_plan)
+    async def _pd(self, ctx: TurnContext, progress: Progress) -> tuple[FinalLeg, Answer]:
+        found = await gather(self.sv, ctx, self.placer.next_rr(), progress)  # 2. gather
+        placed = self.plan(ctx, progress, found, found.turn)  # 3. plan
+        kv, unused = self._offer(found, placed.plan)
         # 4. legs. One re-placement after a failed node: the in-flight request may fail, the next turn must not.
         for attempt in range(2):
-            if the_plan.action is HandleAction.DECODE_LOCAL:
-                leg, d_body = self._local(ctx, found, the_plan, unused)
+            if placed.plan.action is HandleAction.DECODE_LOCAL:
+                leg, d_body = self._local(ctx, found, placed, unused)
             else:
-                prefilled, the_plan = await self._prefill(ctx, the_plan, kv)
+                prefilled, placed = await self._prefill(ctx, progress, found, placed, kv)
                 kv = None  # single use: never resend a handle, whatever happens next
-                leg, d_body = self._after_prefill(ctx, found, the_plan, prefilled)
+                leg, d_body = self._after_prefill(ctx, found, placed, prefilled)
             try:
-                return leg, await final_leg(self.sv, ctx, leg, d_body)
+                return leg, await final_leg(self.sv, ctx, progress, leg, d_body)
             except UpstreamFailure as failure:
-                the_plan = self._after_failed_decode(ctx, found.turn, failure, last=attempt == 1)
+                placed = self._after_failed_decode(ctx, progress, found, failure, last=attempt == 1)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _aggregated(self, ctx: TurnContext) -> tuple[FinalLeg, Answer]:
+    async def _aggregated(self, ctx: TurnContext, progress: Progress) -> tuple[FinalLeg, Answer]:
         """The same session logic without P/D: the session's replica answers, re-placed once if it fails."""
         sv = self.sv
         for attempt in range(2):
-            leg = FinalLeg(self.placer.aggregated(ctx), "aggregated", "none")
+            leg = FinalLeg(Placement(self.placer.aggregated(ctx, progress.exclude)), "aggregated", "none")
             try:
-                return leg, await final_leg(sv, ctx, leg, B.decode_body(ctx.body, None, want_token_ids=False))
+                return leg, await final_leg(sv, ctx, progress, leg, B.decode_body(ctx.body, None, want_token_ids=False))
             except UpstreamFailure as failure:
                 sv.count_error(failure)
                 if not failure.node_fault or attempt == 1:
                     raise
                 sv.mark_failed(failure)
-                ctx.exclude.add(failure.node)
+                progress.exclude.add(failure.node)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def plan(self, ctx: TurnContext, turn: Turn) -> Plan:
-        """Place the turn (pure: policy.placement.plan) with the live state the policy reads, on its span; the
-        load view it saw is what the legs queued behind."""
-        the_plan, ctx.plan_view = self.placer.place(ctx, turn)
+    def plan(self, ctx: TurnContext, progress: Progress, found: Gathered, turn: Turn) -> Placement:
+        """Place the turn (pure: policy.placement.plan) with the live state the policy reads, on its span, avoiding
+        the nodes found failing. The placement returned is the one in force: it replaces any earlier one of the
+        turn (whose TPOT-quota entry it leaves), and assumes what gather found of the prefix caches and the load
+        view the plan saw (what the legs queued behind)."""
+        the_plan, view, exposure = self.placer.place(ctx, turn, progress.exclude, progress.placed)
+        placed = Placement(the_plan, view, found.decode_cached, found.prefill_cached, exposure)
+        progress.placed = placed
         log.debug("plan %s: %s", ctx.session_id, the_plan.reason)
-        return the_plan
+        return placed
 
     # ---- executing the plan ----------------------------------------------------------------------
 
@@ -171,26 +184,28 @@ class Orchestrator:
             sv.metrics.offered_tokens.inc(handle_num_tokens(kv) or 0)
         return kv, unused
 
-    def _local(self, ctx: TurnContext, found: Gathered, the_plan: Plan,
+    def _local(self, ctx: TurnContext, found: Gathered, placed: Placement,
                unused: TakenHandle | None) -> tuple[FinalLeg, dict[str, Any]]:
         """The whole request to the pinned D: D prefills the suffix after its prefix-cache hit; marked for
         retention, it returns a handle of the whole sequence (config.local_turn_handles); token ids tell what
         its prefix cache now holds."""
         mark = LOCAL_RETAIN_PARAMS if self.sv.config.marks_local_turns else None
-        leg = _decode_leg(ctx, found, the_plan, "decode_local", found.decode_cached, unused)
+        leg = _decode_leg(ctx, found, placed, "decode_local", found.decode_cached, unused)
         return leg, B.decode_body(ctx.body, mark, want_token_ids=True)
 
-    async def _prefill(self, ctx: TurnContext, the_plan: Plan, kv: dict[str, Any] | None) -> tuple[Prefilled, Plan]:
-        """The prefill leg (another P after a failed one), while D counts the turn as arriving."""
+    async def _prefill(self, ctx: TurnContext, progress: Progress, found: Gathered, placed: Placement,
+                       kv: dict[str, Any] | None) -> tuple[Prefilled, Placement]:
+        """The prefill leg (another P after a failed one, in its re-placement), while D counts the turn as
+        arriving."""
         sv = self.sv
 
-        def replan(turn: Turn) -> Plan:  # another P after a failed prefill leg
-            return self.plan(ctx, replace(turn, round_robin=self.placer.next_rr()))
+        def replan(turn: Turn) -> Placement:  # another P after a failed prefill leg
+            return self.plan(ctx, progress, found, replace(turn, round_robin=self.placer.next_rr()))
 
-        with sv.cluster.heading_to(the_plan.decode, self.placer.arrival(the_plan), sv.clock):
-            return await prefill_with_recovery(sv, ctx, the_plan, kv, replan)
+        with sv.cluster.heading_to(placed.plan.decode, self.placer.arrival(placed.plan), sv.clock):
+            return await prefill_with_recovery(sv, ctx, progress, placed, kv, replan)
 
-    def _after_prefill(self, ctx: TurnContext, found: Gathered, the_plan: Plan,
+    def _after_prefill(self, ctx: TurnContext, found: Gathered, placed: Placement,
                        prefilled: Prefilled) -> tuple[FinalLeg, dict[str, Any]]:
         """The decode leg after P's: what P reported, not what the plan meant (a handle P did not read is no
         pull), and P's handle for D to read."""
@@ -199,33 +214,35 @@ class Orchestrator:
         if prefilled.read.handle_unread:
             sv.metrics.handle_outcomes.labels("unread").inc()
         sv.metrics.reused_tokens.labels(source).inc(reused)
-        d_kv = B.with_host(prefilled.params, host_of(the_plan.prefill or "")) if prefilled.params else None
+        d_kv = B.with_host(prefilled.params, host_of(placed.plan.prefill or "")) if prefilled.params else None
         d_body = B.decode_body(ctx.body, d_kv, want_token_ids=sv.config.guarded or sv.config.cache_aware)
-        return _decode_leg(ctx, found, the_plan, source, reused, None), d_body
+        return _decode_leg(ctx, found, placed, source, reused, None), d_body
 
-    def _after_failed_decode(self, ctx: TurnContext, turn: Turn, failure: UpstreamFailure, *, last: bool) -> Plan:
+    def _after_failed_decode(self, ctx: TurnContext, progress: Progress, found: Gathered, failure: UpstreamFailure,
+                             *, last: bool) -> Placement:
         """A cold re-placement after a failed decode leg; raises what the client gets when there is none."""
         sv = self.sv
         sv.count_error(failure)
         if not failure.node_fault or last:
             raise failure
         sv.mark_failed(failure)
-        ctx.exclude.add(failure.node)
+        progress.exclude.add(failure.node)
         try:
-            return self.plan(ctx, self.placer.cold(turn, ctx))
+            return self.plan(ctx, progress, found, self.placer.cold(found.turn, progress.exclude))
         except GatewayError:
             if failure.unreachable:
                 raise failure from None
             # The only decode node answered with an error: it is alive, so try it once more.
-            ctx.exclude.discard(failure.node)
-            return self.plan(ctx, self.placer.cold(turn, ctx))
+            progress.exclude.discard(failure.node)
+            return self.plan(ctx, progress, found, self.placer.cold(found.turn, progress.exclude))
 
 
-def _decode_leg(ctx: TurnContext, found: Gathered, the_plan: Plan, source: str, reused: int,
+def _decode_leg(ctx: TurnContext, found: Gathered, placed: Placement, source: str, reused: int,
                 unused: TakenHandle | None) -> FinalLeg:
     """A P/D turn's final leg, with where its reused KV came from in the answer's headers and on the turn's span."""
     T.set_attrs(ctx.span, {T.ATTR_REUSE_TOKENS: reused, T.ATTR_SUFFIX_TOKENS:
                            len(found.prompt_ids) - reused if found.prompt_ids is not None else None})
+    the_plan = placed.plan
     headers = T.reuse_headers(source, reused, the_plan.action.value, reason_bucket(the_plan))
-    return FinalLeg(the_plan, "decode", source, headers,
+    return FinalLeg(placed, "decode", source, headers,
                     expected_output_tokens=found.turn.expected_output_tokens, unused=unused)

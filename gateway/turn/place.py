@@ -26,7 +26,7 @@ from kvtether.gateway.policy.placement import (
     plan_aggregated,
 )
 from kvtether.gateway.policy.reasons import reason_bucket
-from kvtether.gateway.turn.context import Services, TurnContext
+from kvtether.gateway.turn.context import Placement, Services, TurnContext
 
 
 class Placer:
@@ -38,12 +38,14 @@ class Placer:
         self._rr += 1
         return self._rr - 1
 
-    def place(self, ctx: TurnContext, turn: Turn) -> tuple[Plan, ClusterView]:
-        """The turn's plan and the load view it was made on, with the failed nodes excluded."""
+    def place(self, ctx: TurnContext, turn: Turn, exclude: set[str],
+              replacing: Placement | None) -> tuple[Plan, ClusterView, tuple[str, int] | None]:
+        """The turn's plan, the load view it was made on, and its entry in D's TPOT quotas (`replacing`'s left),
+        with the nodes found failing (`exclude`) left out."""
         sv = self.sv
         now = sv.clock()
         quotas = sv.learning.quota_credit(turn.pinned_decode)
-        turn = replace(turn, exclude=frozenset(ctx.exclude), ttft_tail_s=sv.learning.tail_threshold(),
+        turn = replace(turn, exclude=frozenset(exclude), ttft_tail_s=sv.learning.tail_threshold(),
                        request_stall_credit_s=quotas.credit_s, request_stall_quota_s=quotas.quota_s)
         with sv.tracer.start_as_current_span(T.SPAN_PLAN, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
             view = sv.cluster.view(now)
@@ -64,11 +66,11 @@ class Placer:
                                T.ATTR_RE_PLACED: p.re_placed})
         # From here the answer is headed for D: a local prefill admitted before its first token still runs on into
         # its decode steps (policy/stallquota.py), so its TPOT quota is kept from its placement on.
-        sv.enter_decoding(ctx, p.decode, turn.expected_output_tokens)
+        exposure = sv.enter_decoding(p.decode, turn.expected_output_tokens, replacing)
         held = sv.cluster.nodes.get(p.decode)
         T.set_attrs(ctx.span, {T.ATTR_PLAN_ACTION: p.action.value, T.ATTR_PLAN_REASON: p.reason,
                                T.ATTR_DECODE_HELD_KV_TOKENS: held.held_kv_tokens if held is not None else None})
-        return p, view
+        return p, view, exposure
 
     def _count(self, p: Plan) -> str:
         """The decision told to the learning (a decode-local turn's estimated stall) and counted; its reason's
@@ -81,12 +83,13 @@ class Placer:
             sv.metrics.decode_stall.labels(p.decode).inc(stall)
         return bucket
 
-    def aggregated(self, ctx: TurnContext) -> Plan:
-        """Aggregated mode: the session's replica while it is healthy, else the least-loaded one."""
+    def aggregated(self, ctx: TurnContext, exclude: set[str]) -> Plan:
+        """Aggregated mode: the session's replica while it is healthy, else the least-loaded one (of those not
+        found failing, `exclude`)."""
         sv = self.sv
         pinned = ctx.state.decode if ctx.state else None
         try:
-            p = plan_aggregated(pinned, sv.cluster.aggregated_view(), frozenset(ctx.exclude))
+            p = plan_aggregated(pinned, sv.cluster.aggregated_view(), frozenset(exclude))
         except NoCapacity as exc:
             raise self.no_capacity(exc) from None
         T.set_attrs(ctx.span, {T.ATTR_PLAN_REASON: p.reason, T.ATTR_DECODE: p.decode})
@@ -95,10 +98,11 @@ class Placer:
     def no_capacity(self, exc: NoCapacity) -> GatewayError:
         return GatewayError(503, str(exc), code="no_capacity", retry_after_s=self.sv.cluster.retry_after(exc.role))
 
-    def cold(self, turn: Turn, ctx: TurnContext) -> Turn:
-        """The turn after a failed leg: no handle, and no second decode-local try (unless no P is left at all)."""
+    def cold(self, turn: Turn, exclude: set[str]) -> Turn:
+        """The turn after a failed leg: no handle, no second decode-local try (unless no P is left at all), and
+        none of the nodes found failing (`exclude`)."""
         return replace(turn, handle=HandleState.MISSING, handle_tokens=None, reuse_tokens=None,
-                       round_robin=self.next_rr(), exclude=frozenset(ctx.exclude), allow_local=False)
+                       round_robin=self.next_rr(), exclude=frozenset(exclude), allow_local=False)
 
     def arrival(self, the_plan: Plan) -> tuple[float, float] | None:
         """When a P/D turn should reach its D (gateway clock) and D's read seconds, from its cost decision;

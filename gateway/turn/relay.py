@@ -160,8 +160,9 @@ class _Reader:
             result.read_identity(chunk)
             # Only a decode-local turn's mixed step is learned from; read before this stream's own first chunk
             # joins the record, so only other streams' bursts are in it.
-            if ctx.final_leg_at is not None and self.leg.plan.action is HandleAction.DECODE_LOCAL:
-                result.arrivals_before_first = self.sv.learning.arrivals_since(node, ctx.final_leg_at)
+            sent_at = self.leg.sent_at
+            if sent_at is not None and self.leg.plan.action is HandleAction.DECODE_LOCAL:
+                result.arrivals_before_first = self.sv.learning.arrivals_since(node, sent_at)
             self.sv.learning.chunk_arrived(node, now)
             if not B.has_first_token(chunk):
                 # D produced the first token but the client sees nothing yet (a tool-call parser holds the name

@@ -18,12 +18,12 @@ from kvtether.gateway.nodes.cluster import host_of
 from kvtether.gateway.policy import copies as PC
 from kvtether.gateway.policy.learning import DecodeSample
 from kvtether.gateway.policy.peers import PEER_POLICIES
-from kvtether.gateway.policy.placement import HandleAction, Plan
+from kvtether.gateway.policy.placement import HandleAction
 from kvtether.gateway.policy.retention import ReleaseReason, block_scope
 from kvtether.gateway.stores.sessions import SessionState
 from kvtether.gateway.tenancy import scoped
 from kvtether.gateway.turn import body as B
-from kvtether.gateway.turn.context import FinalLeg, LegResult, Services, TurnContext
+from kvtether.gateway.turn.context import FinalLeg, LegResult, Placement, Services, TurnContext
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,8 @@ async def finish(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegResul
                            T.ATTR_REUSE_SOURCE: source, T.ATTR_TTFT: result.ttft})
         # The gateway's own share: until the final leg was sent, less the time awaiting tokenize/prefill
         # (from there on it only relays, and the first token's arrival is the TTFT's end).
-        overhead = (max(0.0, ctx.final_leg_at - ctx.t0 - ctx.upstream_s)
-                    if result.ttft is not None and ctx.final_leg_at is not None else None)
+        overhead = (max(0.0, leg.sent_at - ctx.t0 - leg.upstream_s)
+                    if result.ttft is not None and leg.sent_at is not None else None)
         T.set_attrs(ctx.span, {T.ATTR_REUSE_SOURCE: source, T.ATTR_TTFT: result.ttft,
                                T.ATTR_GATEWAY_OVERHEAD: overhead,
                                T.ATTR_PREFILL: the_plan.prefill, T.ATTR_DECODE: the_plan.decode})
@@ -69,7 +69,7 @@ async def finish(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegResul
         log.exception("failed to record the end of a turn")
     finally:
         sv.cluster.end(the_plan.decode)
-        sv.leave_decoding(ctx)
+        sv.leave_decoding(leg.placed)
         span.end()
 
 
@@ -88,7 +88,7 @@ async def remember(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegRes
         handle_at = now
     total, cached = _cached_after(sv, ctx, result, block_size, held)
     if result.ok and sv.config.mode != "aggregated":
-        sv.learning.decode_done(_decode_sample(ctx, the_plan, result), now)
+        sv.learning.decode_done(_decode_sample(ctx, leg, result), now)
     current = await sv.store.get(ctx.session_id)
     await _release_replaced(sv, ctx, current, handle)
     if ctx.final:
@@ -103,8 +103,8 @@ async def remember(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegRes
     base = current or prior
     avg_out, avg_suffix = _running_means(base, result, total)
     auto = sv.config.policy == "auto"
-    copies = _prefill_copies_after(sv, ctx, the_plan, result) if auto else ()
-    elsewhere = _decode_elsewhere(ctx, the_plan) if auto else ()
+    copies = _prefill_copies_after(sv, ctx, leg.placed, result) if auto else ()
+    elsewhere = _decode_elsewhere(ctx, leg.placed) if auto else ()
     await sv.store.put(SessionState(
         session_id=ctx.session_id,
         decode=the_plan.decode,
@@ -141,14 +141,15 @@ def _cached_after(sv: Services, ctx: TurnContext, result: LegResult, block_size:
     return total, cached
 
 
-def _decode_elsewhere(ctx: TurnContext, the_plan: Plan) -> tuple[PC.DecodeCopy, ...]:
+def _decode_elsewhere(ctx: TurnContext, placed: Placement) -> tuple[PC.DecodeCopy, ...]:
     """What D's the pin leaves or left still hold of this prompt, for a later move back there."""
     prior = ctx.state
     if prior is None:
         return ()
-    elsewhere = PC.cut(prior.elsewhere, ctx.decode_cached, drop=the_plan.decode)
-    if prior.decode is not None and prior.decode != the_plan.decode and ctx.decode_cached > 0:
-        elsewhere = (*elsewhere, PC.DecodeCopy(prior.decode, ctx.decode_cached))[-PC.MAX_DECODE_COPIES:]
+    decode, held = placed.plan.decode, placed.decode_cached
+    elsewhere = PC.cut(prior.elsewhere, held, drop=decode)
+    if prior.decode is not None and prior.decode != decode and held > 0:
+        elsewhere = (*elsewhere, PC.DecodeCopy(prior.decode, held))[-PC.MAX_DECODE_COPIES:]
     return elsewhere
 
 
@@ -229,7 +230,9 @@ def _previous(ctx: TurnContext) -> HeldSequence | None:
     return (state.cached or state.held) if state is not None else None
 
 
-def _decode_sample(ctx: TurnContext, the_plan: Plan, result: LegResult) -> DecodeSample:
+def _decode_sample(ctx: TurnContext, leg: FinalLeg, result: LegResult) -> DecodeSample:
+    """What D's side of the turn teaches the policy, against what its placement assumed (D's load and cache)."""
+    the_plan, placed = leg.plan, leg.placed
     usage = result.usage if isinstance(result.usage, dict) else {}
     prompt = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else None
     if prompt is None and result.prompt_ids is not None:
@@ -237,11 +240,11 @@ def _decode_sample(ctx: TurnContext, the_plan: Plan, result: LegResult) -> Decod
     return DecodeSample(
         node=the_plan.decode,
         local=the_plan.action is HandleAction.DECODE_LOCAL,
-        load=ctx.load_at_plan(the_plan.decode),
+        load=placed.load_at_plan(the_plan.decode),
         prompt_tokens=prompt,
         # D's own count when usage came back, else what the gateway verified it holds.
-        cached_tokens=B.cached_tokens(usage) if usage else ctx.decode_cached,
-        sent_at=ctx.final_leg_at,
+        cached_tokens=B.cached_tokens(usage) if usage else placed.decode_cached,
+        sent_at=leg.sent_at,
         first_chunk_at=ctx.t0 + result.first_chunk if result.first_chunk is not None else None,
         arrivals_before_first=result.arrivals_before_first,
         out_first_at=result.out_first_at,
@@ -250,17 +253,17 @@ def _decode_sample(ctx: TurnContext, the_plan: Plan, result: LegResult) -> Decod
     )
 
 
-def _prefill_copies_after(sv: Services, ctx: TurnContext, the_plan: Plan,
+def _prefill_copies_after(sv: Services, ctx: TurnContext, placed: Placement,
                           result: LegResult) -> tuple[PC.PrefillCopy, ...]:
     """The session's prefix-cache copies on P once this turn ran: its P (with prefix caching on) holds the
     prompt; the others are cut to the prompt's overlap with the history they were prefixes of."""
     prior = ctx.state.prefill_copies if ctx.state is not None else ()
-    url = the_plan.prefill
+    url = placed.plan.prefill
     node = sv.cluster.nodes.get(url) if url is not None else None
     if node is None or node.prefix_caching is not True or not result.ok or result.prompt_ids is None:
-        return PC.cut(prior, ctx.decode_cached, drop=url)
+        return PC.cut(prior, placed.decode_cached, drop=url)
     assert url is not None
-    return PC.after_prefill(prior, ctx.decode_cached, url, len(result.prompt_ids), sv.cluster.block_size(url),
+    return PC.after_prefill(prior, placed.decode_cached, url, len(result.prompt_ids), sv.cluster.block_size(url),
                             sv.learning.prefill_written.get(url, 0))
 
 

@@ -20,17 +20,17 @@ from kvtether.gateway import telemetry as T
 from kvtether.gateway.guard.tokencheck import Trust
 from kvtether.gateway.guard.tokenizer import LocalTokenizer
 from kvtether.gateway.turn import body as B
-from kvtether.gateway.turn.context import Services, TurnContext, UpstreamFailure
+from kvtether.gateway.turn.context import Progress, Services, TurnContext, UpstreamFailure
 
 log = logging.getLogger(__name__)
 _JSON = {"content-type": "application/json"}
 
 
-async def tokenize(sv: Services, ctx: TurnContext) -> list[int] | None:
+async def tokenize(sv: Services, ctx: TurnContext, progress: Progress) -> list[int] | None:
     """The prompt's token ids (same messages, tools and template arguments as the completion): the local
     tokenizer's where the guard trusts it for this model (compared with /tokenize first while unchecked, and
-    on a share of turns), else the least-loaded P's ``/tokenize``; None when that fails, and the turn goes on
-    unverified."""
+    on a share of turns), else the least-loaded P's ``/tokenize`` (its wait added to the turn's `progress`);
+    None when that fails, and the turn goes on unverified."""
     payload = B.tokenize_body(ctx.kind, ctx.body)
     if payload is None:
         return None
@@ -42,19 +42,21 @@ async def tokenize(sv: Services, ctx: TurnContext) -> list[int] | None:
             ours = await guard_tok.encode(payload)
             T.set_attrs(span, {T.ATTR_PROMPT_TOKENS: len(ours) if ours is not None else None})
     if guard_tok is None or ours is None:
-        return await tokenize_remote(sv, payload, ctx)
+        return await tokenize_remote(sv, payload, ctx, progress)
     if not guard_tok.wants_check(ctx.model):
         sv.metrics.guard_tokenize.labels("local").inc()
         return ours
-    theirs = await tokenize_remote(sv, payload, ctx)
+    theirs = await tokenize_remote(sv, payload, ctx, progress)
     if theirs is None:  # P could not answer: no evidence either way
         return ours if guard_tok.trust(ctx.model) is Trust.VERIFIED else None
     guard_tok.compare(ctx.model, ours, theirs, "turn")
     return theirs
 
 
-async def tokenize_remote(sv: Services, payload: dict[str, Any], ctx: TurnContext | None = None) -> list[int] | None:
-    """The least-loaded P's ``/tokenize`` of a body; None when it fails (counted as an upstream error)."""
+async def tokenize_remote(sv: Services, payload: dict[str, Any], ctx: TurnContext | None = None,
+                          progress: Progress | None = None) -> list[int] | None:
+    """The least-loaded P's ``/tokenize`` of a body; None when it fails (counted as an upstream error). For a
+    turn (`ctx`), its span is the turn's child and its wait is added to the turn's `progress`."""
     view = sv.cluster.view()
     nodes = [n for n in view.prefill if n.healthy] or list(view.prefill)
     if not nodes:
@@ -70,8 +72,8 @@ async def tokenize_remote(sv: Services, payload: dict[str, Any], ctx: TurnContex
                 resp = await sv.tokenize_client.post(f"{node}/tokenize", content=B.dumps(payload),
                                                      headers=_JSON, timeout=timeout)
             finally:
-                if ctx is not None:
-                    ctx.upstream_s += time.perf_counter() - started
+                if progress is not None:
+                    progress.upstream_s += time.perf_counter() - started
             if resp.status_code != 200:
                 raise UpstreamFailure(node, "tokenize", f"HTTP {resp.status_code}", resp.status_code)
             tokens = resp.json().get("tokens")

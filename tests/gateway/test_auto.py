@@ -309,11 +309,11 @@ async def test_a_local_prefill_is_learned_from_ds_first_token_not_from_the_first
         make_sample, decode_done = remember_room._decode_sample, orch.learning.decode_done
         observe_prefill = orch.learning.estimator.observe_prefill
 
-        def spy_sample(ctx: Any, the_plan: Any, result: Any) -> Any:
-            if the_plan.action.value == "decode_local" and ctx.final_leg_at is not None:
+        def spy_sample(ctx: Any, leg: Any, result: Any) -> Any:
+            if leg.plan.action.value == "decode_local" and leg.sent_at is not None:
                 assert result.first_chunk is not None and result.ttft is not None
-                pending[:] = [(ctx.t0 + result.first_chunk - ctx.final_leg_at, ctx.t0 + result.ttft - ctx.final_leg_at)]
-            return make_sample(ctx, the_plan, result)
+                pending[:] = [(ctx.t0 + result.first_chunk - leg.sent_at, ctx.t0 + result.ttft - leg.sent_at)]
+            return make_sample(ctx, leg, result)
 
         def spy_learn(sample: Any, now: float) -> None:
             decode_done(sample, now)
@@ -507,7 +507,7 @@ async def test_a_pin_moved_back_reads_only_what_its_old_decode_node_lacks() -> N
         hit, read = await by_source(home, "local_cache_hit"), await by_source(home, "external_kv_transfer")
         plans: list[Any] = []
         planner = orch.plan
-        orch.plan = lambda ctx, t: plans.append(planner(ctx, t)) or plans[-1]  # type: ignore[method-assign]
+        orch.plan = lambda *a: (placed := planner(*a), plans.append(placed.plan))[0]  # type: ignore[method-assign]
         await _oracle_turn(r, messages, 2, h)
         state = await orch.sv.store.get("back-1")
         assert state is not None and state.decode == home, "the pin did not move back"
@@ -606,7 +606,7 @@ async def test_a_pd_turn_goes_back_to_the_prefill_node_whose_cache_holds_the_his
         orch.sv.cluster.nodes[lo].running = 0.0
         plans: list[Any] = []
         planner = orch.plan
-        orch.plan = lambda ctx, t: plans.append(planner(ctx, t)) or plans[-1]  # type: ignore[method-assign]
+        orch.plan = lambda *a: (placed := planner(*a), plans.append(placed.plan))[0]  # type: ignore[method-assign]
 
         async def by_source(source: str) -> float:
             return await metric(r.client, hi, "vllm:prompt_tokens_by_source_total", source=source)

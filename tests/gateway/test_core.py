@@ -638,7 +638,8 @@ def test_a_pull_is_learned_as_what_p_lacked_of_the_handle_not_the_whole_handle()
     from types import SimpleNamespace
 
     from kvtether.gateway.guard.readback import read_of
-    from kvtether.gateway.turn.context import TurnContext
+    from kvtether.gateway.policy.placement import HandleAction, Plan
+    from kvtether.gateway.turn.context import Placement, TurnContext
     from kvtether.gateway.turn.legs import _prefill_learned
 
     seen: list[dict[str, object]] = []
@@ -654,16 +655,17 @@ def test_a_pull_is_learned_as_what_p_lacked_of_the_handle_not_the_whole_handle()
     state = SessionState("s", decode="http://d0", expires_at=9.0, created_at=0.0)
     ctx = TurnContext("chat", {}, {}, False, False, "s", "header", state, 0.0, None)  # type: ignore[arg-type]
     handle = {"remote_num_tokens": 1000}
-    ctx.prefill_cached = {"http://p0": 640}  # P still holds the session's first 640 tokens itself
+    the_plan = Plan("http://p0", "http://d0", HandleAction.ATTACH, 1000, "")
+    placed = Placement(the_plan, prefill_cached={"http://p0": 640})  # P still holds the session's first 640 tokens
     # P reports what it did not compute: the whole handle (it read the rest from D), or only its own hit.
-    _prefill_learned(sv, ctx, "http://p0", 1200, read_of(1000, 1200, 1000), 0.2, handle)  # type: ignore[arg-type]
-    ctx.prefill_cached = {}
-    _prefill_learned(sv, ctx, "http://p0", 1200, read_of(1000, 1200, 1000), 0.2, handle)  # type: ignore[arg-type]
-    _prefill_learned(sv, ctx, "http://p0", 800, read_of(1000, 800, 800), 0.2, handle)  # type: ignore[arg-type]
-    _prefill_learned(sv, ctx, "http://p0", 1200, read_of(None, 1200, 0), 0.2, None)  # type: ignore[arg-type]
+    _prefill_learned(sv, ctx, placed, "http://p0", 1200, read_of(1000, 1200, 1000), 0.2, handle)  # type: ignore[arg-type]
+    placed = Placement(the_plan)
+    _prefill_learned(sv, ctx, placed, "http://p0", 1200, read_of(1000, 1200, 1000), 0.2, handle)  # type: ignore[arg-type]
+    _prefill_learned(sv, ctx, placed, "http://p0", 800, read_of(1000, 800, 800), 0.2, handle)  # type: ignore[arg-type]
+    _prefill_learned(sv, ctx, placed, "http://p0", 1200, read_of(None, 1200, 0), 0.2, None)  # type: ignore[arg-type]
     # A handle P did not read (its own cache held more of the prompt): nothing came from D.
-    ctx.prefill_cached = {"http://p0": 1024}
-    _prefill_learned(sv, ctx, "http://p0", 1200, read_of(1000, 1200, 1024), 0.2, handle)  # type: ignore[arg-type]
+    placed = Placement(the_plan, prefill_cached={"http://p0": 1024})
+    _prefill_learned(sv, ctx, placed, "http://p0", 1200, read_of(1000, 1200, 1024), 0.2, handle)  # type: ignore[arg-type]
     assert [s["pulled_tokens"] for s in seen] == [360, 1000, 800, 0, 0]
     assert all(s["pulled_from"] == "http://d0" for s in seen)
 

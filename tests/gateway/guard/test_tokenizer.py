@@ -25,7 +25,7 @@ from kvtether.gateway.nodes.cluster import Cluster, sample_sum
 from kvtether.gateway.stores import open_store
 from kvtether.gateway.transport.upstream import Upstream
 from kvtether.gateway.turn import body as B
-from kvtether.gateway.turn.context import TurnContext
+from kvtether.gateway.turn.context import Progress, TurnContext
 from kvtether.gateway.turn.orchestrator import Orchestrator
 from kvtether.gateway.turn.tokenize import tokenize
 from opentelemetry import trace
@@ -231,14 +231,14 @@ async def test_turns_use_local_ids_once_they_match_and_switch_back_on_a_mismatch
                            trace.NonRecordingSpan(trace.INVALID_SPAN_CONTEXT))
 
     want = local.encode_sync(B.tokenize_body("chat", body) or {})
-    assert await tokenize(sv, ctx()) == want and len(asked) == 1  # unchecked: compared
+    assert await tokenize(sv, ctx(), Progress()) == want and len(asked) == 1  # unchecked: compared
     assert sv.tokenizer.trust(MODEL) is Trust.VERIFIED
-    assert await tokenize(sv, ctx()) == want and len(asked) == 1  # verified: local only
+    assert await tokenize(sv, ctx(), Progress()) == want and len(asked) == 1  # verified: local only
     sv.tokenizer.check_share = 1.0
     wrong["on"] = True
-    assert await tokenize(sv, ctx()) == [*want, 7] and len(asked) == 2  # sampled, differs: the engine's ids
+    assert await tokenize(sv, ctx(), Progress()) == [*want, 7] and len(asked) == 2  # sampled, differs: the engine's ids
     assert sv.tokenizer.trust(MODEL) is Trust.DISABLED
-    assert await tokenize(sv, ctx()) == [*want, 7] and len(asked) == 3  # /tokenize from now on
+    assert await tokenize(sv, ctx(), Progress()) == [*want, 7] and len(asked) == 3  # /tokenize from now on
     text = _metrics(sv.metrics)
     assert sample_sum(text, "kvtether_tokenizer_mismatches_total", check="turn") == 1
     assert sample_sum(text, "kvtether_guard_tokenize_total", source="local") == 1
@@ -286,7 +286,7 @@ async def test_a_turn_the_guard_does_not_check_warms_the_cache_for_the_next_one(
     assert local._pieces(text, special)[1], "the prompt's pieces must not be cached before the turn"
     ctx = TurnContext("chat", body, {}, True, False, "warm", "header", None, 0.0,
                       trace.NonRecordingSpan(trace.INVALID_SPAN_CONTEXT))
-    gathered = await gather(sv, ctx, 0)
+    gathered = await gather(sv, ctx, 0, Progress())
     assert gathered.prompt_ids is None  # the first turn is not tokenized for the guard ...
     await sv.tokenizer.warmed()
     assert local._pieces(text, special)[1] == []  # ... but its pieces are cached for the next one
