@@ -26,8 +26,8 @@ from kvtether.gateway.policy.estimates import (
     link_key,
 )
 
-D0, D1 = "http://d0", "http://d1"
-P0, P1 = "http://p0", "http://p1"
+from tests.support.policy_facts import D0, D1, MOE, P0, P1, history_turn
+
 SEEDS = EstimatorSeeds()
 SNAP = EstimatorSnapshot(SEEDS)
 # Most situations here exercise the P/D options with a long suffix, several on an idle D where the default local
@@ -35,25 +35,6 @@ SNAP = EstimatorSnapshot(SEEDS)
 # a 2048-token limit. The local limit and the quotas have cases of their own.
 def knobs(**kw: Any) -> PolicyKnobs:
     return PolicyKnobs(**{"max_local_suffix_tokens": 2048, **kw})
-
-# A large MoE decode node (GLM-5-FP8 on 8 x H200, the simulator's cost model): a prefill step reads nearly
-# every expert (~70 ms even for a short suffix) while a decode step of a small batch reads few (~7 ms + 2 ms
-# per sequence); a pull reads ~6 us of KV per history token.
-MOE = EstimatorSnapshot(EstimatorSeeds(
-    prefill_overhead_s=0.063, prefill_s_per_token=1.3e-5, prefill_s_per_pair=7e-10, transfer_latency_s=0.001,
-    transfer_s_per_token=6e-6, tpot_base_s=0.0047, tpot_s_per_seq=0.002, queue_s_per_request=0.1))
-
-
-def history_turn(prompt: int, suffix: int, **kw: Any) -> TurnFacts:
-    """A follow-up turn whose whole history (prompt − suffix) is verified against D's handle."""
-    args: dict[str, Any] = {
-        "reuse_tokens": prompt - suffix,
-        "handle_valid": True,
-        "handle_age_s": 10.0,
-        "decode_cached_tokens": prompt - suffix,
-    }
-    args.update(kw)
-    return TurnFacts(prompt, suffix, **args)
 
 
 def p(url: str = P0, **kw: Any) -> NodeLoad:

@@ -9,7 +9,7 @@ import pytest
 from kvtether.gateway.policy import NodeLoad, PolicyKnobs, TurnFacts, choose
 from kvtether.gateway.policy.stallquota import Credit, Exposure, absorb, credit, quota_s
 
-from tests.gateway.policy.test_costpolicy import D0, D1, MOE, P0, history_turn
+from tests.support.policy_facts import D0, D1, MOE, P0, history_turn
 
 
 def test_a_quota_is_the_share_of_the_answers_decode_time() -> None:
