@@ -22,7 +22,7 @@ from kvtether.sim.engine import Engine, EngineRequest
 from kvtether.sim.node import SimNode
 from kvtether.sim.tokenizer import default_tokenizer
 
-from tests.sim.test_engine import make_engine, request, run
+from tests.support.sim_engine import make_engine, request, run
 
 SPEED = 50.0
 P_PARAMS = {
