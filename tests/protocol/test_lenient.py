@@ -16,8 +16,8 @@ from kvtether.protocol import messages as M
 from kvtether.protocol import responses as R
 from kvtether.sdk.contract import canonical_message
 
-from tests.protocol.test_messages import READ_SCHEMA, WEB_SEARCH, claude_code_request
-from tests.protocol.test_responses import SCHEMA, SEAL, _chunk, chat_answers, codex_like_request
+from tests.support.messages_bodies import READ_SCHEMA, WEB_SEARCH, claude_code_request
+from tests.support.responses_bodies import SCHEMA, SEAL, chat_answers, chat_chunk, codex_like_request
 
 # ---- Responses ------------------------------------------------------------------------------------------------
 
@@ -143,9 +143,9 @@ def test_every_answer_reads_back_whole_and_streamed(chat: dict[str, Any]) -> Non
     t = R.StreamTranslator(R.skeleton(body, "r", 0.0), tools=body["tools"], seal=None)
     for key in ("reasoning", "content"):
         if key in message:
-            t.feed(_chunk({key: message[key]}))
+            t.feed(chat_chunk({key: message[key]}))
     for i, call in enumerate(message.get("tool_calls") or ()):
-        t.feed(_chunk({"tool_calls": [{"index": i, **call}]}))
+        t.feed(chat_chunk({"tool_calls": [{"index": i, **call}]}))
     t.close()
     assert t.final is not None and R.chat_answer(t.final["output"]) == expected
 

@@ -32,49 +32,10 @@ from kvtether.protocol.responses import (
     translate,
 )
 
+from tests.support.responses_bodies import SCHEMA, SEAL, chat_answers, chat_chunk, codex_like_request
+
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("KVTETHER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-SEAL = ReasoningSeal(b"k" * 32)
-SCHEMA = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
-
-
-def codex_like_request() -> dict[str, Any]:
-    """Shaped like Codex 0.171's second request (captured): developer messages, input_text parts, a reasoning
-    item handed back with the gateway's encrypted_content, an answer, a namespaced call and a custom (freeform)
-    call with their outputs, function/namespace/custom tools, store false, reasoning effort."""
-    return {
-        "model": "m", "stream": True, "store": False, "include": ["reasoning.encrypted_content"],
-        "instructions": "You are a coding agent.",
-        "reasoning": {"effort": "high", "summary": "auto"}, "parallel_tool_calls": True, "tool_choice": "auto",
-        "prompt_cache_key": "thread-1", "client_metadata": {"session_id": "thread-1"},
-        "tools": [
-            {"type": "function", "name": "exec_command", "description": "Run a command", "strict": False,
-             "parameters": SCHEMA},
-            {"type": "namespace", "name": "agents", "description": "Sub-agents",
-             "tools": [{"type": "function", "name": "spawn", "description": "Spawn one", "parameters": SCHEMA}]},
-            {"type": "custom", "name": "apply_patch", "description": "Apply a patch",
-             "format": {"type": "text"}},
-        ],
-        "input": [
-            {"type": "message", "id": "msg_a", "role": "developer",
-             "content": [{"type": "input_text", "text": "Sandbox: read-only."}]},
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "<env/>"},
-                                                            {"type": "input_text", "text": "Read README."}]},
-            {"type": "reasoning", "id": "rs_1", "summary": [], "content": None,
-             "encrypted_content": SEAL.seal("I should read it.")},
-            {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
-             "content": [{"type": "output_text", "text": "Reading.", "annotations": []}]},
-            {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "exec_command",
-             "arguments": "{\"cmd\":\"cat README\"}"},
-            {"type": "function_call", "id": "fc_2", "call_id": "call_2", "name": "spawn", "namespace": "agents",
-             "arguments": "{\"cmd\":\"x\"}"},
-            {"type": "function_call_output", "call_id": "call_1", "output": "hello"},
-            {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "ok"}]},
-            {"type": "custom_tool_call", "call_id": "call_3", "name": "apply_patch", "input": "*** Begin Patch é"},
-            {"type": "custom_tool_call_output", "call_id": "call_3", "output": "done"},
-            {"type": "message", "role": "user", "content": "Now summarise."},
-        ],
-    }
 
 
 CODEX_CHAT = {
@@ -331,10 +292,6 @@ def test_from_chat_without_encrypted_reasoning_and_cut_short() -> None:
     assert out["usage"] is None and output_text(out) == "abc"
 
 
-def _chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-    return {"id": "chatcmpl-s", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-
-
 def _fold(events: list[dict[str, Any]]) -> dict[str, Any]:
     """What a client rebuilds from the events; checks their order and numbering on the way."""
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -358,19 +315,19 @@ def _fold(events: list[dict[str, Any]]) -> dict[str, Any]:
 def test_stream_reasoning_text_and_parallel_calls_fold_into_the_whole_answer() -> None:
     body = codex_like_request()
     t = StreamTranslator(skeleton(body, "resp_s", 0.0), tools=body["tools"], seal=SEAL)
-    events = t.feed(_chunk({"role": "assistant"}))
+    events = t.feed(chat_chunk({"role": "assistant"}))
     for piece in ("Think ", "first."):
-        events += t.feed(_chunk({"reasoning": piece}))
+        events += t.feed(chat_chunk({"reasoning": piece}))
     for piece in ("Let me", " look."):
-        events += t.feed(_chunk({"content": piece}))
+        events += t.feed(chat_chunk({"content": piece}))
     calls = CHAT_ANSWER["choices"][0]["message"]["tool_calls"]
     for i, call in enumerate(calls):
         args = call["function"]["arguments"]
-        events += t.feed(_chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+        events += t.feed(chat_chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
                                                  "function": {"name": call["function"]["name"], "arguments": ""}}]}))
-        events += t.feed(_chunk({"tool_calls": [{"index": i, "function": {"arguments": args[:3]}}]}))
-        events += t.feed(_chunk({"tool_calls": [{"index": i, "function": {"arguments": args[3:]}}]}))
-    events += t.feed(_chunk({}, "tool_calls"))
+        events += t.feed(chat_chunk({"tool_calls": [{"index": i, "function": {"arguments": args[:3]}}]}))
+        events += t.feed(chat_chunk({"tool_calls": [{"index": i, "function": {"arguments": args[3:]}}]}))
+    events += t.feed(chat_chunk({}, "tool_calls"))
     events += t.feed({"id": "chatcmpl-s", "choices": [], "usage": CHAT_ANSWER["usage"]})
     assert t.final is None
     events += t.close()
@@ -395,12 +352,12 @@ def test_stream_reasoning_text_and_parallel_calls_fold_into_the_whole_answer() -
 
 def test_stream_cut_by_max_tokens_ends_incomplete_and_a_broken_one_fails() -> None:
     t = StreamTranslator(skeleton({"model": "m"}, "r", 0.0), tools=None, seal=None)
-    events = t.feed(_chunk({"content": "ab"})) + t.feed(_chunk({}, "length")) + t.close()
+    events = t.feed(chat_chunk({"content": "ab"})) + t.feed(chat_chunk({}, "length")) + t.close()
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
-    assert t.close() == [] and t.feed(_chunk({"content": "x"})) == []
+    assert t.close() == [] and t.feed(chat_chunk({"content": "x"})) == []
     broken = StreamTranslator(skeleton({"model": "m"}, "r", 0.0), tools=None, seal=None)
-    events = broken.feed(_chunk({"content": "ab"})) + broken.fail("upstream went away")
+    events = broken.feed(chat_chunk({"content": "ab"})) + broken.fail("upstream went away")
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-1]["response"]["error"]["message"] == "upstream went away" and broken.final is None
 
@@ -412,26 +369,6 @@ def test_sse_framing() -> None:
 
 
 # ---- round trips ---------------------------------------------------------------------------------------------
-
-_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)
-
-
-@st.composite
-def chat_answers(draw: st.DrawFn) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant"}
-    if draw(st.booleans()):
-        message["reasoning"] = draw(_text.filter(bool))
-    if draw(st.booleans()):
-        message["content"] = draw(_text.filter(bool))
-    calls = draw(st.lists(st.tuples(st.sampled_from(["exec_command", "agents__spawn", "apply_patch"]), _text),
-                          max_size=3))
-    if calls:
-        message["tool_calls"] = [
-            {"id": f"call_{i}", "type": "function", "function": {
-                "name": name, "arguments": json.dumps({"input": arg}, ensure_ascii=False) if name == "apply_patch"
-                else json.dumps({"cmd": arg})}} for i, (name, arg) in enumerate(calls)]
-    return {"id": "chatcmpl-h", "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}
-
 
 @settings(max_examples=200, deadline=None)
 @given(chat_answers(), st.booleans())
@@ -447,9 +384,9 @@ def test_an_answer_sent_back_is_the_message_the_model_produced(chat: dict[str, A
     t = StreamTranslator(skeleton(body, "r", 0.0), tools=body["tools"], seal=seal)
     for key in ("reasoning", "content"):
         if key in message:
-            t.feed(_chunk({key: message[key]}))
+            t.feed(chat_chunk({key: message[key]}))
     for i, call in enumerate(message.get("tool_calls") or ()):
-        t.feed(_chunk({"tool_calls": [{"index": i, **call}]}))
+        t.feed(chat_chunk({"tool_calls": [{"index": i, **call}]}))
     t.close()
     assert t.final is not None and input_messages(t.final["output"], SEAL) == expected
 
