@@ -13,8 +13,8 @@ from kvtether.gateway.api.hosted import DroppedTools
 from kvtether.gateway.config import ConfigError, load_config
 from prometheus_client import CollectorRegistry, Counter
 
-from tests.gateway.api import test_messages as GM
-from tests.gateway.api import test_responses as GR
+from tests.support import gateway_messages as GM
+from tests.support import gateway_responses as GR
 from tests.support.gateway_agent import MODEL, tool_result
 from tests.support.sim_rig import Rig, metric, rig
 
