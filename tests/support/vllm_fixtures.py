@@ -311,6 +311,20 @@ def completion_body(model: str, prompt: list[int], max_tokens: int = 12, **kw: A
     return body
 
 
+TOKEN_ANSWER = 96  # a token session's answer length (ignore_eos: always all of it)
+
+
+def token_request(model: str, prompt: list[int]) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": TOKEN_ANSWER,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
 def completion_token_ids(resp: dict[str, Any]) -> list[int]:
     ch = resp["choices"][0]
     ids = ch.get("token_ids")

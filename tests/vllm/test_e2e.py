@@ -21,9 +21,11 @@ from kvtether.gateway.nodes.cluster import sample_sum
 
 from tests.support.vllm_fixtures import (
     DECODE_TTL_S,
+    TOKEN_ANSWER,
     Backend,
     completion_mismatch,
     greedy_mismatch,
+    token_request,
 )
 from tests.support.vllm_rig import Rig, gateway, metric
 
@@ -150,9 +152,6 @@ async def test_chat_sessions_equal_reference(pair: Backend) -> None:
         assert p_node.kv_capacity_tokens and p_node.kv_capacity_tokens >= 1024, p_node.kv_capacity_tokens
 
 
-TOKEN_ANSWER = 96  # a token session's answer length (ignore_eos: always all of it)
-
-
 async def test_a_client_that_leaves_mid_stream_aborts_ds_request_and_the_session_goes_on(pair: Backend) -> None:
     """The client walks away while D decodes: the gateway stops reading, vLLM aborts the request (D generates
     far fewer tokens than the request forces), no connection stays busy, and the session's next turn is served
@@ -188,17 +187,6 @@ async def test_a_client_that_leaves_mid_stream_aborts_ds_request_and_the_session
         _, ids = await chat(r.client, r.url, body(pair.model, messages, stream=False), hdr)
         why = await answer_mismatch(r.client, pair, messages, ids)
         assert why is None, f"the turn after the client left differs from the reference {why}"
-
-
-def token_request(model: str, prompt: list[int]) -> dict[str, Any]:
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": TOKEN_ANSWER,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
 
 
 async def _completion(r: Rig, req: dict[str, Any], hdr: dict[str, str]) -> dict[str, Any]:

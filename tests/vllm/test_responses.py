@@ -12,7 +12,7 @@ model's answer), and the gateway's `usage.input_tokens` must count them. vLLM's 
 store is off (and would live in one API server anyway), so a chained turn's reference is the request with its
 whole history spelled out as input items, as a stateless client sends it. Temperature 0 everywhere. Responses
 answers carry text, not token ids: equality is on the text, status and token counts, with the near-tie
-fallback of the Messages tests (`test_messages.text_mismatch`, docs/real-vllm.md "What equals the
+fallback of the Messages tests (`vllm_agent_turns.text_mismatch`, docs/real-vllm.md "What equals the
 reference means").
 
 The pair runs without a tool-call parser. vLLM's own `/v1/responses` then still accepts tools with any
@@ -34,9 +34,9 @@ import pytest
 from kvtether.gateway.turn import body as B
 from kvtether.protocol import responses as R
 
+from tests.support.vllm_agent_turns import assert_pulls, outcomes, pull_counters, text_mismatch, words
 from tests.support.vllm_fixtures import Backend
 from tests.support.vllm_rig import Rig, gateway, metric
-from tests.vllm.test_messages import assert_pulls, outcomes, pull_counters, text_mismatch, words
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(1500)]
 
@@ -231,7 +231,7 @@ async def answer_mismatch(r: Rig, body: dict[str, Any], got: Answer) -> str | No
     if (got.text, got.status, got.output_tokens) == (want_text, want["status"], usage["output_tokens"]):
         return None
     max_tokens = int(body["max_output_tokens"])
-    why = await text_mismatch(r.client, b, prompt, got, max_tokens)  # type: ignore[arg-type]  # reads .text
+    why = await text_mismatch(r.client, b, prompt, got, max_tokens)
     if why is not None:
         return f"{why}; vLLM's own /v1/responses answers {want_text!r} ({want['status']})"
     # A near-tie path: the status must still be the one its length implies.

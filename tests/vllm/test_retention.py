@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.vllm_fixtures import (
     DECODE_TTL_S,
     M_CACHED_BY_SOURCE,
+    TOKEN_ANSWER,
     Backend,
     completion_body,
     metric_sum,
@@ -43,9 +44,9 @@ from tests.support.vllm_fixtures import (
     prefill_body,
     rewrite_host,
     token_prompt,
+    token_request,
 )
 from tests.support.vllm_rig import Rig, gateway
-from tests.vllm.test_e2e import TOKEN_ANSWER, token_request
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(900)]
 
