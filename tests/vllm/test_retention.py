@@ -33,6 +33,7 @@ import pytest
 from kvtether.gateway.nodes.cluster import sample_sum
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.vllm_blocks import Blocks, blocks_of, release
 from tests.support.vllm_fixtures import (
     DECODE_TTL_S,
     M_CACHED_BY_SOURCE,
@@ -50,7 +51,6 @@ from tests.support.vllm_rig import Rig, gateway
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(900)]
 
-M_USAGE = "vllm:kv_cache_usage_perc"
 # D-side NIXL counters (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py): holds freed at their TTL,
 # and consume notifications (a pull's or a release's) for a request D's worker does not track.
 M_EXPIRED = "vllm:nixl_num_kv_expired_reqs"
@@ -71,59 +71,6 @@ def pair(vllm_pair: Backend) -> Backend:
 
 
 # ---- reading D's blocks ------------------------------------------------------------------------------
-
-
-async def total_blocks(client: httpx.AsyncClient, url: str) -> int:
-    """The blocks `kv_cache_usage_perc` is a share of: num_gpu_blocks (vllm:cache_config_info) minus the null block."""
-    text = (await client.get(url + "/metrics")).text
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "vllm:cache_config_info" and s.labels.get("num_gpu_blocks", "None") != "None":
-                return int(s.labels["num_gpu_blocks"]) - 1
-    raise AssertionError(f"{url} reports no num_gpu_blocks in vllm:cache_config_info")
-
-
-class Blocks:
-    """D's used KV blocks, from its usage gauge."""
-
-    def __init__(self, client: httpx.AsyncClient, url: str, total: int) -> None:
-        self.client, self.url, self.total = client, url, total
-
-    async def used(self) -> int:
-        return round(await metric_sum(self.client, self.url, M_USAGE) * self.total)
-
-    async def until(self, want: int, within_s: float) -> int:
-        """Poll until `want` blocks are used or `within_s` passed; the last count. vLLM frees a released hold in
-        the engine step that sees D's worker report it, and the gauge follows with that step's stats: nothing
-        to wait on but the gauge."""
-        deadline = time.monotonic() + within_s
-        while True:
-            got = await self.used()
-            if got == want or time.monotonic() >= deadline:
-                return got
-            await anyio.sleep(0.25)
-
-    async def lowest(self, for_s: float) -> int:
-        """The fewest blocks used over `for_s` of polls: a hold that is freed shows up as a drop."""
-        deadline = time.monotonic() + for_s
-        low = await self.used()
-        while time.monotonic() < deadline:
-            await anyio.sleep(0.25)
-            low = min(low, await self.used())
-        return low
-
-
-async def blocks_of(client: httpx.AsyncClient, b: Backend) -> Blocks:
-    return Blocks(client, b.decode_url, await total_blocks(client, b.decode_url))
-
-
-async def release(client: httpx.AsyncClient, b: Backend, handle: dict[str, Any], token: int) -> None:
-    """The one-token release (docs/operations.md, "Decode memory"): P computes the one token locally and notifies D.
-    P's answer carries prefill params for a one-block lease of P's own: dropped."""
-    body = {"model": b.model, "prompt": [token], "max_tokens": 1, "stream": False,
-            "kv_transfer_params": rewrite_host(handle, b.decode_url)}
-    r = await client.post(b.prefill_url + "/v1/completions", json=body)
-    assert r.status_code == 200, r.text
 
 
 async def wait_for_counter(client: httpx.AsyncClient, url: str, name: str, above: float, within_s: float) -> float:
