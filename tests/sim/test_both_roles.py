@@ -75,3 +75,12 @@ async def test_one_session_local_then_disaggregated_then_local_on_two_both_role_
         assert answer(await h.post(home + "/v1/chat/completions", json=body)) == await alone(h, oracle, body)
         # Turn 1's handle was read (single use) and freed; only turn 3's is held, on the session's node alone.
         assert len(c.node(home).engine.holds) == 1 and len(c.node(other).engine.holds) == 0
+
+        # The session ends: its handle released through the other node (a one-token prefill carrying it). The
+        # session's node frees the hold; the other keeps its one computed block under a lease for a decode read
+        # that never comes, as vLLM does (on a pool of both-role nodes that block is decode memory for a while).
+        handle3 = d3.json()["kv_transfer_params"]
+        r = await h.post(other + "/v1/completions", json={"model": "kvtether-sim", "prompt": [7], "max_tokens": 1,
+                                                          "kv_transfer_params": handle3})
+        assert r.status_code == 200, r.text
+        assert len(c.node(home).engine.holds) == 0 and len(c.node(other).engine.holds) == 1

@@ -1,0 +1,164 @@
+"""Two real vLLM CPU instances that both take both roles (NIXL ``kv_role: kv_both`` with bidirectional transfer):
+which side of a transfer an instance plays is set per request by ``kv_transfer_params``, so one pool of identical
+instances can serve a session's turns locally, disaggregated with the reverse pull, and locally again.
+
+What a pool of such instances rests on, each checked on vLLM itself:
+- a P/D turn between them leaves the decoding instance holding the turn's KV behind a handle;
+- a plain request to that instance reuses its prefix cache (a local turn) and moves nothing;
+- the other instance, given the handle, reads the held history from it (the reverse pull) and computes only the
+  rest, and the session's instance reads back only what its own prefix cache lacks;
+- each instance decodes for the other too (the roles are per request, not per instance);
+- every answer is greedy decoding of its prompt (up to near-ties), and once the handles are released each
+  instance's used blocks are back at its baseline but for the one-block lease of the release it served, and
+  at its baseline once that lease runs out.
+
+Marker `vllm` (its folder) and `vllm_first`: it starts its own pair before the shared one exists.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from kvtether.cli.up.command import running_cluster
+from kvtether.cli.up.launcher import plan_cluster
+
+from tests.support.vllm_blocks import Blocks, block_size, release, total_blocks
+from tests.support.vllm_fixtures import (
+    M_CACHED_BY_SOURCE,
+    Backend,
+    completion_body,
+    completion_mismatch,
+    completion_token_ids,
+    metric_sum,
+    opted_in,
+    pair_options,
+    pd_turn,
+    token_prompt,
+    vllm_unavailable_reason,
+)
+
+pytestmark = [pytest.mark.vllm_first, pytest.mark.anyio, pytest.mark.timeout(900)]
+
+ANSWER = 12
+# Turn 1's answer: tokens the prefilling instance never computed, so the later reverse pull has blocks to read
+# beyond what its own prefix cache kept of turn 1's prompt.
+FIRST_ANSWER = 256
+
+
+@pytest.fixture(scope="module")
+def both(pytestconfig: pytest.Config) -> Iterator[Backend]:
+    """Two kv_both instances; `prefill_url` and `decode_url` are only their names in the launcher's plan."""
+    if not opted_in(pytestconfig):
+        pytest.skip("real vLLM tests are opt-in: pytest -m vllm (or KVTETHER_VLLM_TESTS=1)")
+    reason = vllm_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    opts = pair_options(kv_both=True)
+    plan = plan_cluster(opts)
+    log_dir = Path(os.environ.get("KVTETHER_TEST_LOG_DIR") or tempfile.mkdtemp(prefix="kvtether-vllm-both-"))
+    with running_cluster(plan, log_dir=log_dir / "both", health_timeout_s=240.0):
+        yield Backend(name="vllm-kv-both", prefill_url=str(plan.prefill[0].command.url),
+                      decode_url=str(plan.decode[0].command.url), model=opts.model)
+
+
+def roles(b: Backend, prefill: str, decode: str) -> Backend:
+    """The pair with the two instances in the given roles for one turn."""
+    return Backend(name=b.name, prefill_url=prefill, decode_url=decode, model=b.model, token_range=b.token_range)
+
+
+async def p2p(client: httpx.AsyncClient, url: str) -> float:
+    """Prompt tokens `url` read from another instance over NIXL."""
+    return await metric_sum(client, url, M_CACHED_BY_SOURCE, source="p2p")
+
+
+async def local(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = await client.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+async def greedy(client: httpx.AsyncClient, url: str, body: dict[str, Any], out: list[int]) -> None:
+    why = await completion_mismatch(client, url, body, out)
+    assert why is None, why
+
+
+async def test_a_session_runs_local_then_disaggregated_then_local_on_two_both_role_instances(both: Backend) -> None:
+    home, other = both.decode_url, both.prefill_url
+    async with httpx.AsyncClient(timeout=httpx.Timeout(180.0), trust_env=False) as client:
+        used = {u: Blocks(client, u, await total_blocks(client, u)) for u in (home, other)}
+        baseline = {u: await b.used() for u, b in used.items()}
+
+        # Turn 1, cold: `other` prefills, `home` reads the prompt and decodes, holding the turn behind a handle.
+        block = await block_size(client, home)
+        prompt = token_prompt(uuid.uuid4().int, 600, both.token_range)
+        body = completion_body(both.model, prompt, max_tokens=FIRST_ANSWER, ignore_eos=True)
+        t1 = await pd_turn(client, roles(both, other, home), body)
+        out1 = completion_token_ids(t1.decode or {})
+        await greedy(client, other, body, out1)
+        h1 = t1.handle
+        assert h1 and h1.get("do_remote_decode") is True, f"home returned no handle: {h1}"
+        assert h1["remote_num_tokens"] == len(prompt) + FIRST_ANSWER - 1
+        read_home = await p2p(client, home)
+        assert read_home > 0, "home read nothing of turn 1's prompt from the other instance"
+
+        # Turn 2, local: the whole request to `home`, whose prefix cache holds turn 1; nothing moves.
+        prompt2 = prompt + out1 + token_prompt(uuid.uuid4().int, 40, both.token_range)
+        body = completion_body(both.model, prompt2, max_tokens=ANSWER)
+        t2 = await local(client, home, body)
+        out2 = completion_token_ids(t2)
+        await greedy(client, other, body, out2)
+        cached = (t2["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        assert cached >= h1["remote_num_tokens"] // block * block, (cached, h1["remote_num_tokens"], block)
+        assert not t2.get("kv_transfer_params"), "a plain request came back with a handle"
+        assert await p2p(client, home) == read_home
+
+        # Turn 3, disaggregated: `other` reads the held history from `home` (turn 1's handle, a prefix of this
+        # prompt): what its own cache lacks of it, turn 1's answer; it computes the rest. `home` reads back only
+        # what its prefix cache lacks (turn 2's answer and the new part).
+        prompt3 = prompt2 + out2 + token_prompt(uuid.uuid4().int, 300, both.token_range)
+        body = completion_body(both.model, prompt3, max_tokens=ANSWER)
+        read_other = await p2p(client, other)
+        t3 = await pd_turn(client, roles(both, other, home), body, h1)
+        out3 = completion_token_ids(t3.decode or {})
+        await greedy(client, other, body, out3)
+        pulled = await p2p(client, other) - read_other
+        assert pulled >= FIRST_ANSWER - block, f"the other instance read {pulled} tokens of the held history"
+        read_back = await p2p(client, home) - read_home
+        assert 0 < read_back < len(prompt3) - len(prompt2) + 2 * block, (read_back, len(prompt3), len(prompt2))
+        h3 = t3.handle
+        assert h3 and h3["remote_num_tokens"] == len(prompt3) + ANSWER - 1
+
+        # Turn 4, local again on `home`.
+        prompt4 = prompt3 + out3 + token_prompt(uuid.uuid4().int, 40, both.token_range)
+        body = completion_body(both.model, prompt4, max_tokens=ANSWER)
+        out4 = completion_token_ids(await local(client, home, body))
+        await greedy(client, other, body, out4)
+
+        # The roles the other way round: `home` prefills for a session that decodes on `other`.
+        prompt5 = token_prompt(uuid.uuid4().int, 400, both.token_range)
+        body = completion_body(both.model, prompt5, max_tokens=ANSWER)
+        t5 = await pd_turn(client, roles(both, home, other), body)
+        await greedy(client, home, body, completion_token_ids(t5.decode or {}))
+        h5 = t5.handle
+        assert h5 and h5["remote_engine_id"] != h3["remote_engine_id"]
+
+        # The sessions end: both handles released, each through the other instance in the prefill role. Each
+        # instance frees the hold it had at once, and keeps one block of the release it served: vLLM answers a
+        # one-token prefill that carries a handle (do_remote_decode set) by leasing its block for a decode read
+        # that never comes. In a pool, where every instance also decodes, that block is decode memory until the
+        # lease runs out (30 s, docs/protocol.md §5.3); then both are back at their baselines.
+        await release(client, roles(both, other, home), h3, prompt[0])  # sent to the instance not holding it
+        await release(client, roles(both, home, other), h5, prompt5[0])
+        for u, b in used.items():
+            after = await b.until(baseline[u] + 1, within_s=10.0)
+            assert after == baseline[u] + 1, f"{u} uses {after - baseline[u]} blocks more than before the sessions"
+        for u, b in used.items():
+            after = await b.until(baseline[u], within_s=90.0)
+            assert after == baseline[u], f"{u} still uses {after - baseline[u]} blocks more once the lease ran out"
