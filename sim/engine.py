@@ -567,9 +567,21 @@ class Engine:
         r.hang = r.hang or plan.hang
         r.state = State.LOADING
         r.remote_done = True
+        self._count_read(r, plan.load)
         self.loading.add(r)
         self._spawn(self._load(r, plan.load))
         return 0
+
+    def _count_read(self, r: EngineRequest, load: Load) -> None:
+        """What a read reports, counted when it is scheduled, as vLLM does (its PrefillStats and the connector's
+        hits by source are set at admission): a read that then fails and is recomputed (kv_load_failure_policy
+        "recompute") still shows as read, in usage and in the node's counters."""
+        n = load.end - load.start
+        r.cached_p2p = n
+        self.metrics.cached_by_source.labels(*self.metrics.base, "p2p").inc(n)
+        self.metrics.cached_tokens.labels(*self.metrics.base).inc(n)
+        self.metrics.external_hits.labels(*self.metrics.base).inc(n)
+        self.metrics.prompt_by_source.labels(*self.metrics.base, "external_kv_transfer").inc(n)
 
     def _plan_load(self, r: EngineRequest, num_computed: int) -> ConnectorPlan:
         """What the NIXL connector does for this request once admitted with `num_computed` tokens from the
@@ -667,13 +679,7 @@ class Engine:
             if k == self.bs:
                 r.hashes = self._hashes(r, r.token_ids)
                 self.pool.register(blk, r.hashes[bi])
-        n = load.end - load.start
         r.num_computed = load.end
-        r.cached_p2p = n
-        self.metrics.cached_by_source.labels(*self.metrics.base, "p2p").inc(n)
-        self.metrics.cached_tokens.labels(*self.metrics.base).inc(n)
-        self.metrics.external_hits.labels(*self.metrics.base).inc(n)
-        self.metrics.prompt_by_source.labels(*self.metrics.base, "external_kv_transfer").inc(n)
 
     # ---- a step's effects ---------------------------------------------------------------------
     def _apply(self, step: Step) -> None:

@@ -180,6 +180,14 @@ async def test_expired_handle(client: httpx.AsyncClient, policy: str) -> None:
             assert p2.status_code == 200 and d2 is not None
             ref = await client.post(c.aggregated_urls[0] + "/v1/chat/completions", json=turn2)
             assert d2.json()["choices"][0]["message"]["content"] == ref.json()["choices"][0]["message"]["content"]
+            # vLLM counts a read when it schedules it: recomputed after the failure, it still reports as read, in
+            # usage (P's own hit and the read together) and in P's p2p counter; only the failed-transfer counter
+            # tells (docs/metrics.md, "How a pull is confirmed").
+            assert p2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == handle["remote_num_tokens"]
+            assert await p2p_tokens(client, c.prefill_urls[0]) > 0
+            failed = (await client.get(c.prefill_urls[0] + "/metrics")).text
+            assert any(ln.startswith("vllm:nixl_num_failed_transfers") and float(ln.split()[-1]) >= 1
+                       for ln in failed.splitlines()), "the failed read is not counted"
         await asyncio.sleep(6.0 / SPEED)
         assert c.node(c.decode_urls[0]).engine.holds.get(handle["remote_request_id"]) is None
 
