@@ -48,7 +48,10 @@ def agent_api_routes(node: SimNode, complete: Complete) -> list[Route]:
             return _openai_error(404, f"Response with id '{previous}' not found.", "previous_response_id")
         kv = body.pop(KV_FIELD, None)
         try:
-            chat = R.to_chat(body, seal=_NO_SEAL)
+            # vLLM 0.32 renders only a request's function tools (tool_parsers/utils.py
+            # iter_response_function_tool_dicts): a hosted tool such as Codex's web_search is left out of the
+            # prompt without an error.
+            chat = R.translate(body, seal=_NO_SEAL, hosted_tools="drop").chat
         except R.ResponsesError as e:
             return _openai_error(e.status, e.message, e.param)
         if kv is not None:

@@ -96,7 +96,8 @@ def to_chat(body: Mapping[str, Any], *, seal: ReasoningSeal | None, history: Seq
             ) -> dict[str, Any]:
     """The chat completion request for a Responses request; ``history``: the chat messages of the chain it
     continues (``previous_response_id`` / ``conversation``), put between its instructions and its input. A
-    hosted tool is refused (400), as vLLM refuses it."""
+    hosted tool is refused (400): the model cannot call it (vLLM's own /v1/responses leaves it out of the prompt
+    without a word)."""
     return translate(body, seal=seal, history=history).chat
 
 

@@ -81,6 +81,12 @@ async def test_responses_answer_as_the_same_turn_sent_as_chat_whole_and_streamed
                                                       "encrypted_content": SEAL.seal("x")}]}
         refused = await client.post(f"{node}/v1/responses", json=sealed)
         assert refused.status_code == 400 and "encrypted_content" in refused.json()["error"]["message"]
+        # A hosted tool (Codex's web_search) beside the function tools is left out of the prompt, as vLLM 0.32
+        # does: the same prompt, and the same answer, as without it.
+        hosted = await client.post(f"{node}/v1/responses", json={**body, "tools": [*TOOLS, {"type": "web_search"}]})
+        assert hosted.status_code == 200, hosted.text
+        assert hosted.json()["usage"]["input_tokens"] == got["usage"]["input_tokens"]
+        assert same(hosted.json()["output"]) == same(got["output"])
 
 
 async def test_responses_and_messages_run_as_p_d_legs_with_kv_transfer_params() -> None:
