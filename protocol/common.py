@@ -24,6 +24,11 @@ HOSTED_TOOLS: Final[tuple[HostedTools, ...]] = ("drop", "refuse")
 _VERSION = re.compile(r"(_preview)?(_[0-9]{8}|_[0-9]{4}_[0-9]{2}_[0-9]{2})?$")
 
 
+def int_or_none(value: Any) -> int | None:
+    """A count as a JSON body carries it: an integer, else None (a bool is not a count)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 @dataclass(frozen=True, slots=True)
 class Translation:
     """A request lowered to a chat request, and the hosted tool types it left out (request order, each once)."""

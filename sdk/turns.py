@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtether.protocol import messages, responses
+from kvtether.protocol.common import int_or_none
 
 CHAT = "chat"
 RESPONSES = "responses"
@@ -66,10 +67,6 @@ class Owner(Protocol):
     """Who made the call and is told when it ends (the session)."""
 
     def _finish(self, call: Call, *, error: BaseException | None = None, aborted: bool = False) -> None: ...
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class _Reader(Protocol):
@@ -256,12 +253,12 @@ class ChatReader:
     def _usage(m: TurnMetrics, usage: Any) -> None:
         if not isinstance(usage, Mapping):
             return
-        if _int(usage.get("prompt_tokens")) is not None:
+        if int_or_none(usage.get("prompt_tokens")) is not None:
             m.prompt_tokens = usage["prompt_tokens"]
-        if _int(usage.get("completion_tokens")) is not None:
+        if int_or_none(usage.get("completion_tokens")) is not None:
             m.completion_tokens = usage["completion_tokens"]
         details = usage.get("prompt_tokens_details")
-        if isinstance(details, Mapping) and _int(details.get("cached_tokens")) is not None:
+        if isinstance(details, Mapping) and int_or_none(details.get("cached_tokens")) is not None:
             m.cached_tokens = details["cached_tokens"]
 
 
@@ -346,9 +343,9 @@ class MessagesReader:
         if kind == "message_start" and isinstance(data.get("message"), Mapping):
             self._usage(call.metrics, data["message"].get("usage"))
         elif kind == "content_block_start" and isinstance(data.get("content_block"), Mapping):
-            self.blocks[_int(data.get("index")) or 0] = dict(data["content_block"])
+            self.blocks[int_or_none(data.get("index")) or 0] = dict(data["content_block"])
         elif kind == "content_block_delta" and isinstance(data.get("delta"), Mapping):
-            self._delta(call, _int(data.get("index")) or 0, data["delta"], now_ns)
+            self._delta(call, int_or_none(data.get("index")) or 0, data["delta"], now_ns)
         elif kind == "message_delta":
             delta = data.get("delta")
             if isinstance(delta, Mapping) and delta.get("stop_reason"):
@@ -379,7 +376,7 @@ class MessagesReader:
         if not isinstance(usage, Mapping):
             return
         for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens", "output_tokens"):
-            value = _int(usage.get(key))
+            value = int_or_none(usage.get(key))
             if value is not None:
                 self.usage[key] = value
         if "input_tokens" in self.usage:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtether.cli.streaming.clock import TokenClock
+from kvtether.protocol.common import int_or_none
 from kvtether.protocol.responses import read_usage
 
 CHAT = "chat"
@@ -30,10 +31,6 @@ MESSAGES = "messages"
 APIS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES)
 # A server may send the reasoning under either name, even both for the same text (vLLM has used both).
 REASONING_FIELDS = ("reasoning_content", "reasoning")
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class AnswerReader(ABC):
@@ -116,7 +113,7 @@ class ChatReader(AnswerReader):
         for tc in delta.get("tool_calls") or ():
             if not isinstance(tc, Mapping):
                 continue
-            call = self._call(_int(tc.get("index")) or 0)
+            call = self._call(int_or_none(tc.get("index")) or 0)
             if tc.get("id"):
                 call["id"] = tc["id"]
             fn = tc.get("function") or {}
@@ -128,10 +125,10 @@ class ChatReader(AnswerReader):
     def _usage(self, usage: Any) -> None:
         if not isinstance(usage, Mapping):
             return
-        self.prompt_tokens = _int(usage.get("prompt_tokens"))
-        self.completion_tokens = _int(usage.get("completion_tokens"))
+        self.prompt_tokens = int_or_none(usage.get("prompt_tokens"))
+        self.completion_tokens = int_or_none(usage.get("completion_tokens"))
         details = usage.get("prompt_tokens_details")
-        if isinstance(details, Mapping) and _int(details.get("cached_tokens")) is not None:
+        if isinstance(details, Mapping) and int_or_none(details.get("cached_tokens")) is not None:
             self.cached_tokens = details["cached_tokens"]
 
 
@@ -162,12 +159,12 @@ class ResponsesReader(AnswerReader):
             self.error = _error_text(data.get("error") or data.get("message") or data)
         elif kind.endswith(".delta") and isinstance(data.get("delta"), str) and data["delta"]:
             self.clock.token(now)
-            self._delta(kind, _int(data.get("output_index")) or 0, data["delta"])
+            self._delta(kind, int_or_none(data.get("output_index")) or 0, data["delta"])
         elif kind == "response.output_item.added" and isinstance(data.get("item"), Mapping):
             item = data["item"]
             if item.get("type") == "function_call" and item.get("name"):
                 self.clock.token(now)
-                call = self._call(_int(data.get("output_index")) or 0)
+                call = self._call(int_or_none(data.get("output_index")) or 0)
                 call["id"] = str(item.get("call_id") or item.get("id") or "")
                 call["function"]["name"] = str(item["name"])
         elif kind == "response.created" and isinstance(data.get("response"), Mapping):
@@ -212,11 +209,11 @@ class MessagesReader(AnswerReader):
             block = data["content_block"]
             if block.get("type") == "tool_use" and block.get("name"):
                 self.clock.token(now)
-                call = self._call(_int(data.get("index")) or 0)
+                call = self._call(int_or_none(data.get("index")) or 0)
                 call["id"] = str(block.get("id") or "")
                 call["function"]["name"] = str(block["name"])
         elif kind == "content_block_delta" and isinstance(data.get("delta"), Mapping):
-            self._delta(_int(data.get("index")) or 0, data["delta"], now)
+            self._delta(int_or_none(data.get("index")) or 0, data["delta"], now)
         elif kind == "message_delta":
             delta = data.get("delta")
             if isinstance(delta, Mapping) and delta.get("stop_reason"):
@@ -239,13 +236,13 @@ class MessagesReader(AnswerReader):
     def _usage(self, usage: Any) -> None:
         if not isinstance(usage, Mapping):
             return
-        read = _int(usage.get("cache_read_input_tokens"))
-        if _int(usage.get("input_tokens")) is not None:
+        read = int_or_none(usage.get("cache_read_input_tokens"))
+        if int_or_none(usage.get("input_tokens")) is not None:
             self.prompt_tokens = (usage["input_tokens"] + (read or 0)
-                                  + (_int(usage.get("cache_creation_input_tokens")) or 0))
+                                  + (int_or_none(usage.get("cache_creation_input_tokens")) or 0))
         if read is not None:
             self.cached_tokens = read
-        if _int(usage.get("output_tokens")) is not None:
+        if int_or_none(usage.get("output_tokens")) is not None:
             self.completion_tokens = usage["output_tokens"]
 
 

@@ -9,7 +9,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-from kvtether.protocol.common import reasoning_of
+from kvtether.protocol.common import int_or_none, reasoning_of
 from kvtether.protocol.messages.request import translate
 
 # vLLM's Anthropic stop-reason vocabulary, keyed by the chat finish reason it maps from.
@@ -59,7 +59,7 @@ def usage(chat_usage: Any) -> dict[str, int]:
 
 
 def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    return int_or_none(value) or 0
 
 
 def parses_json(text: str) -> bool:

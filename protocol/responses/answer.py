@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtether.protocol.common import reasoning_of
+from kvtether.protocol.common import int_or_none, reasoning_of
 from kvtether.protocol.responses.common import ReasoningSeal, decode_custom_input, flat_name
 from kvtether.protocol.responses.request import input_messages
 
@@ -117,7 +117,7 @@ def usage(chat_usage: Any) -> dict[str, Any] | None:
 
 
 def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    return int_or_none(value) or 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +135,8 @@ def read_usage(response: Mapping[str, Any]) -> Usage:
     if not isinstance(u, Mapping):
         return Usage()
     details = u.get("input_tokens_details")
-    cached = _count(details.get("cached_tokens")) if isinstance(details, Mapping) else None
-    return Usage(_count(u.get("input_tokens")), _count(u.get("output_tokens")), cached)
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    cached = int_or_none(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+    return Usage(int_or_none(u.get("input_tokens")), int_or_none(u.get("output_tokens")), cached)
 
 
 def finish(response: dict[str, Any], finish_reason: Any) -> dict[str, Any]:
