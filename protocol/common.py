@@ -14,8 +14,9 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 # What a translation does with a hosted tool (one the API's provider runs, or a built-in the model only knows
-# natively: no chat template can render it): "refuse" answers 400 naming it, as vLLM's own endpoints do;
-# "drop" leaves it out of the turn and reports it (the gateway's default, so a client that always sends one,
+# natively: no chat template can render it): "refuse" answers 400 naming it, as vLLM's Messages endpoint does
+# from 0.34 (its Responses endpoint leaves such tools out of the prompt without a word); "drop" leaves it out of
+# the turn and reports it (the gateway's default, so a client that always sends one,
 # as Codex sends web_search, still gets its turns).
 HostedTools = Literal["drop", "refuse"]
 HOSTED_TOOLS: Final[tuple[HostedTools, ...]] = ("drop", "refuse")
