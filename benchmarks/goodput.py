@@ -6,7 +6,7 @@ turns that meet both objectives (TTFT from the client, TPOT from the decoding en
 machine's load does not inflate), late-turn TTFT p50/p95/p99 and engine TPOT p95. Goodput is the highest load
 multiplier at which at least 90 % of turns meet both (DistServe's measure).
 
-Options (one GPU count: 1 prefill + 2 decode nodes, or 3 colocated nodes):
+Options (one GPU count: 1 prefill + 2 decode nodes, 3 colocated nodes, or a pool of 3 instances):
 
   no-pull    classic P/D: P recomputes the history
   reference  vLLM's reference proxy: round-robin, the handle attached whenever held
@@ -15,6 +15,8 @@ Options (one GPU count: 1 prefill + 2 decode nodes, or 3 colocated nodes):
   llm-d      llm-d's prefix decider (nonCachedTokens 16), no pull
   auto       kvtether's per-turn choice
   colocated  3 aggregated nodes, sessions pinned to one (session affinity), prefix caching on
+  hybrid     3 pool instances (kv_both) behind kvtether's auto: each turn local on the session's instance or
+             prefilled on another that pulls the history (docs/pool.md)
 
 Workloads: short-append chat; coding-agent sessions (long contexts, appends of 0.2–6k tokens, answers of
 50–2.5k, tool gaps of seconds); long documents (examples/sessions/aiperf-long-docs.jsonl); a production-style
@@ -42,8 +44,8 @@ from typing import Any
 import anyio
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONS = ("no-pull", "reference", "pull", "dynamo", "llm-d", "auto", "colocated")
-PD_OPTIONS = OPTIONS[:-1]
+OPTIONS = ("no-pull", "reference", "pull", "dynamo", "llm-d", "auto", "colocated", "hybrid")
+PD_OPTIONS = OPTIONS[:-2]
 WORKLOADS = ("chat", "coding", "long-docs", "trace")
 LATE_TURN = 3  # turns from this index on are "late": their history is what reuse is for
 
@@ -157,7 +159,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                   seed=args.seed)
     shape = build_shape(st.preset, prefill=1, decode=2)
     loads = [float(x) for x in args.loads.split(",")]
-    out: dict[str, Any] = {"settings": st.__dict__, "shape": "1P 2D (P/D options) vs 3 colocated nodes",
+    out: dict[str, Any] = {"settings": st.__dict__, "shape": "1P 2D (P/D options) vs 3 colocated nodes vs a pool of 3",
                            "loads": loads, "workloads": {}}
     for w in args.workloads.split(","):
         sessions = workload(w, st)

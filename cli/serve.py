@@ -1,4 +1,5 @@
-"""``kvtether serve``: run the gateway in front of vLLM prefill/decode (or aggregated) nodes.
+"""``kvtether serve``: run the gateway in front of vLLM prefill/decode nodes, pool instances that take both roles,
+or aggregated nodes.
 
 Flags name the cluster; everything else comes from ``--config FILE`` (TOML, see docs/gateway.md).
 Flags win over the file; ``KVTETHER_STORE`` stands for ``--store``. ``--workers N`` runs N processes on one
@@ -26,6 +27,10 @@ def register(app: typer.Typer) -> None:
     def serve(
         prefill: list[str] = typer.Option(None, "--prefill", "-p", help="Prefill node URL (repeatable)."),
         decode: list[str] = typer.Option(None, "--decode", "-d", help="Decode node URL (repeatable)."),
+        node: list[str] = typer.Option(
+            None, "--node", "-n",
+            help="Pool instance URL (repeatable): a vLLM server with kv_role kv_both and bidirectional_kv_xfer that "
+            "prefills and decodes; may be mixed with --prefill/--decode."),
         aggregated: list[str] = typer.Option(
             None, "--aggregated", "-a", help="Plain vLLM replica URL, no P/D (repeatable)."
         ),
@@ -51,7 +56,8 @@ def register(app: typer.Typer) -> None:
 
         log_level = checked_log_level("serve", "--log-level", log_level)
         try:
-            cfg = load_config(config, prefill=prefill or None, decode=decode or None, aggregated=aggregated or None,
+            cfg = load_config(config, prefill=prefill or None, decode=decode or None, nodes=node or None,
+                              aggregated=aggregated or None,
                               host=host, port=port, policy=policy, otlp_endpoint=otlp_endpoint, store=store,
                               tokenizer=tokenizer)
         except ConfigError as exc:
@@ -65,7 +71,9 @@ def register(app: typer.Typer) -> None:
         if problem is not None:
             fail_as("serve", EXIT_FAILED, f"cannot listen on {cfg.host}:{cfg.port}: {problem}; {listen_fix(problem)}")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        mode = "aggregated" if cfg.aggregated else f"P/D ({len(cfg.prefill)}P {len(cfg.decode)}D)"
+        mode = "aggregated" if cfg.aggregated else "P/D (" + " ".join(
+            f"{len(urls)}{tag}" for urls, tag in ((cfg.prefill, "P"), (cfg.decode, "D"), (cfg.nodes, " pool"))
+            if urls) + ")"
         shared = f", {workers} workers" if workers > 1 else ""
         typer.echo(f"kvtether gateway on http://{cfg.host}:{cfg.port} — {mode}, policy {cfg.policy}, store "
                    f"{_redacted(cfg.store)}{shared}", err=True)

@@ -79,7 +79,8 @@ async def fetch_held(url: str, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     except (httpx.HTTPError, json.JSONDecodeError):
         return []
     nodes = data.get("nodes") if isinstance(data, dict) else None
-    return [n for n in nodes or () if isinstance(n, dict) and n.get("role") == "decode" and "held_kv_tokens" in n]
+    return [n for n in nodes or ()
+            if isinstance(n, dict) and n.get("role") in ("decode", "both") and "held_kv_tokens" in n]
 
 
 def held_table(nodes: list[dict[str, Any]]) -> Table:

@@ -62,7 +62,8 @@ async def _serve(spec: ClusterSpec, as_json: bool) -> None:
 # The command's options, in the order of its help.
 _PREFILL = typer.Option(1, "--prefill", min=0, help="Prefill nodes.")
 _DECODE = typer.Option(1, "--decode", min=0, help="Decode nodes.")
-_AGGREGATED = typer.Option(0, "--aggregated", min=0, help="Aggregated (kv_both) nodes.")
+_AGGREGATED = typer.Option(0, "--aggregated", min=0, help="Aggregated (kv_both) nodes: replicas, or a pool's instances "
+                           "(kvtether serve --node).")
 _PRESET = typer.Option("toy", "--preset", help=f"Model/hardware preset ({', '.join(sorted(PRESETS))}).")
 _SPEED = typer.Option(1.0, "--speed", min=0.001, help="Clock speed-up (simulated s per real s).")
 _HOST = typer.Option("127.0.0.1", "--host", help="Interface to listen on.")

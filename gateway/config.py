@@ -36,9 +36,15 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    # Cluster: P/D mode needs prefill + decode; aggregated mode needs only aggregated.
+    # Cluster: P/D mode needs prefill + decode, or pool instances (`nodes`), or both kinds; aggregated mode
+    # needs only aggregated.
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
+    # Pool instances: vLLM servers with kv_role kv_both and bidirectional_kv_xfer, each prefilling and decoding.
+    # A session is pinned to one; each turn runs there (decode-local) or is prefilled on another instance that
+    # pulls the history from it (docs/pool.md). Only `auto` weighs the two per turn; the fixed rules treat them
+    # as decode nodes that also prefill for other sessions.
+    nodes: list[str] = field(default_factory=list)
     aggregated: list[str] = field(default_factory=list)
     # "auto" = cost-based per turn (decode-local / pull / cold, docs/placement.md); "pull", "no-pull" and
     # "reference" are fixed behaviours kept for comparison (the replay CLI and benchmarks switch them);
@@ -147,6 +153,11 @@ class GatewayConfig:
     chunk_tokens: int = _KNOBS.chunk_tokens
     # A P/D turn may decode on a less loaded D than the pinned one (the pin moves): balance across D's.
     rebalance_decode: bool = _KNOBS.rebalance_decode
+    # A pool's session affinity: a session leaves its instance only when that instance has more than
+    # pool_balance_abs requests above the lightest one and more than pool_balance_rel times its load
+    # (policy/knobs.py says why these values).
+    pool_balance_abs: float = _KNOBS.pool_balance_abs
+    pool_balance_rel: float = _KNOBS.pool_balance_rel
     # Estimator seeds (seconds): what the policy assumes until it has observed turns, and what an idle
     # node's estimate decays back to. Set them from a short benchmark of the cluster (estimates.EstimatorSeeds).
     seed_prefill_overhead_s: float = _SEEDS.prefill_overhead_s
@@ -248,6 +259,8 @@ class GatewayConfig:
         return {_LEARNING_TUNING[k]: v for k, v in self.tuning.items() if k in _LEARNING_TUNING}
 
     def is_bidirectional(self, prefill_url: str) -> bool:
+        if _norm(prefill_url) in {_norm(u) for u in self.nodes}:
+            return True  # a pool instance serves kv_both with bidirectional_kv_xfer (and pulls from its peers)
         return self.bidirectional_prefill and _norm(prefill_url) not in {_norm(u) for u in self.unidirectional_prefill}
 
     def validate(self) -> GatewayConfig:
@@ -259,12 +272,18 @@ class GatewayConfig:
             raise ConfigError("dynamo_decode_busy_share must be in (0, 1] or unset")
         if self.llm_d_non_cached_tokens < 0:
             raise ConfigError("llm_d_non_cached_tokens must be >= 0")
-        if self.aggregated and (self.prefill or self.decode):
-            raise ConfigError("give either aggregated nodes or prefill + decode nodes, not both")
-        if not self.aggregated and not (self.prefill and self.decode):
-            raise ConfigError("P/D mode needs at least one prefill and one decode URL (--prefill URL --decode URL), "
-                              "or give aggregated nodes instead (--aggregated URL)")
-        for name in ("prefill", "decode", "aggregated", "unidirectional_prefill"):
+        if self.aggregated and (self.prefill or self.decode or self.nodes):
+            raise ConfigError("give either aggregated nodes or prefill + decode (or pool) nodes, not both")
+        if not self.aggregated and not (self.prefill and self.decode) and not self.nodes:
+            raise ConfigError("P/D mode needs at least one prefill and one decode URL (--prefill URL --decode URL) "
+                              "or pool instances (--node URL), or give aggregated nodes instead (--aggregated URL)")
+        roles = [u for name in ("prefill", "decode", "nodes") for u in getattr(self, name)]
+        if len(roles) != len(set(roles)):
+            raise ConfigError("a URL is given in more than one of prefill, decode and nodes: a pool instance "
+                              "(--node) already serves both roles")
+        if self.pool_balance_abs < 0 or self.pool_balance_rel < 1:
+            raise ConfigError("pool_balance_abs must be >= 0 and pool_balance_rel >= 1")
+        for name in ("prefill", "decode", "nodes", "aggregated", "unidirectional_prefill"):
             for url in getattr(self, name):
                 if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
                     raise ConfigError(f"{name}: {url!r} is not an http(s) URL")
@@ -377,7 +396,7 @@ def _norm(url: str) -> str:
     return url.rstrip("/")
 
 
-_LIST_FIELDS = {"prefill", "decode", "aggregated", "unidirectional_prefill"}
+_LIST_FIELDS = {"prefill", "decode", "nodes", "aggregated", "unidirectional_prefill"}
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -218,7 +218,8 @@ class Metrics:
         # rate() of it is the share of the node's time its running batch lost to local prefills (each request's
         # TPOT quota, request_stall_share, bounds what any one of them loses).
         self.decode_stall = Counter(
-            M_DECODE_STALL, "Estimated seconds decode-local prefills stalled the running batch of a decode node",
+            M_DECODE_STALL,
+            "Estimated seconds decode-local prefills (on a pool instance, prefill legs too) stalled a node's decodes",
             ["node"], registry=r)
         for outcome in HANDLE_OUTCOMES:
             self.handle_outcomes.labels(outcome)

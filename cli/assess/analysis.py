@@ -468,6 +468,15 @@ class TurnTiming:
     ok: bool = True
 
 
+# Which of the three ways to build the cluster an option is: what the verdict recommends.
+TOPOLOGIES = {"colocated": "colocated serving", "hybrid": "one pool of instances that take both roles"}
+PD_TOPOLOGY = "prefill/decode disaggregation"
+
+
+def topology_of(option: str) -> str:
+    return TOPOLOGIES.get(option, PD_TOPOLOGY)
+
+
 # A margin below this is a tie: the TTFTs are the client's, and the Python work of each turn (client, gateway,
 # simulated nodes, all in one process) shows up in them multiplied by --speed, by tens of ms on a loaded machine.
 TIE_MARGIN = 1.1
@@ -545,5 +554,8 @@ def compare_topologies(runs: Mapping[str, Sequence[TurnTiming]], late: int, tpot
     else:
         margin = None
         verdict = "no option completed its turns without errors: no comparison"
+    if meets and best is not None:
+        verdict += f"; recommended topology: {topology_of(best)}"
     return {"late_from_turn": late, "tpot_slo_ms": tpot_slo_ms, "options": options, "best": best,
-            "runner_up": runner, "margin": _r(margin, 3) if margin is not None else None, "verdict": verdict}
+            "topology": topology_of(best) if best is not None else None, "runner_up": runner,
+            "margin": _r(margin, 3) if margin is not None else None, "verdict": verdict}

@@ -140,7 +140,7 @@ def summarize_gateway(seen: GatewaySeen) -> dict[str, Any]:
     decided = sum(outcomes.values())
     gone = {GONE_OUTCOMES[k]: outcomes.get(k, 0) for k in GONE_OUTCOMES}
     nodes = [n for n in seen.ready.get("nodes", []) if isinstance(n, dict)]
-    capacity = {n["url"]: n.get("kv_capacity_tokens") for n in nodes if n.get("role") == "decode"}
+    capacity = {n["url"]: n.get("kv_capacity_tokens") for n in nodes if n.get("role") in ("decode", "both")}
     series = [{"t": round(s.t, 3),
                **{lab.get("node", "?"): v for lab, v in s.metrics.get("kvtether_held_kv_tokens", [])}}
               for s in seen.scrapes]

@@ -3,6 +3,8 @@
 - ``no-pull``, ``reference``, ``auto``: P/D (the shape's prefill and decode nodes) behind the kvtether gateway
   with that policy: classic disaggregation (P recomputes the history), vLLM's reference proxy (round-robin,
   the handle attached whenever held), and kvtether's per-turn choice.
+- ``hybrid``: as many pool instances (kv_both), behind the gateway's ``auto`` policy, which runs each turn on the
+  session's instance or prefills it on another one that pulls the history (docs/pool.md).
 - ``colocated``: as many aggregated nodes as the P/D cluster has nodes, each serving prefill and decode with its
   own prefix cache (vLLM's default), behind the same gateway in aggregated mode, which pins every session to a
   replica (``plan_aggregated``): session affinity, so a replica's prefix cache serves the session's history.
@@ -40,18 +42,20 @@ from kvtether.cli.replay.engine import (
     new_session_suffix,
     run_replay,
 )
-from kvtether.cli.simstack import COLOCATED, StackSpec, StackTimes, sim_stack
+from kvtether.cli.simstack import COLOCATED, HYBRID, StackSpec, StackTimes, sim_stack
 from kvtether.cli.simstack.decode_times import DecodeTimes
 from kvtether.sdk.sessionfile import SessionRecord
 
 PD_POLICIES: tuple[str, ...] = ("no-pull", "reference", "auto")
-OPTIONS: tuple[str, ...] = (*PD_POLICIES, COLOCATED)
+OPTIONS: tuple[str, ...] = (*PD_POLICIES, COLOCATED, HYBRID)
 DESCRIPTIONS = {
     "no-pull": "P/D, P recomputes the history (classic disaggregation)",
     "reference": "P/D, vLLM's reference proxy: round-robin, handle attached whenever held",
     "auto": "P/D behind kvtether: per turn decode-local, pull or cold",
     "pull": "P/D behind kvtether: always pull when a verified handle is held",
     COLOCATED: "aggregated nodes (prefill + decode each), session-affine routing to the replica's prefix cache",
+    HYBRID: "a pool of instances that take both roles behind kvtether: per turn local on the session's instance, "
+            "or prefilled on another that pulls the history",
 }
 
 

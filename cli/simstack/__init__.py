@@ -9,6 +9,8 @@ neither.
 from kvtether.cli.simstack.stack import (
     COLOCATED,
     DEFAULT_PREFILL_PREFIX_CACHING,
+    HYBRID,
+    ONE_POOL,
     SimStack,
     StackSpec,
     StackTimes,
@@ -21,6 +23,8 @@ from kvtether.cli.simstack.stack import (
 __all__ = [
     "COLOCATED",
     "DEFAULT_PREFILL_PREFIX_CACHING",
+    "HYBRID",
+    "ONE_POOL",
     "SimStack",
     "StackSpec",
     "StackTimes",

@@ -2,8 +2,10 @@
 process, configured for a serving option. `replay --sim`, `assess`, `demo` and the benchmarks all start it here.
 
 A serving option is a gateway policy on a P/D cluster (``no-pull``, ``reference``, ``pull``, ``auto``, ``dynamo``,
-``llm-d``) or ``colocated``: as many aggregated nodes as the P/D shape has nodes (the same GPU count), each
-serving prefill and decode with its own prefix cache, behind the gateway in aggregated mode.
+``llm-d``); ``colocated``: as many aggregated nodes as the P/D shape has nodes (the same GPU count), each
+serving prefill and decode with its own prefix cache, behind the gateway in aggregated mode; or ``hybrid``: as many
+pool instances (kv_both, bidirectional), behind the gateway's ``auto`` policy, which runs each turn on the session's
+instance or prefills it on another that pulls the history (docs/pool.md).
 
 Time. The simulator's clock runs ``speed`` times real time; the gateway's clock is real. So every time setting of
 the stack is given in simulated seconds (``StackTimes``) and the gateway gets each as simulated / speed real
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
     from kvtether.sim.cluster import ClusterSpec, SimCluster
 
 COLOCATED = "colocated"
+HYBRID = "hybrid"
+ONE_POOL = (COLOCATED, HYBRID)  # options whose cluster is instances that take both roles
 # Prefix caching on a simulated cluster's prefill nodes. Off, as in vLLM's published P/D runs: a simulated
 # cluster serves only the sessions run on it, so with it on one P keeps every history cached, which a P shared
 # by the rest of a production cluster's sessions does not; the pull would then have nothing left to save.
@@ -92,13 +96,14 @@ def gateway_settings(spec: StackSpec, option: str) -> dict[str, Any]:
     P/D cluster the policy and the calibrated seeds."""
     if option == COLOCATED:
         return time_settings(spec.times, spec.speed)
-    return {"policy": option, **time_settings(spec.times, spec.speed), **seed_settings(spec.preset, spec.speed)}
+    policy = "auto" if option == HYBRID else option
+    return {"policy": policy, **time_settings(spec.times, spec.speed), **seed_settings(spec.preset, spec.speed)}
 
 
 def cluster_spec(spec: StackSpec, option: str) -> ClusterSpec:
     from kvtether.sim.cluster import ClusterSpec
 
-    colocated = option == COLOCATED
+    colocated = option in ONE_POOL
     return ClusterSpec(prefill=0 if colocated else spec.prefill, decode=0 if colocated else spec.decode,
                        aggregated=spec.prefill + spec.decode if colocated else 0, preset=spec.preset,
                        speed=spec.speed, decoder_kv_blocks_ttl=spec.times.engine_kv_ttl_s,
@@ -208,6 +213,7 @@ def _config(spec: StackSpec, option: str, urls: Mapping[str, list[str]],
     from kvtether.gateway.config import GatewayConfig
 
     nodes: dict[str, Any] = ({"aggregated": list(urls["aggregated"])} if option == COLOCATED
+                             else {"nodes": list(urls["aggregated"])} if option == HYBRID
                              else {"prefill": list(urls["prefill"]), "decode": list(urls["decode"])})
     settings: dict[str, Any] = {**nodes, **gateway_settings(spec, option), **overrides}
     return dataclasses.replace(GatewayConfig(), **settings).validate()

@@ -52,7 +52,7 @@ def port_of(url: str) -> int | None:
 @dataclass
 class Node:
     url: str
-    role: str  # prefill | decode | aggregated
+    role: str  # prefill | decode | both (a pool instance: kv_both, prefills and decodes) | aggregated
     bidirectional: bool = True
     healthy: bool = True
     running: float = 0.0
@@ -78,6 +78,9 @@ class Node:
     out_until: float = 0.0
     backoff_s: float = 0.0
     inflight: int = 0  # requests this gateway has open on the node: fresher than the polled gauges
+    # Of those, prefill legs (a pool instance tells them from its decodes by this: they queue a new leg, the
+    # decodes share its steps).
+    prefilling: int = 0
     # Of those, how many were open at the last poll (and so are inside `running`); when one ends, the polled
     # gauge is known to be one too high until the next poll.
     inflight_at_poll: int = 0
@@ -117,7 +120,8 @@ class Node:
             (at - now, read) for at, read in self.arrivals.values() if at + read >= now)
         return NodeLoad(self.url, self.healthy, running, self.waiting, self.kv_usage, self.bidirectional,
                         prefix_caching=self.prefix_caching is True, arriving=float(self.arriving),
-                        arrivals=arrivals, holding_back=float(self.holding_back))
+                        arrivals=arrivals, holding_back=float(self.holding_back), both=self.role == "both",
+                        prefilling=float(min(self.prefilling, running)))
 
 
 def sample_sum(text: str, sample: str, **labels: str) -> float:
@@ -195,11 +199,15 @@ class Cluster:
             self.nodes[url] = Node(url, "prefill", bidirectional=config.is_bidirectional(url))
         for url in config.decode:
             self.nodes.setdefault(url, Node(url, "decode"))
+        for url in config.nodes:
+            self.nodes.setdefault(url, Node(url, "both"))
         for url in config.aggregated:
             self.nodes.setdefault(url, Node(url, "aggregated"))
 
     def role(self, role: str) -> list[Node]:
-        return [n for n in self.nodes.values() if n.role == role]
+        """The nodes that serve `role`: a pool instance ("both") serves prefill and decode."""
+        both = role in ("prefill", "decode")
+        return [n for n in self.nodes.values() if n.role == role or (both and n.role == "both")]
 
     def view(self, now: float | None = None) -> ClusterView:
         """Every node's load; with `now` (the gateway's clock) the decode nodes' expected arrivals too."""
@@ -252,10 +260,11 @@ class Cluster:
         outs = [n.out_until for n in self.role(role) if not n.healthy]
         return max(self.config.health_backoff_s, min(outs, default=0.0) - time.monotonic())
 
-    def begin(self, url: str) -> None:
+    def begin(self, url: str, *, prefill: bool = False) -> None:
         node = self.nodes.get(url)
         if node is not None:
             node.inflight += 1
+            node.prefilling += prefill
 
     def hold_back(self, url: str, n: int) -> None:
         node = self.nodes.get(url)
@@ -271,10 +280,12 @@ class Cluster:
                             "them there (is bidirectional_kv_xfer on?)", url)
             node.local_handles = kept
 
-    def end(self, url: str) -> None:
+    def end(self, url: str, *, prefill: bool = False) -> None:
         node = self.nodes.get(url)
         if node is not None:
             node.inflight = max(0, node.inflight - 1)
+            if prefill:
+                node.prefilling = max(0, node.prefilling - 1)
             if node.inflight_at_poll > 0:
                 # An agent's next turn often comes within a poll interval of the last one: without this the
                 # finished request still looks like a running batch member on its decode node.

@@ -39,6 +39,16 @@ class NodeLoad:
     # decode only: of `running`, requests whose client has seen nothing yet (first token out, first delta held
     # back by a tool-call parser; or not streamed): a stall delays their TTFT itself, not just their TPOT.
     holding_back: float = 0.0
+    # A pool instance (kv_both): it decodes its own sessions and prefills for others, in one scheduler, so a
+    # prefill leg there shares engine steps with its own decodes (options.prefill_leg).
+    both: bool = False
+    # both only: of `running`, prefill legs this gateway has there (the rest are decoding or local turns).
+    prefilling: float = 0.0
+
+    @property
+    def decoding(self) -> float:
+        """Requests decoding here: on a pool instance, those running that are not prefill legs."""
+        return max(0.0, self.running - self.prefilling) if self.both else self.running
 
     @property
     def score(self) -> tuple[float, float]:
@@ -79,6 +89,15 @@ class TurnFacts:
     # inf: nobody decoding there, or no quotas kept.
     request_stall_credit_s: float = math.inf
     request_stall_quota_s: float = math.inf
+    # The same per pool instance a prefill leg may run on (url, credit, quota): its own decoding requests
+    # absorb that leg's stall as they would a local prefill's.
+    stall_credits: tuple[tuple[str, float, float], ...] = ()
+
+    def stall_credit(self, url: str, pinned: str | None) -> tuple[float, float]:
+        """(credit, quota) of the requests decoding on `url`: the pinned D's, or a pool instance's."""
+        if url == pinned:
+            return self.request_stall_credit_s, self.request_stall_quota_s
+        return next(((c, q) for u, c, q in self.stall_credits if u == url), (math.inf, math.inf))
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:

@@ -39,6 +39,15 @@ class PolicyKnobs:
     # none is free it preempts a running request, whose recompute stalls it far beyond any TPOT objective. A P/D
     # turn's KV arrives whole or not at all (D's read waits for the blocks), so it cannot preempt that way.
     local_kv_veto: float = 0.9
+    # A pool (instances that prefill and decode): a session leaves its instance only when that instance has more
+    # than `pool_balance_abs` requests in flight above the lightest one and more than `pool_balance_rel` times
+    # its load (options.pool_overloaded). The rule is the SGLang / vLLM routers' cache-aware one. Their absolute
+    # threshold (64) is sized for workers with hundreds of short requests in flight; an agent session keeps
+    # about one, so 4 is four sessions' worth of imbalance, more than the one or two a burst of new sessions
+    # leaves (they go to the lightest instance anyway). 1.5 is theirs: two busy instances a few requests
+    # apart are not imbalanced.
+    pool_balance_abs: float = 4.0
+    pool_balance_rel: float = 1.5
 
     # ---- tuning constants ----
     # The window of the TPOT budget above: 16 tokens ≈ what a reader perceives as one hiccup.
@@ -88,6 +97,8 @@ class PolicyKnobs:
             raise ValueError("block_size and chunk_tokens must be >= 1")
         if self.tail_weight < 0.0 or not 0.0 < self.tail_quantile < 1.0:
             raise ValueError("tail_weight must be >= 0 and tail_quantile in (0, 1)")
+        if self.pool_balance_abs < 0.0 or self.pool_balance_rel < 1.0:
+            raise ValueError("pool_balance_abs must be >= 0 and pool_balance_rel >= 1")
         if self.arrival_weight < 0.0 or self.holdback_weight < 0.0:
             raise ValueError("arrival_weight and holdback_weight must be >= 0")
 
@@ -96,4 +107,5 @@ class PolicyKnobs:
 TUNING_FIELDS: frozenset[str] = frozenset(
     f.name for f in fields(PolicyKnobs)
     if f.name not in {"mode", "max_local_suffix_tokens", "tpot_budget_s", "recompute_threshold_tokens",
-                      "handle_ttl_s", "block_size", "chunk_tokens", "rebalance_decode"})
+                      "handle_ttl_s", "block_size", "chunk_tokens", "rebalance_decode",
+                      "pool_balance_abs", "pool_balance_rel"})

@@ -100,7 +100,7 @@ class Learning:
         out: dict[str, int] = {}
         for c in PC.cut(copies, overlap):
             node = nodes.get(c.url)
-            if node is None or node.role != "prefill" or node.prefix_caching is not True:
+            if node is None or node.role not in ("prefill", "both") or node.prefix_caching is not True:
                 continue
             kept = PC.surviving(c, self.prefill_written.get(c.url, 0), node.kv_capacity_tokens, node.kv_usage)
             if kept > 0:
@@ -110,16 +110,20 @@ class Learning:
     # ---- what the shell reports ------------------------------------------------------------------
 
     def planned(self, p: Plan) -> float:
-        """A plan about to run; returns the stall seconds a decode-local turn charges D's running requests.
+        """A plan about to run; returns the stall seconds it charges the requests decoding where it prefills
+        (a decode-local turn's D, a pool instance running its prefill leg).
 
         Called without an await between planning and this, so two turns planned at once on the same D cannot
         both take the last of its quotas."""
         d = p.decision
         stall = 0.0
-        if d is not None and p.action is HandleAction.DECODE_LOCAL:
-            stall = next((o.stall_s for o in d.options if o.option == "decode_local"), 0.0)
-            if p.decode in self.exposures:
-                self.exposures[p.decode] = SQ.absorb(self.exposures[p.decode], stall)
+        if d is not None:
+            # A decode-local turn stalls its D; a P/D turn whose prefill leg runs on a pool instance stalls
+            # that instance's decodes.
+            stall = next((o.stall_s for o in d.options if o.option == d.option), 0.0)
+            where = p.decode if p.action is HandleAction.DECODE_LOCAL else p.prefill
+            if where in self.exposures:
+                self.exposures[where] = SQ.absorb(self.exposures[where], stall)
         if d is not None and not d.forced:
             self.tail.observe(d.estimates_s.get(d.option, math.inf))
         return stall

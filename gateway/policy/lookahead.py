@@ -41,6 +41,7 @@ def after(turn: TurnFacts, o: OptionEstimate, pinned: str | None,
         # done by then, an answer later; others have taken their place).
         request_stall_credit_s=turn.request_stall_credit_s,
         request_stall_quota_s=turn.request_stall_quota_s,
+        stall_credits=turn.stall_credits,
     )
     if o.option != "decode_local":
         return [(1.0, nxt, o.decode_url)]

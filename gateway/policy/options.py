@@ -43,8 +43,9 @@ def floor_block(tokens: int, block: int) -> int:
 
 def p_queue_s(c: Nodes, p: NodeLoad) -> float:
     # A P node's running requests are prefills still computing: a new one waits behind them as behind the
-    # waiting ones (chunked prefill shares steps, which costs the same total time).
-    return c.est.queue_s(p.url, p.waiting + p.running)
+    # waiting ones (chunked prefill shares steps, which costs the same total time). On a pool instance only its
+    # prefill legs are: its decodes share each step with the new prefill instead (prefill_leg).
+    return c.est.queue_s(p.url, p.waiting + (p.prefilling if p.both else p.running))
 
 
 def d_leg_s(c: Nodes, d: NodeLoad) -> float:
@@ -80,25 +81,20 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     """`now`: this turn (False: a look-ahead turn, seconds later, when today's arrivals are long done)."""
     d = c.decode(pinned)
     if d is None:
-        why = "no pinned decode node" if pinned is None else f"pinned decode {pinned} is down"
-        return OptionEstimate("decode_local", False, why)
-    cached = d_cached_tokens(turn, c)
+        # A pool instance may start (or restart) a session itself: the least busy one prefills the whole prompt.
+        d = min((n for n in c.decodes if n.both), key=lambda n: (d_leg_s(c, n), n.url), default=None)
+        if d is None:
+            why = "no pinned decode node" if pinned is None else f"pinned decode {pinned} is down"
+            return OptionEstimate("decode_local", False, why)
+        cached = 0
+    else:
+        cached = d_cached_tokens(turn, c)
     n = turn.prompt_tokens - cached
     compute = c.est.prefill_s(d.url, n, cached)
     # Chunked prefill: each of its steps also decodes the running batch, so it cannot beat that step time.
     steps = math.ceil(n / c.knobs.chunk_tokens)
-    ttft = c.est.queue_s(d.url, d.waiting) + max(compute, steps * c.est.tpot_s(d.url, d.running + 1))
-    # What the running requests lose: a decode step is memory-bound (weights + KV read), so prefill work up
-    # to one step time per step rides along for free (roofline: a step costs max(compute, memory)); the rest
-    # stalls every one of them. The per-request constant counts too: on a MoE model it is mostly the expert
-    # weights a prefill chunk touches and a small decode batch does not (GLM-5: ~70 ms against a ~10 ms
-    # step); on a dense model it is about one step's weight read, which the decode step covers.
-    marginal = c.est.prefill_s(d.url, n, cached)
-    stall = max(0.0, marginal - steps * c.est.tpot_s(d.url, d.running)) if d.running > 0 else 0.0
-    price = stall_price(turn.request_stall_credit_s, turn.request_stall_quota_s)
-    interference = (c.knobs.interference_weight * d.running + price) * stall if stall else 0.0
-    held = min(max(0.0, d.holding_back), d.running)
-    interference += max(0.0, c.knobs.holdback_weight - c.knobs.interference_weight) * held * stall
+    ttft = c.est.queue_s(d.url, d.waiting) + max(compute, steps * c.est.tpot_s(d.url, d.decoding + 1))
+    stall, interference, over = prefill_stall(d, n, cached, steps, turn.stall_credit(d.url, pinned), c)
     priced = now and c.knobs.arrival_weight > 0.0  # off: not computed, so no reason names it
     blocks = blocked_s(d.arrivals, c.est.queue_s(d.url, d.waiting), ttft) if priced else 0.0
     interference += c.knobs.arrival_weight * blocks
@@ -111,17 +107,44 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     if n > c.knobs.max_local_suffix_tokens:
         return replace(base, feasible=False, soft=True,
                        why_not=f"local suffix {n} tok > max_local_suffix_tokens {c.knobs.max_local_suffix_tokens}")
-    # Per-request quotas: no request decoding on D may lose more than its share of its own decode time.
-    if stall > 0.0 and turn.request_stall_credit_s < stall:
-        why = (f"TPOT quota: a request decoding on D may absorb {max(0.0, turn.request_stall_credit_s):.3f}s more "
-               f"stall (of {turn.request_stall_quota_s:.3f}s), this one is {stall:.3f}s")
-        return replace(base, feasible=False, soft=True, why_not=why)
-    if d.running > 0:
-        tpot = c.est.tpot_s(d.url, d.running) + stall / c.knobs.tpot_window_tokens
-        if tpot > c.knobs.tpot_budget_s:
-            why = f"TPOT of D's {d.running:g} running {tpot:.3f}s > budget {c.knobs.tpot_budget_s:.3f}s"
-            return replace(base, feasible=False, soft=True, why_not=why)
+    if over:
+        return replace(base, feasible=False, soft=True, why_not=over)
     return base
+
+
+def prefill_stall(node: NodeLoad, n: int, cached: int, steps: int, credit: tuple[float, float],
+                  c: Nodes) -> tuple[float, float, str]:
+    """A prefill of `n` tokens after `cached` in `steps` engine steps on `node`, beside the requests decoding
+    there (a decode-local turn on D, or a prefill leg on a pool instance): (the stall each of them takes, what
+    that is worth in TTFT-seconds, the TPOT limit it breaks or "").
+
+    What the running requests lose: a decode step is memory-bound (weights + KV read), so prefill work up to one
+    step time per step rides along for free (roofline: a step costs max(compute, memory)); the rest stalls every
+    one of them. The per-request constant counts too: on a MoE model it is mostly the expert weights a prefill
+    chunk touches and a small decode batch does not (GLM-5: ~70 ms against a ~10 ms step); on a dense model it
+    is about one step's weight read, which the decode step covers. `credit`: the tightest TPOT quota among
+    them and its size (stallquota.py)."""
+    running = node.decoding
+    if running <= 0:
+        return 0.0, 0.0, ""
+    where = "D" if not node.both else node.url
+    stall = max(0.0, c.est.prefill_s(node.url, n, cached) - steps * c.est.tpot_s(node.url, running))
+    credit_s, quota_s = credit
+    interference = 0.0
+    if stall:
+        interference = (c.knobs.interference_weight * running + stall_price(credit_s, quota_s)) * stall
+        held = min(max(0.0, node.holding_back), running)
+        interference += max(0.0, c.knobs.holdback_weight - c.knobs.interference_weight) * held * stall
+    # Per-request quotas: no request decoding there may lose more than its share of its own decode time.
+    if stall > 0.0 and credit_s < stall:
+        return stall, interference, (f"TPOT quota: a request decoding on {where} may absorb "
+                                     f"{max(0.0, credit_s):.3f}s more stall (of {quota_s:.3f}s), this one is "
+                                     f"{stall:.3f}s")
+    tpot = c.est.tpot_s(node.url, running) + stall / c.knobs.tpot_window_tokens
+    if tpot > c.knobs.tpot_budget_s:
+        return stall, interference, (f"TPOT of {where}'s {running:g} running {tpot:.3f}s > budget "
+                                     f"{c.knobs.tpot_budget_s:.3f}s")
+    return stall, interference, ""
 
 
 def blocked_s(arrivals: Iterable[tuple[float, float]], start_s: float, end_s: float) -> float:
@@ -162,14 +185,34 @@ def pd_option(option: Option, turn: TurnFacts, p: NodeLoad, d: NodeLoad, holder:
     context = p_cached + pulled
     computed = turn.prompt_tokens - context
     read = c.est.transfer_s(holder, p.url, pulled) if holder is not None else 0.0
+    prefill, stall, interference, over = prefill_leg(turn, p, computed, context, pinned, c)
     back_tokens = turn.prompt_tokens - d_cached
-    arrive = p_queue_s(c, p) + read + c.est.prefill_s(p.url, computed, context)  # when D gets the request
+    arrive = p_queue_s(c, p) + read + prefill  # when D gets the request
     d_read = c.est.transfer_s(p.url, d.url, back_tokens)
     ttft = arrive + d_read + d_leg_s(c, d)
     balance = balance_term(turn, d, pinned, c) if pinned is not None else 0.0
-    return OptionEstimate(option, True, "", False, ttft, 0.0, 0.0, p.url, d.url, reuse, computed,
-                          pulled + back_tokens, balance_s=balance, tail_s=tail_term(ttft, turn, c),
-                          arrive_s=arrive, d_read_s=d_read)
+    est = OptionEstimate(option, True, "", False, ttft, interference, 0.0, p.url, d.url, reuse, computed,
+                         pulled + back_tokens, stall, balance_s=balance, tail_s=tail_term(ttft, turn, c),
+                         arrive_s=arrive, d_read_s=d_read)
+    return replace(est, feasible=False, soft=True, why_not=over) if over else est
+
+
+def prefill_leg(turn: TurnFacts, p: NodeLoad, computed: int, context: int, pinned: NodeLoad | None,
+                c: Nodes) -> tuple[float, float, float, str]:
+    """P's compute for a prefill leg: (seconds, the stall its decoding requests take, what that is worth, the
+    limit it breaks or ""). A dedicated P runs prefills only; a pool instance runs the leg in the steps that
+    also decode its own sessions, which it slows (as a decode-local turn would) and which pace it."""
+    seconds = c.est.prefill_s(p.url, computed, context)
+    if not p.both or p.decoding <= 0:
+        return seconds, 0.0, 0.0, ""
+    if p.kv_usage >= c.knobs.local_kv_veto:
+        return seconds, 0.0, 0.0, (f"{p.url}'s KV usage {p.kv_usage:.2f} >= {c.knobs.local_kv_veto:g}: a prefill "
+                                   "there may preempt its decoding requests")
+    steps = math.ceil(computed / c.knobs.chunk_tokens)
+    seconds = max(seconds, steps * c.est.tpot_s(p.url, p.decoding + 1))
+    credit = turn.stall_credit(p.url, pinned.url if pinned is not None else None)
+    stall, interference, over = prefill_stall(p, computed, context, steps, credit, c)
+    return seconds, stall, interference, over
 
 
 def p_cached_tokens(turn: TurnFacts, p_url: str, c: Nodes) -> int:
@@ -180,15 +223,30 @@ def p_cached_tokens(turn: TurnFacts, p_url: str, c: Nodes) -> int:
 
 
 def cheapest(cands: Iterable[OptionEstimate]) -> OptionEstimate | None:
-    return min(cands, key=lambda o: (o.ttft_s + o.balance_s + o.tail_s, o.prefill_url or "", o.balance_s != 0.0),
-               default=None)
+    """The best P/D pairing: the cheapest within limits, else (to force when nothing else can run the turn) the
+    cheapest over a soft limit. A pairing's interference is a pool instance's prefill leg stalling its decodes."""
+    pool = list(cands)
+    within = [o for o in pool if o.feasible] or [o for o in pool if o.soft]
+    return min(within, key=lambda o: (o.ttft_s + o.interference_s + o.balance_s + o.tail_s, o.prefill_url or "",
+                                      o.balance_s != 0.0), default=None)
 
 
 def decode_choices(pinned: NodeLoad, c: Nodes) -> tuple[NodeLoad, ...]:
-    """Where a P/D turn of a session pinned to `pinned` may decode: there, or (rebalancing on) any D."""
-    if not c.knobs.rebalance_decode:
+    """Where a P/D turn of a session pinned to `pinned` may decode: there, or (rebalancing on) any D. A session
+    on a pool instance stays there unless that instance is overloaded against the pool (`pool_overloaded`)."""
+    if not c.knobs.rebalance_decode or (pinned.both and not pool_overloaded(pinned, c)):
         return (pinned,)
     return (pinned, *(d for d in c.decodes if d.url != pinned.url))
+
+
+def pool_overloaded(home: NodeLoad, c: Nodes) -> bool:
+    """Whether the pool instance `home` is overloaded against the pool, in the manner of the SGLang / vLLM
+    routers' cache-aware policy: its load exceeds the lightest instance's by more than ``pool_balance_abs``
+    requests *and* by a factor of more than ``pool_balance_rel``. Session affinity is what keeps a history in
+    one prefix cache: below both thresholds a session never moves."""
+    lightest = min((decode_load(d) for d in c.decodes if d.both), default=decode_load(home))
+    load = decode_load(home)
+    return load - lightest > c.knobs.pool_balance_abs and load > c.knobs.pool_balance_rel * lightest
 
 
 def decode_load(d: NodeLoad) -> float:
@@ -233,9 +291,11 @@ def pull_option(turn: TurnFacts, pinned: str | None, c: Nodes) -> OptionEstimate
     ps = [p for p in c.prefills if p.bidirectional]
     if not ps:
         return no("no healthy bidirectional prefill node")
+    # A pool instance never prefills for itself (that is decode_local) nor pulls from itself.
     best = cheapest(pd_option("pull", turn, p, dd, d.url, reuse, cached_on(turn, dd, d, c), c, d)
-                 for p in ps for dd in decode_choices(d, c))
-    assert best is not None
+                    for p in ps for dd in decode_choices(d, c) if p.url not in (dd.url, d.url))
+    if best is None:
+        return no("no prefill node but the decode node itself")
     p_url = best.prefill_url or ""
     # P reads after its queue: the handle must still be alive (with the engine's decline margin) by then.
     reads_at = turn.handle_age_s + p_queue_s(c, next(p for p in ps if p.url == p_url))
@@ -257,8 +317,9 @@ def cold_option(turn: TurnFacts, pinned: str | None, c: Nodes) -> OptionEstimate
             return OptionEstimate("cold", False, "no healthy decode node")
         choices = (d,)
     best = cheapest(pd_option("cold", turn, p, dd, None, 0, cached_on(turn, dd, home, c), c, home)
-                 for p in c.prefills for dd in choices)
-    assert best is not None
+                    for p in c.prefills for dd in choices if p.url != dd.url)
+    if best is None:
+        return OptionEstimate("cold", False, "no prefill node but the decode node itself")
     return best
 
 

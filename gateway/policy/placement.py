@@ -75,6 +75,7 @@ class Turn:
     # The pinned D's per-request TPOT quotas (stallquota.py): least headroom and that request's quota.
     request_stall_credit_s: float = math.inf
     request_stall_quota_s: float = math.inf
+    stall_credits: tuple[tuple[str, float, float], ...] = ()  # the same per other pool instance (url, credit, quota)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,9 +145,9 @@ def _plan_pull(turn: Turn, cluster: ClusterView, _inputs: PlanInputs) -> Plan:
 def _plan_no_pull(turn: Turn, cluster: ClusterView, _inputs: PlanInputs) -> Plan:
     """Classic disaggregation: P recomputes what its own prefix cache lacks; no handle is ever sent."""
     decode, re_placed, d_reason = _choose_decode(turn, cluster)
-    p = _preferred_p(cluster.prefill, turn)
+    p = _preferred_p(cluster.prefill, turn, decode)
     if p is None:
-        raise NoCapacity("prefill")
+        return _local_instead(cluster, decode, d_reason, None, re_placed)
     return Plan(p.url, decode, HandleAction.NONE, 0, f"{d_reason}; policy no-pull: cold prefill", None, re_placed)
 
 
@@ -164,20 +165,32 @@ def _choose_decode(turn: Turn, cluster: ClusterView) -> tuple[str, bool, str]:
     return d.url, True, f"pinned decode {pinned} unhealthy: re-placed on {d.url}"
 
 
-def _preferred_p(nodes: Sequence[NodeLoad], turn: Turn) -> NodeLoad | None:
+def _preferred_p(nodes: Sequence[NodeLoad], turn: Turn, decode: str) -> NodeLoad | None:
     """The least-loaded healthy P; the session's previous P when it is as lightly loaded (its prefix cache
-    may still hold the history, which saves recomputing or pulling it)."""
-    best = least_loaded(nodes, exclude=turn.exclude)
+    may still hold the history, which saves recomputing or pulling it). Never `decode` itself (a pool instance
+    is both): a turn prefilled where it decodes is a decode-local turn."""
+    exclude = turn.exclude | {decode}
+    best = least_loaded(nodes, exclude=exclude)
     if best is None or turn.last_prefill is None:
         return best
-    last = next((n for n in nodes if n.url == turn.last_prefill and n.healthy and n.url not in turn.exclude), None)
+    last = next((n for n in nodes if n.url == turn.last_prefill and n.healthy and n.url not in exclude), None)
     return last if last is not None and last.score <= best.score else best
 
 
-def _choose_reuse(turn: Turn, cluster: ClusterView, decode: str, re_placed: bool, d_reason: str) -> Plan:
-    any_p = _preferred_p(cluster.prefill, turn)
-    if any_p is None:
+def _local_instead(cluster: ClusterView, decode: str, d_reason: str, outcome: str | None, re_placed: bool) -> Plan:
+    """No prefill node but the decode node itself: a pool instance runs the turn itself; a decode node cannot."""
+    if not any(n.url == decode and n.both for n in cluster.decode):
         raise NoCapacity("prefill")
+    return Plan(None, decode, HandleAction.DECODE_LOCAL, 0,
+                f"{d_reason}; no other instance to prefill on: the pool instance runs it itself", outcome, re_placed)
+
+
+def _choose_reuse(turn: Turn, cluster: ClusterView, decode: str, re_placed: bool, d_reason: str) -> Plan:
+    any_p = _preferred_p(cluster.prefill, turn, decode)
+    if any_p is None:
+        outcome = None if turn.new_session else (
+            "unused_local" if turn.handle is HandleState.PRESENT else turn.handle.value)
+        return _local_instead(cluster, decode, d_reason, outcome, re_placed)
 
     def cold(why: str, outcome: str | None) -> Plan:
         return Plan(any_p.url, decode, HandleAction.NONE, 0, f"{d_reason}; cold prefill: {why}", outcome, re_placed)
@@ -193,7 +206,7 @@ def _choose_reuse(turn: Turn, cluster: ClusterView, decode: str, re_placed: bool
         return cold("handle is on the lost decode node", "missing")
     if turn.reuse_tokens is None or turn.handle_tokens is None or turn.prompt_tokens is None:
         return cold("reuse not verified (no prompt tokens)", "refused_by_guard")
-    bidi_p = _preferred_p([n for n in cluster.prefill if n.bidirectional], turn)
+    bidi_p = _preferred_p([n for n in cluster.prefill if n.bidirectional], turn, decode)
     if bidi_p is None:
         return cold("no healthy bidirectional prefill node", "refused_by_guard")
     # P must compute at least the prompt's last token itself.
@@ -259,6 +272,7 @@ def _plan_auto(turn: Turn, cluster: ClusterView, inputs: PlanInputs) -> Plan:
         local_keeps_handle=turn.local_keeps_handle,
         request_stall_credit_s=turn.request_stall_credit_s,
         request_stall_quota_s=turn.request_stall_quota_s,
+        stall_credits=turn.stall_credits,
     )
     knobs = inputs.knobs
     if not turn.allow_local:
@@ -293,7 +307,7 @@ def _plan_auto(turn: Turn, cluster: ClusterView, inputs: PlanInputs) -> Plan:
 def _plan_peer(turn: Turn, cluster: ClusterView, inputs: PlanInputs) -> Plan:
     """Dynamo's or llm-d's rule: the turn prefilled on its decode node, or disaggregated without a pull."""
     decode, re_placed, d_reason = _choose_decode(turn, cluster)
-    p = _preferred_p(cluster.prefill, turn)
+    p = _preferred_p(cluster.prefill, turn, decode)
     d = next((n for n in cluster.decode if n.url == decode), None)
     # What the decode node's prefix cache holds of the prompt: nothing on a node the session was moved to.
     cached = turn.decode_cached_tokens if not re_placed and decode == turn.pinned_decode else 0
@@ -301,19 +315,21 @@ def _plan_peer(turn: Turn, cluster: ClusterView, inputs: PlanInputs) -> Plan:
     if verdict.local and turn.allow_local:
         return Plan(None, decode, HandleAction.DECODE_LOCAL, 0, f"{d_reason}; {verdict.reason}", None, re_placed)
     if p is None:
-        raise NoCapacity("prefill")
+        return _local_instead(cluster, decode, f"{d_reason}; {verdict.reason}", None, re_placed)
     why = verdict.reason if not verdict.local else f"{verdict.reason}, but the decode leg just failed: disaggregate"
     return Plan(p.url, decode, HandleAction.NONE, 0, f"{d_reason}; {why}", None, re_placed)
 
 
 def _plan_reference(turn: Turn, cluster: ClusterView, _inputs: PlanInputs) -> Plan:
     """vLLM's reference multi-turn proxy: round-robin P and D, the conversation's handle sent blindly."""
-    ps, ds = _healthy(cluster.prefill, turn.exclude), _healthy(cluster.decode, turn.exclude)
-    if not ps:
-        raise NoCapacity("prefill")
+    ds = _healthy(cluster.decode, turn.exclude)
     if not ds:
         raise NoCapacity("decode")
-    p, d = ps[turn.round_robin % len(ps)], ds[turn.round_robin % len(ds)]
+    d = ds[turn.round_robin % len(ds)]
+    ps = [n for n in _healthy(cluster.prefill, turn.exclude) if n.url != d.url]  # a pool instance: not for itself
+    if not ps:
+        return _local_instead(cluster, d.url, "reference policy: round-robin", None, False)
+    p = ps[turn.round_robin % len(ps)]
     if turn.handle is HandleState.PRESENT and p.bidirectional:
         return Plan(p.url, d.url, HandleAction.ATTACH, turn.handle_tokens or 0,
                     "reference policy: round-robin, conversation handle attached unchecked", "attached")

@@ -137,7 +137,8 @@ async def ready(request: Request) -> Response:
     nodes = [{"url": n.url, "role": n.role, "healthy": n.healthy, "version": n.version, "block_size": n.block_size,
               "running": n.running, "waiting": n.waiting, "kv_usage": n.kv_usage, "last_error": n.last_error,
               "prefix_caching": n.prefix_caching, "kv_capacity_tokens": n.kv_capacity_tokens,
-              **({"local_handles": n.local_handles, "held_kv_tokens": n.held_kv_tokens} if n.role == "decode" else {})}
+              **({"local_handles": n.local_handles, "held_kv_tokens": n.held_kv_tokens}
+                 if n.role in ("decode", "both") else {})}
              for n in c.nodes.values()]
     ok = ok and bool(gw.models())
     return JSONResponse({"ready": ok, "mode": gw.config.mode, "policy": gw.config.policy, "nodes": nodes},

@@ -34,4 +34,4 @@ def open_store(config: GatewayConfig, *, metrics: Metrics | None = None,
     inner = RedisSessionStore(connect(config.store, timeout_s=config.store_timeout_s),
                               key_prefix=config.store_key_prefix, handle_ttl_s=config.session_ttl_s, clock=clock)
     return FailSafeStore(inner, timeout_s=config.store_timeout_s, metrics=metrics,
-                         pins=tuple(config.decode or config.aggregated), clock=clock)
+                         pins=tuple(config.decode + config.nodes or config.aggregated), clock=clock)

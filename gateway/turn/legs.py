@@ -91,7 +91,7 @@ async def prefill(sv: Services, ctx: TurnContext, progress: Progress, placed: Pl
     assert node is not None
     span = sv.leg_span(ctx, node, "prefill")
     started = time.perf_counter()
-    sv.cluster.begin(node)
+    sv.cluster.begin(node, prefill=True)
     try:
         payload = B.prefill_body(ctx.body, kv)
         # A leg with a handle gets a tight bound (pull_timeout_s): a stuck pull is retried without the handle.
@@ -130,7 +130,7 @@ async def prefill(sv: Services, ctx: TurnContext, progress: Progress, placed: Pl
         span.set_status(trace.Status(trace.StatusCode.ERROR, str(failure)))
         raise
     finally:
-        sv.cluster.end(node)
+        sv.cluster.end(node, prefill=True)
         span.end()
 
 

@@ -76,7 +76,7 @@ class Orchestrator:
         self.sv = Services(config, cluster, store, metrics, upstream, tokenize_client,
                            tracer or T.tracer(), learning, clock, guard_tok, retention)
         self.placer = Placer(self.sv, knobs, peer_knobs(config))
-        for node in config.decode:
+        for node in (*config.decode, *config.nodes):
             metrics.decode_stall.labels(node)  # every series shows zero before the first local turn
         if config.mode == "pd":
             metrics.expect_decisions(config.policy)

@@ -45,8 +45,12 @@ class Placer:
         sv = self.sv
         now = sv.clock()
         quotas = sv.learning.quota_credit(turn.pinned_decode)
+        # A pool instance's decoding requests take the stall of a prefill leg run there for another session.
+        pool = tuple((url, q.credit_s, q.quota_s) for url in sv.config.nodes
+                     if url != turn.pinned_decode and (q := sv.learning.quota_credit(url)).credit_s != float("inf"))
         turn = replace(turn, exclude=frozenset(exclude), ttft_tail_s=sv.learning.tail_threshold(),
-                       request_stall_credit_s=quotas.credit_s, request_stall_quota_s=quotas.quota_s)
+                       request_stall_credit_s=quotas.credit_s, request_stall_quota_s=quotas.quota_s,
+                       stall_credits=pool)
         with sv.tracer.start_as_current_span(T.SPAN_PLAN, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
             view = sv.cluster.view(now)
             try:
@@ -73,14 +77,16 @@ class Placer:
         return p, view, exposure
 
     def _count(self, p: Plan) -> str:
-        """The decision told to the learning (a decode-local turn's estimated stall) and counted; its reason's
-        bucket (the metric's label)."""
+        """The decision told to the learning (the estimated stall of a decode-local turn, or of a prefill leg on a
+        pool instance) and counted; its reason's bucket (the metric's label)."""
         sv = self.sv
         stall = sv.learning.planned(p)
         bucket = reason_bucket(p)
         sv.metrics.placement_decisions.labels(p.action.value, bucket).inc()
         if p.decision is not None and p.action is HandleAction.DECODE_LOCAL:
             sv.metrics.decode_stall.labels(p.decode).inc(stall)
+        elif p.prefill is not None and stall > 0.0:
+            sv.metrics.decode_stall.labels(p.prefill).inc(stall)
         return bucket
 
     def aggregated(self, ctx: TurnContext, exclude: set[str]) -> Plan:
@@ -138,4 +144,5 @@ def policy_knobs(config: GatewayConfig) -> PolicyKnobs:
         recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,
         block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,
         rebalance_decode=config.rebalance_decode, local_kv_veto=config.decode_pressure_usage,
+        pool_balance_abs=config.pool_balance_abs, pool_balance_rel=config.pool_balance_rel,
         **config.policy_tuning())

@@ -1,0 +1,160 @@
+"""Placement over a pool of instances that take both roles (pure): no turn is prefilled where it decodes, a
+prefill leg on an instance is charged to that instance's own decodes, sessions keep their instance until it is
+overloaded against the pool, and the fixed rules fall back to the instance itself when it is alone."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from kvtether.gateway.policy import NodeLoad, PolicyKnobs, TurnFacts, choose
+from kvtether.gateway.policy.estimates import EstimatorSeeds, EstimatorSnapshot, LearningParams
+from kvtether.gateway.policy.learning import Learning
+from kvtether.gateway.policy.options import Nodes, decode_choices, p_queue_s, pool_overloaded, pull_option
+from kvtether.gateway.policy.placement import ClusterView, HandleAction, HandleState, Turn, plan
+
+from tests.support.policy_facts import MOE, history_turn
+
+A, B, C = "http://a", "http://b", "http://c"
+SNAP = EstimatorSnapshot(EstimatorSeeds())
+
+
+def inst(url: str, **kw: Any) -> NodeLoad:
+    return NodeLoad(url, both=True, **kw)
+
+
+def pool(*nodes: NodeLoad) -> tuple[tuple[NodeLoad, ...], tuple[NodeLoad, ...]]:
+    """A pool's view: every instance is a prefill and a decode candidate."""
+    return nodes, nodes
+
+
+def long_turn() -> TurnFacts:
+    # Over the local limit below: the turn must be disaggregated.
+    return history_turn(12000, 6000)
+
+
+KNOBS = PolicyKnobs(max_local_suffix_tokens=2048)
+
+
+def test_a_pool_turn_is_never_prefilled_where_it_decodes() -> None:
+    ps, ds = pool(inst(A), inst(B), inst(C))
+    d = choose(long_turn(), A, ps, ds, SNAP, KNOBS)
+    assert d.option == "pull"
+    assert d.decode_url == A and d.prefill_url in (B, C)
+    for o in d.options:
+        if o.prefill_url is not None:
+            assert o.prefill_url != o.decode_url
+
+
+def test_a_pool_of_one_runs_every_turn_on_its_instance() -> None:
+    ps, ds = pool(inst(A))
+    d = choose(long_turn(), A, ps, ds, SNAP, KNOBS)
+    # Over the local limit, but nothing else can run it: forced, not failed.
+    assert d.option == "decode_local" and d.forced
+    why = {o.option: o.why_not for o in d.options if not o.feasible}
+    assert "but the decode node itself" in why["pull"] and "but the decode node itself" in why["cold"]
+
+
+def test_a_new_session_may_start_on_the_least_busy_instance_itself() -> None:
+    ps, ds = pool(inst(A, running=6.0), inst(B, running=1.0))
+    d = choose(TurnFacts(600, 600), None, ps, ds, SNAP, KNOBS)
+    local = next(o for o in d.options if o.option == "decode_local")
+    assert local.feasible and local.decode_url == B and local.computed_tokens == 600
+    # On dedicated decode nodes a new session still needs a prefill node.
+    d2 = choose(TurnFacts(600, 600), None, (NodeLoad("http://p"),), (NodeLoad(A), NodeLoad(B)), SNAP, KNOBS)
+    assert d2.option == "cold"
+    assert not next(o for o in d2.options if o.option == "decode_local").feasible
+
+
+def test_a_prefill_leg_goes_to_the_instance_whose_decodes_lose_least() -> None:
+    # B and C are alike but for B's eight decoding requests, which a prefill leg there would stall.
+    ps, ds = pool(inst(A), inst(B, running=8.0), inst(C))
+    d = choose(long_turn(), A, ps, ds, MOE, KNOBS)
+    assert d.option == "pull" and d.prefill_url == C
+    # The estimate on B carries the stall and its price; C's none.
+    c = Nodes(ps, ds, MOE, KNOBS)
+    on_b = pull_option(long_turn(), A, replace(c, prefills=(inst(B, running=8.0),)))
+    on_c = pull_option(long_turn(), A, replace(c, prefills=(inst(C),)))
+    assert on_b.stall_s > 0 and on_b.interference_s > 0
+    assert on_c.stall_s == 0 and on_c.interference_s == 0
+
+
+def test_a_prefill_leg_must_fit_the_instances_tpot_quotas() -> None:
+    ps, ds = pool(inst(A), inst(B, running=8.0))
+    tight = replace(long_turn(), stall_credits=((B, 0.001, 0.05),))
+    c = Nodes(ps, ds, MOE, KNOBS)
+    o = pull_option(tight, A, c)
+    assert not o.feasible and o.soft and "TPOT quota" in o.why_not and B in o.why_not
+    roomy = replace(long_turn(), stall_credits=((B, 10.0, 10.0),))
+    assert pull_option(roomy, A, c).feasible
+
+
+def test_a_prefill_leg_is_vetoed_on_an_instance_short_of_kv() -> None:
+    c = Nodes(*pool(inst(A), inst(B, running=2.0, kv_usage=0.95)), MOE, KNOBS)
+    o = pull_option(long_turn(), A, c)
+    assert not o.feasible and "KV usage" in o.why_not
+
+
+def test_an_instance_queues_a_prefill_behind_its_prefill_legs_not_its_decodes() -> None:
+    c = Nodes((), (), SNAP, KNOBS)
+    decoding = inst(B, running=10.0)
+    prefilling = inst(B, running=10.0, prefilling=10.0)
+    assert p_queue_s(c, decoding) == pytest.approx(SNAP.queue_s(B, 0.0))
+    assert p_queue_s(c, prefilling) > p_queue_s(c, decoding)
+    assert prefilling.decoding == 0.0 and decoding.decoding == 10.0
+    # A dedicated P's running requests are all prefills.
+    assert p_queue_s(c, NodeLoad(B, running=10.0)) == p_queue_s(c, prefilling)
+
+
+@pytest.mark.parametrize(("home", "lightest", "moves"), [
+    (6.0, 1.0, True),  # 5 more than the lightest and 6x: overloaded
+    (5.0, 1.0, False),  # 4 more: within the absolute threshold
+    (14.0, 9.5, False),  # 4.5 more, but only 1.47x: within the relative one
+    (15.0, 9.5, True),
+])
+def test_a_session_keeps_its_instance_until_it_is_overloaded_against_the_pool(
+        home: float, lightest: float, moves: bool) -> None:
+    a, b = inst(A, running=home), inst(B, running=lightest)
+    c = Nodes(*pool(a, b), SNAP, PolicyKnobs())
+    assert pool_overloaded(a, c) is moves
+    assert (len(decode_choices(a, c)) > 1) is moves
+
+
+def test_an_overloaded_instance_sheds_its_session_with_the_history_pulled() -> None:
+    ps, ds = pool(inst(A, running=12.0), inst(B), inst(C, running=12.0))
+    d = choose(long_turn(), A, ps, ds, MOE, KNOBS)
+    assert d.option == "pull" and d.decode_url == B and d.prefill_url == C
+    assert "moves the pin" in d.reason
+
+
+@pytest.mark.parametrize("policy", ["pull", "no-pull", "reference", "dynamo", "llm-d"])
+def test_the_fixed_rules_never_prefill_on_the_decode_instance(policy: str) -> None:
+    turn = Turn(policy, new_session=False, pinned_decode=A, handle=HandleState.PRESENT, handle_tokens=6000,
+                prompt_tokens=12000, reuse_tokens=6000, suffix_tokens=6000)
+    two = ClusterView(*pool(inst(A), inst(B)))
+    for rr in range(4):
+        p = plan(replace(turn, round_robin=rr), two)
+        assert p.prefill != p.decode
+    alone = ClusterView(*pool(inst(A)))
+    p = plan(turn, alone)
+    assert p.action is HandleAction.DECODE_LOCAL and p.prefill is None and p.decode == A
+    assert "no other instance" in p.reason or policy in ("dynamo", "llm-d")
+
+
+def test_a_prefill_legs_stall_is_charged_to_the_instance_that_runs_it() -> None:
+    learning = Learning(EstimatorSeeds(), LearningParams(), KNOBS, request_stall_share=0.15)
+    key = learning.decoding(B, 512, 4.0, now=0.0)
+    assert key is not None
+    before = learning.quota_credit(B).credit_s
+    ps, ds = pool(inst(A), inst(B, running=4.0))
+    turn = Turn("auto", new_session=False, pinned_decode=A, handle=HandleState.PRESENT, handle_tokens=6000,
+                prompt_tokens=12000, reuse_tokens=6000, suffix_tokens=6000,
+                stall_credits=((B, before, learning.quota_credit(B).quota_s),))
+    p = plan(turn, ClusterView(ps, ds), MOE, KNOBS)
+    assert p.prefill == B and p.decode == A
+    stall = learning.planned(p)
+    assert stall > 0
+    assert learning.quota_credit(B).credit_s == pytest.approx(before - stall)
+    assert math.isinf(learning.quota_credit(A).credit_s)

@@ -1,0 +1,121 @@
+"""One pool of instances that take both roles (``--node``), through the gateway on the simulator.
+
+The simulator's aggregated nodes are vLLM kv_both instances: one scheduler each for their own decodes and the
+prefill legs they serve for others. A session is pinned to one instance; its short turns run there (decode-local),
+a long one is prefilled on another instance that pulls the history from the session's, which reads back only the
+new part and decodes; every answer equals the oracle's, and the session's handle is released when it ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from kvtether.gateway.config import load_config
+from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.server import serve_gateway
+from kvtether.sim.cluster import ClusterSpec, SimCluster
+
+from tests.support.gateway_agent import chat, comparable, first_messages, next_messages, request_body
+from tests.support.sim_rig import LIMITS, SPEED, metric
+
+pytestmark = pytest.mark.anyio
+
+
+async def _requests(client: httpx.AsyncClient, url: str) -> float:
+    return await metric(client, url, "vllm:request_success_total")
+
+
+async def _hits(client: httpx.AsyncClient, url: str) -> float:
+    return await metric(client, url, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
+
+
+async def _prompt_tokens(client: httpx.AsyncClient, url: str) -> float:
+    """Prompt tokens the node took in, computed, from its prefix cache or read from another node."""
+    return await metric(client, url, "vllm:prompt_tokens_by_source_total")
+
+
+async def _p2p(client: httpx.AsyncClient, url: str) -> float:
+    return await metric(client, url, "vllm:prompt_tokens_cached_by_source_total", source="p2p")
+
+
+async def test_a_session_on_a_pool_runs_local_then_disaggregated_then_local_and_its_handle_is_released() -> None:
+    spec = ClusterSpec(prefill=0, decode=0, aggregated=3, speed=SPEED, kv_recompute_threshold=4,
+                       kv_lease_duration=2.0)
+    async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
+                                                                    speed=SPEED)) as oracle:
+        nodes = cluster.aggregated_urls
+        cfg = load_config(None, nodes=nodes, policy="auto", metrics_poll_interval_s=0.5,
+                          max_local_suffix_tokens=256, min_reuse_tokens=4, learn_estimates=False,
+                          # Local turns leave a handle of their whole sequence, so the long turn's prefill reads
+                          # all of the history the first turn's prefill instance does not already cache.
+                          local_turn_handles=False)
+        app = create_app(cfg)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            ready = (await client.get(f"{url}/ready")).json()
+            assert {n["role"] for n in ready["nodes"]} == {"both"} and ready["mode"] == "pd"
+            h = {"x-session-id": "pool-1"}
+            messages = first_messages(60)
+            # (words of the tool result after this turn, how this turn must run)
+            plan = [(10, "first"), (10, "decode_local"), (600, "decode_local"), (10, "pull"), (10, "decode_local")]
+            home, first_prompt = None, 0
+            for turn, (words, expect) in enumerate(plan):
+                # Served: took the turn's prompt (a handle's release is a one-token prompt on some other instance).
+                before = {u: await _prompt_tokens(client, u) for u in nodes}
+                p2p = {u: await _p2p(client, u) for u in nodes}
+                hits = {u: await _hits(client, u) for u in nodes}
+                body = {**request_body(messages, stream=turn % 2 == 1), "tool_choice": "required"}
+                seen: dict[str, str] = {}
+                got = await chat(client, url, body, h, response_headers=seen)
+                want = await chat(client, oracle.aggregated_urls[0], {**body, "stream": False}, clean=False)
+                assert comparable(got) == comparable(want), f"turn {turn} differs from the oracle"
+                served = {u for u in nodes if await _prompt_tokens(client, u) > before[u] + 100}
+                sessions = (await client.get(f"{url}/admin/sessions")).json()
+                pinned = sessions[0]["decode"]
+                if expect == "first":
+                    # Prefilled on one instance, handed to the session's: two instances, never one twice.
+                    assert len(served) == 2 and pinned in served
+                    home = pinned
+                    first_prompt = int(await _prompt_tokens(client, home) - before[home])
+                elif expect == "decode_local":
+                    assert served == {home}, f"turn {turn}: served by {served}"
+                    assert seen["x-kvtether-reuse-source"] == "decode_local"
+                else:
+                    # Another instance prefilled the turn, without recomputing the history: it read the held part
+                    # from the session's instance (the reverse pull), or its own prefix cache still held it (it
+                    # prefilled the first turn) and it computed only the rest.
+                    assert pinned == home and len(served) == 2 and home in served, (turn, served)
+                    (other,) = served - {home}
+                    source = seen["x-kvtether-reuse-source"]
+                    assert source in ("decode_pull", "prefill_cache"), seen
+                    reused = await _p2p(client, other) - p2p[other] + await _hits(client, other) - hits[other]
+                    assert reused >= first_prompt // 16 * 16, (source, reused, first_prompt)
+                messages = next_messages(messages, got, 60, turn, result_words=words)
+            assert home is not None
+            assert any(h["kind"] == "retained" for h in cluster.node(home).state()["held"])  # the session's handle
+            assert (await client.delete(f"{url}/v1/sessions/pool-1")).status_code == 204
+            # The session's handle is released (a one-token read of it by another instance): nothing is held for
+            # it on any instance once that read's own lease has run out.
+            with anyio.fail_after(20):
+                while any(h["kind"] == "retained" for u in nodes for h in cluster.node(u).state()["held"]):
+                    await anyio.sleep(0.1)
+
+
+async def test_a_pool_of_one_serves_every_turn_itself() -> None:
+    spec = ClusterSpec(prefill=0, decode=0, aggregated=1, speed=SPEED, kv_recompute_threshold=4)
+    async with SimCluster(spec) as cluster:
+        (node,) = cluster.aggregated_urls
+        cfg = load_config(None, nodes=[node], policy="auto", metrics_poll_interval_s=0.5, learn_estimates=False,
+                          max_local_suffix_tokens=256)
+        app = create_app(cfg)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            messages: list[dict[str, Any]] = first_messages(61)
+            for turn, words in enumerate((10, 600, 10)):
+                seen: dict[str, str] = {}
+                got = await chat(client, url, request_body(messages, stream=False), {"x-session-id": "alone"},
+                                 response_headers=seen)
+                assert got.get("content") or got.get("tool_calls"), turn
+                messages = next_messages(messages, got, 61, turn, result_words=words)
+            assert await _requests(client, node) == 3  # no prefill leg: nowhere else to run one
