@@ -149,6 +149,10 @@ class GatewayConfig:
     # decode-local turns' stall limit off. 0.15: TPOT p95 within +6 % of classic P/D on GLM-5 paced over three
     # session sets pooled, where 0.2 gave +12 % (docs/cost-model.md).
     request_stall_share: float = 0.15
+    # The same on a pool instance (`nodes`), where 1 leaves the TPOT objective (tpot_budget_s) as the only bound:
+    # a pool trades a decode node's isolation from prefills for TTFT, within the objective. The share a dedicated
+    # decode node keeps (0.15) holds TPOT near classic P/D's, which is what running P/D is for.
+    pool_stall_share: float = 1.0
     # The engines' max_num_batched_tokens: a local prefill is spread over steps of this many tokens.
     chunk_tokens: int = _KNOBS.chunk_tokens
     # A P/D turn may decode on a less loaded D than the pinned one (the pin moves): balance across D's.
@@ -312,8 +316,8 @@ class GatewayConfig:
             raise ConfigError("retention_interval_s must be > 0 and release_concurrency >= 1")
         if not (0.0 < self.release_low_water <= 1.0 and 0.0 < self.decode_pressure_usage <= 1.0):
             raise ConfigError("release_low_water and decode_pressure_usage must be in (0, 1]")
-        if not 0.0 <= self.request_stall_share <= 1.0:
-            raise ConfigError("request_stall_share must be in [0, 1]")
+        if not (0.0 <= self.request_stall_share <= 1.0 and 0.0 <= self.pool_stall_share <= 1.0):
+            raise ConfigError("request_stall_share and pool_stall_share must be in [0, 1]")
         self._validate_tuning()
         for f in fields(self):
             if f.name.startswith("seed_") and not getattr(self, f.name) > 0:

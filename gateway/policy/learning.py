@@ -151,13 +151,15 @@ class Learning:
         mixed step is read from (read before that turn's own first chunk is recorded)."""
         return self.chunk_times.since(node, after)[-STEP_ARRIVALS:]
 
-    def decoding(self, node: str, expected_output_tokens: int, running: float, now: float) -> int | None:
-        """A request was placed to decode on `node`: it gets its TPOT quota of stall (its share of its decode
-        time, capped by the TPOT objective, ``knobs.tpot_budget_s``); returns its key (None: no quotas are kept,
-        i.e. request_stall_share is 1: off, or the policy is not auto)."""
-        share = self.request_stall_share
-        if share >= 1.0:
-            return None
+    def decoding(self, node: str, expected_output_tokens: int, running: float, now: float,
+                 share: float | None = None) -> int | None:
+        """A request was placed to decode on `node`: it gets its TPOT quota of stall (`share` of its decode
+        time, capped by the TPOT objective, ``knobs.tpot_budget_s``); returns its key. Without `share`, the
+        gateway's request_stall_share, where 1 means no quotas are kept (None: off, or the policy is not auto)."""
+        if share is None:
+            share = self.request_stall_share
+            if share >= 1.0:
+                return None
         step = self.estimator.snapshot(now).tpot_s(node, max(1.0, running))
         key = next(self._exposure_keys)
         self.exposures.setdefault(node, {})[key] = SQ.Exposure(

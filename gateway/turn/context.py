@@ -289,13 +289,25 @@ class Services:
                        replacing: Placement | None) -> tuple[str, int] | None:
         """A turn's answer was placed to decode on `node`: its entry in the TPOT quotas of stall there
         (policy/stallquota.py), in place of the one its placement being replaced made (left here)."""
-        if self.learning.request_stall_share >= 1.0:
+        share = self.quota_share(node)
+        if share is None:
             return None  # no quotas kept
         self.leave_decoding(replacing)
         n = self.cluster.nodes.get(node)
         running = n.load().running if n is not None else 1.0  # polled gauge or this gateway's own, the fresher
-        key = self.learning.decoding(node, expected_output_tokens, running, self.clock())
+        key = self.learning.decoding(node, expected_output_tokens, running, self.clock(), share=share)
         return (node, key) if key is not None else None
+
+    def quota_share(self, node: str) -> float | None:
+        """The share of its decode time a request decoding on `node` may lose to prefills there (its TPOT quota,
+        policy/stallquota.py), always capped by the TPOT objective; None: no quotas are kept (a fixed policy, or
+        request_stall_share 1 on a decode node)."""
+        c = self.config
+        if c.policy != "auto" or c.mode != "pd":
+            return None
+        if node in c.nodes:
+            return c.pool_stall_share
+        return c.request_stall_share if c.request_stall_share < 1.0 else None
 
     def leave_decoding(self, placed: Placement | None) -> None:
         """Nothing decodes for the placement's turn any more: its answer ended, or the turn failed (or was placed

@@ -49,6 +49,8 @@ async def gateway(b: Backend, **settings: Any) -> AsyncIterator[Rig]:
         "session_ttl_s": gateway_session_ttl(DECODE_TTL_S),
         "metrics_poll_interval_s": 1.0,
     }
+    if settings.get("nodes"):  # a pool: its instances take both roles, none is only a prefill or a decode node
+        del cfg_kw["prefill"], cfg_kw["decode"]
     cfg_kw.update(settings)
     cfg = load_config(None, **cfg_kw)
     app = create_app(cfg)

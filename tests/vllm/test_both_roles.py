@@ -41,8 +41,10 @@ from tests.support.vllm_fixtures import (
     pair_options,
     pd_turn,
     token_prompt,
+    token_request,
     vllm_unavailable_reason,
 )
+from tests.support.vllm_rig import gateway
 
 pytestmark = [pytest.mark.vllm_first, pytest.mark.anyio, pytest.mark.timeout(900)]
 
@@ -162,3 +164,62 @@ async def test_a_session_runs_local_then_disaggregated_then_local_on_two_both_ro
         for u, b in used.items():
             after = await b.until(baseline[u], within_s=90.0)
             assert after == baseline[u], f"{u} still uses {after - baseline[u]} blocks more once the lease ran out"
+
+
+# Through the gateway: after a 500-token first turn, 40 new tokens after a 96-token answer leave ~136 tokens plus a
+# partial block uncached on the session's instance, under max_local_suffix_tokens (local); 400 cannot.
+POOL_SUFFIXES = (40, 400, 40)
+
+
+async def test_the_gateway_runs_a_session_on_a_pool_local_then_disaggregated_then_local(both: Backend) -> None:
+    """The gateway with the two instances as one pool (``nodes``): the first turn is prefilled on one instance and
+    decoded on the other, which becomes the session's; short turns run there alone; the long turn is prefilled on
+    the other instance, which reads the history it lacks from the session's (or holds it in its own prefix
+    cache from the first turn), and the session's instance decodes. Every answer is greedy decoding of its
+    prompt; once the session ends both instances are back at their baseline blocks."""
+    pool = [both.decode_url, both.prefill_url]
+    async with gateway(both, nodes=pool, policy="auto", max_local_suffix_tokens=256, learn_estimates=False) as r:
+        used = {u: Blocks(r.client, u, await total_blocks(r.client, u)) for u in pool}
+        baseline = {u: await b.used() for u, b in used.items()}
+        assert {n["role"] for n in (await r.client.get(r.url + "/ready")).json()["nodes"]} == {"both"}
+        session = f"pool-{uuid.uuid4().hex[:6]}"
+        hdr = {"x-session-id": session}
+        prompt = token_prompt(uuid.uuid4().int, 500, both.token_range)
+        sources: list[str] = []
+        pins: list[str] = []
+        reads: list[dict[str, float]] = []
+        done: list[tuple[dict[str, Any], list[int]]] = []
+        for suffix in (*POOL_SUFFIXES, 0):
+            req = token_request(both.model, prompt)
+            before = {u: await p2p(r.client, u) for u in pool}
+            resp = await r.client.post(r.url + "/v1/completions", json=req, headers=hdr)
+            assert resp.status_code == 200, resp.text
+            got = resp.json()
+            assert "kv_transfer_params" not in got
+            reads.append({u: await p2p(r.client, u) - before[u] for u in pool})
+            sources.append(resp.headers.get("x-kvtether-reuse-source", ""))
+            [s] = (await r.client.get(f"{r.url}/admin/sessions")).json()
+            pins.append(s["decode"])
+            out = completion_token_ids(got)
+            done.append((req, out))
+            if suffix == 0:
+                break
+            prompt = prompt + out + token_prompt(uuid.uuid4().int, suffix, both.token_range)
+        home = pins[0]
+        (other,) = set(pool) - {home}
+        assert pins == [home] * 4, pins
+        assert reads[0][home] > 0, "the first turn was not prefilled on the other instance"
+        assert sources[1] == sources[3] == "decode_local", sources
+        assert reads[1] == reads[3] == {home: 0.0, other: 0.0}, reads  # local turns move nothing
+        # The long turn was prefilled on the other instance, with the history read from home or cached there.
+        assert sources[2] in ("decode_pull", "prefill_cache"), sources
+        assert reads[2][home] > 0, "the session's instance read nothing back from the prefilling instance"
+        if sources[2] == "decode_pull":
+            assert reads[2][other] > 0, reads
+        for req, out in done:
+            await greedy(r.client, other, req, out)
+        assert (await r.client.delete(f"{r.url}/v1/sessions/{session}")).status_code == 204
+        # Every handle released (the last through the other instance, whose one-block lease then runs out).
+        for u, b in used.items():
+            after = await b.until(baseline[u], within_s=90.0)
+            assert after == baseline[u], f"{u} still uses {after - baseline[u]} blocks more after the session"

@@ -158,3 +158,21 @@ def test_a_prefill_legs_stall_is_charged_to_the_instance_that_runs_it() -> None:
     assert stall > 0
     assert learning.quota_credit(B).credit_s == pytest.approx(before - stall)
     assert math.isinf(learning.quota_credit(A).credit_s)
+
+
+def test_a_pool_instances_quota_is_bounded_by_the_objective_not_by_the_decode_nodes_share() -> None:
+    knobs = PolicyKnobs(tpot_budget_s=0.025)
+    learning = Learning(EstimatorSeeds(tpot_base_s=0.007, tpot_s_per_seq=1e-9), LearningParams(), knobs,
+                        request_stall_share=0.15)
+    # A dedicated decode node: 15 % of a 301-token answer's 300 steps of 7 ms.
+    learning.decoding(A, 301, 1.0, now=0.0)
+    assert learning.quota_credit(A).quota_s == pytest.approx(0.15 * 300 * 0.007)
+    # A pool instance at share 1: its whole decode time, within the 25 ms objective (18 ms a step to spare).
+    learning.decoding(B, 301, 1.0, now=0.0, share=1.0)
+    assert learning.quota_credit(B).quota_s == pytest.approx(300 * 0.007)
+    learning.decoding(C, 301, 1.0, now=0.0, share=1.0)
+    tight = Learning(EstimatorSeeds(tpot_base_s=0.020, tpot_s_per_seq=1e-9), LearningParams(), knobs)
+    tight.decoding(C, 301, 1.0, now=0.0, share=1.0)
+    assert tight.quota_credit(C).quota_s == pytest.approx(300 * 0.005)  # the objective binds: 25 − 20 ms a step
+    # Without a share of its own and at request_stall_share 1, no quota is kept at all.
+    assert tight.decoding(A, 301, 1.0, now=0.0) is None
