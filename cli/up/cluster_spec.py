@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Device = Literal["cpu", "cuda"]
-Role = Literal["prefill", "decode"]
+# "node": a pool instance, kv_both with prefix caching, that decodes its own sessions and prefills for others.
+Role = Literal["prefill", "decode", "node"]
 
 DEFAULT_DECODE_TTL_S = 480.0
 DEFAULT_GATEWAY_PORT = 8000
@@ -18,7 +19,7 @@ DEFAULT_GATEWAY_LOG_LEVEL = "warning"
 
 # Gateway settings that follow from the cluster `up` starts; `ClusterOptions.gateway_settings` may not set them.
 GATEWAY_OWN_KEYS: frozenset[str] = frozenset(
-    {"prefill", "decode", "aggregated", "host", "port", "session_ttl_s", "engine_kv_ttl_s"}
+    {"prefill", "decode", "nodes", "aggregated", "host", "port", "session_ttl_s", "engine_kv_ttl_s"}
 )
 
 
@@ -56,6 +57,7 @@ class GatewaySpec:
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     command: ChildCommand
+    node_urls: tuple[str, ...] = ()
     # The gateway child's arguments after `gateway` (see the module docstring), so that `up` can build the
     # child's configuration from exactly what the child will receive, before anything is started.
     child_args: tuple[str, ...] = ()
@@ -72,10 +74,12 @@ class ClusterPlan:
     gateway: GatewaySpec | None
     # Gateway replicas after the first (`--gateways N`), on the ports after its port; they share the store.
     more_gateways: tuple[GatewaySpec, ...] = ()
+    # Pool instances (`--nodes N`), after the prefill and decode instances.
+    nodes: tuple[InstanceSpec, ...] = ()
 
     @property
     def instances(self) -> tuple[InstanceSpec, ...]:
-        return self.prefill + self.decode
+        return self.prefill + self.decode + self.nodes
 
     @property
     def gateways(self) -> tuple[GatewaySpec, ...]:
@@ -87,6 +91,8 @@ class ClusterPlan:
             "prefill": [i.command.url for i in self.prefill],
             "decode": [i.command.url for i in self.decode],
         }
+        if self.nodes:
+            out["nodes"] = [i.command.url for i in self.nodes]
         if self.more_gateways:
             out["gateways"] = [g.command.url for g in self.gateways]
         return out
@@ -98,19 +104,23 @@ class ClusterPlan:
 @dataclass(frozen=True)
 class ClusterOptions:
     model: str
-    prefill: int = 1
-    decode: int = 1
+    # Unset: one each for a prefill/decode cluster, none beside pool instances (`prefill_count`, `decode_count`).
+    prefill: int | None = None
+    decode: int | None = None
+    # Pool instances: each takes both roles (kv_both, prefix caching on); the gateway gets them as `nodes`.
+    nodes: int = 0
     device: Device = "cpu"
     vllm_python: str = "python"
     decode_ttl_s: float = DEFAULT_DECODE_TTL_S
     gateway_port: int = DEFAULT_GATEWAY_PORT
     host: str = "127.0.0.1"
-    # First vLLM HTTP port; defaults to gateway_port + 100 (prefill first, then decode).
+    # First vLLM HTTP port; defaults to gateway_port + 100 (prefill first, then decode, then pool instances).
     vllm_base_port: int | None = None
     side_channel_base_port: int = DEFAULT_SIDE_CHANNEL_BASE_PORT
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
     kv_recompute_threshold: int | None = None
-    # kv_producer/kv_consumer (default) or kv_both on every instance.
+    # kv_producer/kv_consumer (default) or kv_both on the prefill and decode instances; pool instances are always
+    # kv_both.
     kv_both: bool = False
     kv_cache_space_gib: int = 1
     # Prefix caching on the prefill instances. vLLM's published reverse-pull figures turn it off, so that
@@ -132,6 +142,20 @@ class ClusterOptions:
     gateway_log_level: str = DEFAULT_GATEWAY_LOG_LEVEL
     served_model_name: str | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def prefill_count(self) -> int:
+        return self._count(self.prefill)
+
+    @property
+    def decode_count(self) -> int:
+        return self._count(self.decode)
+
+    def _count(self, given: int | None) -> int:
+        # Pool instances prefill and decode themselves: beside them, prefill and decode ones only when asked for.
+        if given is not None:
+            return given
+        return 0 if self.nodes else 1
 
 
 def url_host(host: str) -> str:

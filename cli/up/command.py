@@ -1,4 +1,5 @@
-"""`kvtether up`: start a vLLM prefill/decode cluster (bidirectional NIXL) and the kvtether gateway in front.
+"""`kvtether up`: start a vLLM prefill/decode cluster (bidirectional NIXL), or a pool of instances that take both
+roles (`--nodes N`), and the kvtether gateway in front.
 
 The flags are checked into cluster options in `flags.py`; command construction is pure (`launcher.py`); the
 processes are `supervisor.py`'s (every child in its own process group); this module is the command: it starts the
@@ -7,9 +8,9 @@ cluster, reports it, and stops every child on Ctrl-C, on SIGTERM, or as soon as 
 The gateway takes the same settings as `kvtether serve`: `--config FILE` (TOML), `--policy`, `--otlp-endpoint`,
 `--store`, `--gateway-log-level`, and `--gateway-set KEY=VALUE` for any other GatewayConfig field. `--gateways N`
 starts N gateway replicas on consecutive ports, which must share a Redis/Valkey store (`--store`). `up` itself
-supplies the cluster (prefill/decode URLs), host, port and session/engine TTLs, which win over the file. The gateway's
-configuration is built here, with `load_config` from exactly the arguments its child will get, before any vLLM
-instance starts: a bad setting is a usage error (exit 2), never a half-started cluster.
+supplies the cluster (prefill/decode and pool URLs), host, port and session/engine TTLs, which win over the file.
+The gateway's configuration is built here, with `load_config` from exactly the arguments its child will get,
+before any vLLM instance starts: a bad setting is a usage error (exit 2), never a half-started cluster.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ def run_up(plan: ClusterPlan, *, log_dir: Path, as_json: bool, console: Console)
                 sys.stdout.flush()
             else:
                 console.print(f"gateway: {', '.join(str(g.command.url) for g in plan.gateways) or None}")
-                console.print(f"prefill: {', '.join(map(str, urls['prefill']))}")  # type: ignore[call-overload]
-                console.print(f"decode:  {', '.join(map(str, urls['decode']))}")  # type: ignore[call-overload]
+                for label, instances in (("prefill", plan.prefill), ("decode", plan.decode), ("nodes", plan.nodes)):
+                    if instances:
+                        console.print(f"{label + ':':<8} {', '.join(str(i.command.url) for i in instances)}")
             log("running; Ctrl-C stops every instance")
             while True:
                 sup.check()
@@ -146,8 +148,13 @@ def _disarmed_after(stop: _StopOnce) -> Iterator[None]:
 
 # The command's options, in the order of its help.
 _MODEL = typer.Option("--model", help="Model path or name served by every instance.")
-_PREFILL = typer.Option("--prefill", min=1, help="Number of prefill instances.")
-_DECODE = typer.Option("--decode", min=1, help="Number of decode instances.")
+_PREFILL = typer.Option("--prefill", min=0, help="Number of prefill instances (default 1; none with --nodes).")
+_DECODE = typer.Option("--decode", min=0, help="Number of decode instances (default 1; none with --nodes).")
+_NODES = typer.Option(
+    "--nodes", min=0,
+    help="Pool instances that take both roles (kv_both, prefix caching on), instead of --prefill/--decode or "
+    "beside them: the gateway runs each turn on its session's instance or prefills it on another that pulls the "
+    "history. Use 2 or more: a single instance serves every turn itself.")
 _DEVICE = typer.Option("--device", help="cpu or cuda.")
 _VLLM_PYTHON = typer.Option("--vllm-python", help="Python of the vLLM environment (default .venv-vllm).")
 _DECODE_TTL = typer.Option("--decode-ttl", help="decoder_kv_blocks_ttl in seconds (engine side).")
@@ -155,15 +162,17 @@ _PORT = typer.Option("--port", help="Gateway port; vLLM ports start at port+100.
 _HOST = typer.Option("--host", help="Bind address for every server.")
 _VLLM_BASE_PORT = typer.Option(
     "--vllm-base-port",
-    help="First vLLM HTTP port; the instances take consecutive ports, prefill first (default: --port + 100).")
+    help="First vLLM HTTP port; the instances take consecutive ports, prefill first, then decode, then pool "
+    "instances (default: --port + 100).")
 _SIDE_CHANNEL_BASE_PORT = typer.Option("--side-channel-base-port", help="First NIXL side-channel port.")
 _FAILURE_POLICY = typer.Option("--kv-load-failure-policy", help="fail (recommended) or recompute.")
 _KV_CACHE_GIB = typer.Option("--kv-cache-gib", help="VLLM_CPU_KVCACHE_SPACE (CPU).")
-_CPU_BINDS = typer.Option("--cpu-binds", help="VLLM_CPU_OMP_THREADS_BIND per instance, ';'-separated (P then D).")
+_CPU_BINDS = typer.Option(
+    "--cpu-binds", help="VLLM_CPU_OMP_THREADS_BIND per instance, ';'-separated (P, then D, then pool instances).")
 _PREFILL_CACHE = typer.Option(
     "--prefill-prefix-caching/--no-prefill-prefix-caching", metavar=FLAG,
-    help="Prefix caching on the prefill instances; off as in vLLM's published reverse-pull runs. Decode keeps it "
-    "either way.")
+    help="Prefix caching on the prefill instances; off as in vLLM's published reverse-pull runs. Decode and pool "
+    "instances keep it either way.")
 _WITH_GATEWAY = typer.Option(
     "--gateway/--no-gateway", metavar=FLAG,
     help="Start the kvtether gateway in front; --no-gateway starts only the vLLM instances.")
@@ -176,8 +185,8 @@ _POLICY = typer.Option("--policy", help="Gateway policy: auto | pull | no-pull |
 _CONFIG = typer.Option(
     "--config",
     help="Gateway TOML config, as for `kvtether serve --config`. kvtether up supplies the cluster (prefill/decode "
-    "URLs), --host, --port and the session/engine TTLs (from --decode-ttl) itself; those win over the file, and so "
-    "do --policy, --otlp-endpoint and --gateway-set.")
+    "and pool URLs), --host, --port and the session/engine TTLs (from --decode-ttl) itself; those win over the "
+    "file, and so do --policy, --otlp-endpoint and --gateway-set.")
 _OTLP_ENDPOINT = typer.Option("--otlp-endpoint", help="Gateway OTLP/HTTP traces endpoint.")
 _GATEWAY_LOG_LEVEL = typer.Option(
     "--gateway-log-level",
@@ -192,8 +201,9 @@ _DRY_RUN = typer.Option("--dry-run/--no-dry-run", metavar=FLAG, help="Print the 
 
 
 def up(
-    ctx: typer.Context, model: Annotated[str, _MODEL], prefill: Annotated[int, _PREFILL] = 1,
-    decode: Annotated[int, _DECODE] = 1, device: Annotated[str, _DEVICE] = "cpu",
+    ctx: typer.Context, model: Annotated[str, _MODEL], prefill: Annotated[int | None, _PREFILL] = None,
+    decode: Annotated[int | None, _DECODE] = None, nodes: Annotated[int, _NODES] = 0,
+    device: Annotated[str, _DEVICE] = "cpu",
     vllm_python: Annotated[str | None, _VLLM_PYTHON] = None,
     decode_ttl: Annotated[float, _DECODE_TTL] = DEFAULT_DECODE_TTL_S,
     port: Annotated[int, _PORT] = DEFAULT_GATEWAY_PORT, host: Annotated[str, _HOST] = "127.0.0.1",
@@ -208,7 +218,8 @@ def up(
     gateway_set: Annotated[list[str] | None, _GATEWAY_SET] = None, log_dir: Annotated[Path | None, _LOG_DIR] = None,
     as_json: Annotated[bool, _JSON] = False, dry_run: Annotated[bool, _DRY_RUN] = False,
 ) -> None:
-    """Start vLLM prefill/decode instances (bidirectional KV pull) and the kvtether gateway in front.
+    """Start vLLM prefill/decode instances (bidirectional KV pull), or a pool of instances that take both roles
+    (--nodes N), and the kvtether gateway in front.
 
     Extra vLLM arguments go after `--`, e.g. `kvtether up --model M -- --max-model-len 4096`.
     Gateway settings: --config FILE (as for `kvtether serve`), --policy, --otlp-endpoint, --gateway-log-level
@@ -267,8 +278,9 @@ def _check_gateway_or_exit(plan: ClusterPlan) -> None:
     except ConfigError as e:
         msg = f"gateway settings: {e}"
         if plan.gateway is not None and plan.gateway.config_file is not None and "aggregated" in str(e):
-            # The file's aggregated nodes meet the prefill/decode URLs up supplies: say which side to change.
-            msg += f" (kvtether up starts prefill/decode instances: remove aggregated from {plan.gateway.config_file})"
+            # The file's aggregated nodes meet the instance URLs up supplies: say which side to change.
+            msg += (f" (kvtether up starts prefill/decode or pool instances: remove aggregated from "
+                    f"{plan.gateway.config_file})")
         usage_error(msg)
 
 

@@ -22,8 +22,9 @@ class UpFlags:
 
     ctx: Any  # typer.Context: its args are the extra vLLM arguments after `--`
     model: str
-    prefill: int
-    decode: int
+    prefill: int | None
+    decode: int | None
+    nodes: int
     device: str
     vllm_python: str | None
     decode_ttl: float
@@ -93,7 +94,7 @@ def cluster_options(f: UpFlags) -> ClusterOptions:
         raise typer.BadParameter("--kv-load-failure-policy must be fail or recompute")
     settings, log_level = _gateway_settings(f)
     return ClusterOptions(
-        model=f.model, prefill=f.prefill, decode=f.decode, device="cpu" if f.device == "cpu" else "cuda",
+        model=f.model, prefill=f.prefill, decode=f.decode, nodes=f.nodes, device="cpu" if f.device == "cpu" else "cuda",
         vllm_python=f.vllm_python or default_vllm_python(), decode_ttl_s=f.decode_ttl, gateway_port=f.port,
         host=f.host, vllm_base_port=f.vllm_base_port, side_channel_base_port=f.side_channel_base_port,
         kv_load_failure_policy="fail" if f.failure_policy == "fail" else "recompute",

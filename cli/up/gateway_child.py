@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, get_type_hints
 
 from kvtether.cli.common.exits import EXIT_USAGE
-from kvtether.cli.up.cluster_spec import DEFAULT_GATEWAY_LOG_LEVEL, ClusterPlan
+from kvtether.cli.up.cluster_spec import DEFAULT_GATEWAY_LOG_LEVEL, ClusterPlan, GatewaySpec
 
 if TYPE_CHECKING:
     from kvtether.gateway.config import GatewayConfig
@@ -22,9 +22,10 @@ GATEWAY_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 # Gateway settings `--gateway-set` refuses, with where they come from instead: one way in for each.
 _SET_BY_UP: dict[str, str] = {
-    "prefill": "kvtether up points the gateway at the instances it starts (--prefill/--decode)",
-    "decode": "kvtether up points the gateway at the instances it starts (--prefill/--decode)",
-    "aggregated": "kvtether up starts a prefill/decode cluster, not aggregated replicas",
+    "prefill": "kvtether up points the gateway at the instances it starts (--prefill/--decode/--nodes)",
+    "decode": "kvtether up points the gateway at the instances it starts (--prefill/--decode/--nodes)",
+    "nodes": "kvtether up points the gateway at the pool instances it starts (--nodes)",
+    "aggregated": "kvtether up starts prefill/decode or pool instances, not aggregated replicas",
     "host": "use --host",
     "port": "use --port",
     "session_ttl_s": "derived from --decode-ttl (kept well below the engine's TTL)",
@@ -99,11 +100,26 @@ def check_gateway_config(plan: ClusterPlan) -> GatewayConfig | None:
     if plan.gateway is None:
         return None
     cfg = gateway_child_config(plan.gateway.child_args)[0]
+    _check_cluster_is_ups(cfg, plan.gateway)
     if plan.more_gateways and cfg.store == "memory":
         # Replicas with a store each would lose a session's handle whenever its turn reaches another one.
         raise ConfigError(f"{len(plan.gateways)} gateways need a shared session store: --store redis://HOST:PORT "
                           "(or store in --config / --gateway-set)")
     return cfg
+
+
+def _check_cluster_is_ups(cfg: GatewayConfig, gateway: GatewaySpec) -> None:
+    """The gateway's prefill, decode and pool URLs are exactly the instances `up` starts. `up`'s lists win over
+    the config file's, but an empty one overrides nothing: a pool-only `up` would keep the file's prefill and
+    decode nodes, a prefill/decode one the file's pool, and the gateway would send turns to servers `up` does
+    not run."""
+    from kvtether.gateway.config import ConfigError
+
+    ups = {"prefill": gateway.prefill_urls, "decode": gateway.decode_urls, "nodes": gateway.node_urls}
+    for name, urls in ups.items():
+        if list(getattr(cfg, name)) != list(urls):
+            where = gateway.config_file or "the gateway settings"
+            raise ConfigError(f"{where} sets {name}, but {_SET_BY_UP[name]}: remove {name} from {where}")
 
 
 def run_gateway_child(args: Sequence[str]) -> None:

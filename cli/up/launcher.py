@@ -1,5 +1,6 @@
-"""Pure command construction for `kvtether up`: the plan of the vLLM prefill/decode instances
-(`vllm_instance.py`) and the gateway in front (here), over the options and plan types of `cluster_spec.py`.
+"""Pure command construction for `kvtether up`: the plan of the vLLM instances (`vllm_instance.py`): prefill and
+decode, or pool instances that take both roles, or both kinds, and the gateway in front (here), over the options
+and plan types of `cluster_spec.py`.
 
 Nothing here starts a process; `plan_cluster()` returns a `ClusterPlan` with, for every child, the exact
 argv and the environment *additions* (on top of the caller's environment). Process management lives in
@@ -44,14 +45,17 @@ def gateway_session_ttl(decode_ttl_s: float) -> float:
 
 def gateway_config(
     opts: ClusterOptions, prefill_urls: Sequence[str], decode_urls: Sequence[str], session_ttl_s: float,
-    index: int = 0,
+    index: int = 0, node_urls: Sequence[str] = (),
 ) -> dict[str, object]:
     """Keyword settings for `kvtether.gateway.config.load_config(config_file, **settings)`: the caller's extra
-    settings, then `up`'s own (cluster, host, port, TTLs, policy) on top. ``index``: which gateway replica."""
+    settings, then `up`'s own (cluster, host, port, TTLs, policy) on top. ``index``: which gateway replica;
+    ``node_urls``: the pool instances."""
     cfg: dict[str, object] = {
         **opts.gateway_settings,
         "prefill": list(prefill_urls),
         "decode": list(decode_urls),
+        # Only with pool instances: load_config ignores an empty list, and a file's nodes are refused anyway.
+        **({"nodes": list(node_urls)} if node_urls else {}),
         "host": opts.host,
         "port": opts.gateway_port + index,
         "session_ttl_s": session_ttl_s,
@@ -107,14 +111,14 @@ def gateway_child_args(opts: ClusterOptions, settings: Mapping[str, object]) -> 
 
 def gateway_command(
     opts: ClusterOptions, prefill_urls: Sequence[str], decode_urls: Sequence[str], session_ttl_s: float,
-    index: int = 0,
+    index: int = 0, node_urls: Sequence[str] = (),
 ) -> ChildCommand:
     """The gateway in front of the instances (replica ``index``), as a child with the project's python.
 
     Runs `python -m kvtether.cli.up.command gateway '<settings JSON>' [--config FILE] --log-level L` (the gateway's own
     `run_gateway(load_config(FILE, **settings))`) so that it does not depend on the `serve` command's flags.
     """
-    settings = gateway_config(opts, prefill_urls, decode_urls, session_ttl_s, index)
+    settings = gateway_config(opts, prefill_urls, decode_urls, session_ttl_s, index, node_urls)
     argv = (opts.gateway_python, "-m", "kvtether.cli.up.command", "gateway", *gateway_child_args(opts, settings))
     return ChildCommand(
         name="gateway" if index == 0 else f"gateway-{index}",
@@ -125,12 +129,26 @@ def gateway_command(
     )
 
 
+def instance_roles(opts: ClusterOptions) -> list[tuple[Role, int]]:
+    """Every vLLM instance as (role, index within its role): prefill first, then decode, then pool instances.
+
+    Prefill and decode instances beside pool instances are allowed, as the gateway takes both kinds (`kvtether
+    serve --node` beside `--prefill`/`--decode`); without pool instances there must be one of each.
+    """
+    prefill, decode, nodes = opts.prefill_count, opts.decode_count, opts.nodes
+    if prefill < 0 or decode < 0 or nodes < 0:
+        raise ValueError("instance counts must not be negative")
+    if nodes == 0 and (prefill < 1 or decode < 1):
+        raise ValueError("need at least one prefill and one decode instance, or pool instances (--nodes N)")
+    return ([("prefill", i) for i in range(prefill)] + [("decode", i) for i in range(decode)]
+            + [("node", i) for i in range(nodes)])
+
+
 def plan_cluster(opts: ClusterOptions) -> ClusterPlan:
-    if opts.prefill < 1 or opts.decode < 1:
-        raise ValueError("need at least one prefill and one decode instance")
+    roles = instance_roles(opts)
     if opts.decode_ttl_s <= 0:
         raise ValueError("decode TTL must be positive")
-    n = opts.prefill + opts.decode
+    n = len(roles)
     base = opts.vllm_base_port if opts.vllm_base_port is not None else opts.gateway_port + 100
     ports = [base + i for i in range(n)]
     if opts.gateways < 1:
@@ -152,7 +170,7 @@ def plan_cluster(opts: ClusterOptions) -> ClusterPlan:
     if opts.device == "cpu":
         if opts.cpu_binds is not None:
             if len(opts.cpu_binds) != n:
-                raise ValueError(f"--cpu-binds needs {n} entries (prefill first, then decode)")
+                raise ValueError(f"--cpu-binds needs {n} entries (prefill first, then decode, then pool instances)")
             binds = list(opts.cpu_binds)
         else:
             binds = cpu_binds_for(n, opts.cpu_count or os.cpu_count() or 1)
@@ -160,9 +178,6 @@ def plan_cluster(opts: ClusterOptions) -> ClusterPlan:
     else:
         device_envs = [{"CUDA_VISIBLE_DEVICES": str(i)} for i in range(n)]
 
-    roles: list[tuple[Role, int]] = [("prefill", i) for i in range(opts.prefill)] + [
-        ("decode", i) for i in range(opts.decode)
-    ]
     specs = [
         InstanceSpec(
             role=role,
@@ -175,6 +190,7 @@ def plan_cluster(opts: ClusterOptions) -> ClusterPlan:
     ]
     prefill = tuple(s for s in specs if s.role == "prefill")
     decode = tuple(s for s in specs if s.role == "decode")
+    nodes = tuple(s for s in specs if s.role == "node")
     gws: list[GatewaySpec] = []
     if opts.gateway:
         ttl = opts.gateway_session_ttl_s
@@ -182,6 +198,7 @@ def plan_cluster(opts: ClusterOptions) -> ClusterPlan:
             ttl = gateway_session_ttl(opts.decode_ttl_s)
         p_urls = tuple(str(s.command.url) for s in prefill)
         d_urls = tuple(str(s.command.url) for s in decode)
+        n_urls = tuple(str(s.command.url) for s in nodes)
         gws = [
             GatewaySpec(
                 port=opts.gateway_port + k,
@@ -189,15 +206,16 @@ def plan_cluster(opts: ClusterOptions) -> ClusterPlan:
                 session_ttl_s=ttl,
                 prefill_urls=p_urls,
                 decode_urls=d_urls,
-                command=gateway_command(opts, p_urls, d_urls, ttl, k),
-                child_args=gateway_child_args(opts, gateway_config(opts, p_urls, d_urls, ttl, k)),
+                node_urls=n_urls,
+                command=gateway_command(opts, p_urls, d_urls, ttl, k, n_urls),
+                child_args=gateway_child_args(opts, gateway_config(opts, p_urls, d_urls, ttl, k, n_urls)),
                 config_file=opts.gateway_config_file,
             )
             for k in range(opts.gateways)
         ]
     return ClusterPlan(
         model=opts.model, device=opts.device, decode_ttl_s=opts.decode_ttl_s, prefill=prefill, decode=decode,
-        gateway=gws[0] if gws else None, more_gateways=tuple(gws[1:]),
+        gateway=gws[0] if gws else None, more_gateways=tuple(gws[1:]), nodes=nodes,
     )
 
 

@@ -1,5 +1,7 @@
 """The vLLM instances' commands (pure): `vllm.entrypoints.openai.api_server` with a bidirectional NIXL
-connector, prefix caching and the environment each instance needs on CPU or GPU."""
+connector, prefix caching and the environment each instance needs on CPU or GPU. A prefill instance is a
+kv_producer and a decode instance a kv_consumer (both kv_both with `kv_both`); a pool instance ("node") is always
+kv_both: it decodes its own sessions and prefills for the others, pulling their history from their instance."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def kv_transfer_config(
     }
     if recompute_threshold is not None:
         extra["kv_recompute_threshold"] = recompute_threshold
-    kv_role = "kv_both" if kv_both else ("kv_producer" if role == "prefill" else "kv_consumer")
+    kv_role = "kv_both" if kv_both or role == "node" else ("kv_producer" if role == "prefill" else "kv_consumer")
     cfg = {
         "kv_connector": "NixlConnector",
         "kv_role": kv_role,
@@ -87,7 +89,8 @@ def vllm_instance_command(
         opts.host,
         "--port",
         str(port),
-        "--enable-prefix-caching" if role == "decode" or opts.prefill_prefix_caching else "--no-enable-prefix-caching",
+        # Only prefill instances may go without: decode-local turns (a decode's or a pool instance's) reuse the cache.
+        "--enable-prefix-caching" if role != "prefill" or opts.prefill_prefix_caching else "--no-enable-prefix-caching",
         "--enable-prompt-tokens-details",
         "--kv-transfer-config",
         kv_transfer_config(

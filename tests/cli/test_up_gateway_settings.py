@@ -141,6 +141,7 @@ def test_policy_flag_wins_over_the_file(tmp_path: Path) -> None:
         (["--gateway-set", "max_sessions"], "expected KEY=VALUE"),
         (["--gateway-set", "port=1"], "port cannot be set here: use --port"),
         (["--gateway-set", "prefill=http://x:1"], "prefill cannot be set here"),
+        (["--gateway-set", 'nodes=["http://x:1"]'], "nodes cannot be set here: kvtether up points the gateway"),
         (["--gateway-set", "session_ttl_s=5"], "session_ttl_s cannot be set here"),
         (["--config", "/no/such/gateway.toml"], "config file not found: /no/such/gateway.toml"),
         (["--policy", "fastest"], "policy must be one of"),
@@ -170,6 +171,8 @@ def test_bad_config_file_contents_are_usage_errors(tmp_path: Path, no_launch: li
         "broken.toml": ("max_sessions = \n", "invalid TOML"),
         "bad_value.toml": ("tpot_budget_s = -1.0\n", "tpot_budget_s must be > 0"),
         "aggregated.toml": ('aggregated = ["http://r:1"]\n', "remove aggregated from"),
+        # up starts prefill/decode here: a pool in the file would have the gateway use servers up does not run.
+        "pool.toml": ('nodes = ["http://r:1"]\n', "pool.toml sets nodes, but kvtether up points the gateway at"),
     }
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)
@@ -229,4 +232,45 @@ def test_gateway_replicas_share_the_store_they_are_given(no_launch: list[object]
                                        gateway_settings={"store": "redis://r:6379/0"}))
     configs = [gateway_child_config(g.child_args)[0] for g in plan.gateways]
     assert [(c.port, c.store) for c in configs] == [(p, "redis://r:6379/0") for p in (9000, 9001, 9002)]
+    assert no_launch == []
+
+
+def test_nodes_flag_plans_a_pool_behind_the_gateway(no_launch: list[object]) -> None:
+    """`--nodes N` without --prefill/--decode: N pool instances and no prefill or decode one."""
+    code, out, err = _invoke("--dry-run", "--json", "--nodes", "2")
+    assert code == 0, err
+    assert [ln for ln in out.splitlines() if ln.startswith("# ")] == [
+        "# node-0  (http://127.0.0.1:9100)", "# node-1  (http://127.0.0.1:9101)", "# gateway  (http://127.0.0.1:9000)",
+    ]  # fmt: skip
+    assert out.count('"kv_role":"kv_both"') == 2
+    urls = json.loads(out.splitlines()[-1])
+    assert urls == {"gateway": "http://127.0.0.1:9000", "prefill": [], "decode": [],
+                    "nodes": ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]}  # fmt: skip
+    cfg, _ = gateway_child_config(_gateway_child_args(out))
+    assert (cfg.prefill, cfg.decode, cfg.nodes) == ([], [], urls["nodes"])
+    # Beside --prefill/--decode: those first, then the pool.
+    code, out, err = _invoke("--dry-run", "--json", "--nodes", "1", "--prefill", "1", "--decode", "1")
+    assert code == 0, err
+    urls = json.loads(out.splitlines()[-1])
+    assert (urls["prefill"], urls["decode"], urls["nodes"]) == (
+        ["http://127.0.0.1:9100"], ["http://127.0.0.1:9101"], ["http://127.0.0.1:9102"])
+    assert no_launch == []
+
+
+def test_a_config_file_cluster_does_not_survive_beside_a_pool(tmp_path: Path, no_launch: list[object]) -> None:
+    """A pool-only up overrides no prefill/decode lists (they are empty): the file's would stay, so it is refused."""
+    cfg_file = tmp_path / "gw.toml"
+    cfg_file.write_text(SERVE_TOML)
+    code, out, err = _invoke("--nodes", "2", "--config", str(cfg_file))
+    assert code == 2, (out, err)
+    assert f"{cfg_file} sets prefill, but kvtether up points the gateway at the instances it starts" in err
+    assert f"remove prefill from {cfg_file}" in err
+    assert no_launch == []
+
+
+def test_no_instances_at_all_is_a_usage_error(no_launch: list[object]) -> None:
+    code, _out, err = _invoke("--dry-run", "--prefill", "0")
+    assert code == 2
+    said = " ".join(err.replace("│", " ").split())  # typer's box wraps the message
+    assert "need at least one prefill and one decode instance, or pool instances (--nodes N)" in said
     assert no_launch == []

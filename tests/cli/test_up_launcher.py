@@ -53,6 +53,10 @@ def test_kv_transfer_config_is_one_compact_json_element() -> None:
     both = json.loads(kv_transfer_config("decode", device="cpu", decode_ttl_s=1, kv_both=True, recompute_threshold=64))
     assert both["kv_role"] == "kv_both"
     assert both["kv_connector_extra_config"]["kv_recompute_threshold"] == 64
+    # A pool instance takes both roles whatever `kv_both` says.
+    node = json.loads(kv_transfer_config("node", device="cpu", decode_ttl_s=30))
+    assert node["kv_role"] == "kv_both"
+    assert node["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
 
 
 def test_gateway_ttl_stays_well_below_engine_ttl() -> None:
@@ -205,6 +209,84 @@ def test_gateway_replicas_on_consecutive_ports() -> None:
         plan_cluster(_opts(gateway_port=8000, gateways=101))
     with pytest.raises(ValueError, match="at least one gateway"):
         plan_cluster(_opts(gateways=0))
+
+
+def test_pool_plan_starts_instances_that_take_both_roles() -> None:
+    """`--nodes 3`: three kv_both instances with prefix caching, and the gateway given them as its pool."""
+    plan = plan_cluster(_opts(nodes=3, cpu_count=6, decode_ttl_s=60, gateway_port=8000,
+                              prefill_prefix_caching=False))  # fmt: skip
+    assert plan.prefill == () and plan.decode == ()
+    assert [i.command.name for i in plan.instances] == ["node-0", "node-1", "node-2"]
+    assert plan.instances == plan.nodes
+    assert [i.port for i in plan.nodes] == [8100, 8101, 8102]
+    assert [i.side_channel_port for i in plan.nodes] == [5600, 5601, 5602]
+    assert [i.command.env["VLLM_CPU_OMP_THREADS_BIND"] for i in plan.nodes] == ["0-1", "2-3", "4-5"]
+    for inst in plan.nodes:
+        argv = inst.command.argv
+        assert argv.count("--enable-prefix-caching") == 1  # --no-prefill-prefix-caching is for prefill only
+        assert "--no-enable-prefix-caching" not in argv
+        cfg = json.loads(_arg(argv, "--kv-transfer-config"))
+        assert cfg["kv_role"] == "kv_both"
+        assert cfg["kv_connector_extra_config"] == {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 60}
+        assert inst.command.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(inst.side_channel_port)
+    urls = [str(i.command.url) for i in plan.nodes]
+    assert urls == ["http://127.0.0.1:8100", "http://127.0.0.1:8101", "http://127.0.0.1:8102"]
+    gw = plan.gateway
+    assert gw is not None
+    assert (gw.prefill_urls, gw.decode_urls, gw.node_urls) == ((), (), tuple(urls))
+    settings = json.loads(gw.child_args[0])
+    assert settings["nodes"] == urls
+    assert settings["prefill"] == settings["decode"] == []
+    from kvtether.gateway.config import load_config
+
+    cfg = load_config(**settings)
+    assert (cfg.nodes, cfg.prefill, cfg.decode) == (urls, [], [])
+    assert plan.urls() == {"gateway": "http://127.0.0.1:8000", "prefill": [], "decode": [], "nodes": urls}
+    assert "# node-2  (http://127.0.0.1:8102)" in dry_run_text(plan)
+
+
+def test_pool_instances_may_stand_beside_prefill_and_decode() -> None:
+    """Asked for beside --nodes, prefill and decode instances come first; the gateway takes all three kinds."""
+    plan = plan_cluster(_opts(prefill=1, decode=1, nodes=2, cpu_count=4, gateway_port=8000))
+    assert [i.command.name for i in plan.instances] == ["prefill-0", "decode-0", "node-0", "node-1"]
+    assert [i.port for i in plan.instances] == [8100, 8101, 8102, 8103]
+    assert len({i.side_channel_port for i in plan.instances}) == 4
+    assert [i.command.env["VLLM_CPU_OMP_THREADS_BIND"] for i in plan.instances] == ["0", "1", "2", "3"]
+    roles = [json.loads(_arg(i.command.argv, "--kv-transfer-config"))["kv_role"] for i in plan.instances]
+    assert roles == ["kv_producer", "kv_consumer", "kv_both", "kv_both"]
+    gw = plan.gateway
+    assert gw is not None
+    from kvtether.gateway.config import load_config
+
+    cfg = load_config(**json.loads(gw.child_args[0]))
+    assert cfg.prefill == ["http://127.0.0.1:8100"] and cfg.decode == ["http://127.0.0.1:8101"]
+    assert cfg.nodes == ["http://127.0.0.1:8102", "http://127.0.0.1:8103"]
+    # Beside pool instances, prefill and decode are each none unless asked for.
+    only_p = plan_cluster(_opts(prefill=1, nodes=2))
+    assert [i.command.name for i in only_p.instances] == ["prefill-0", "node-0", "node-1"]
+    with pytest.raises(ValueError, match="--cpu-binds needs 3 entries"):
+        plan_cluster(_opts(nodes=3, cpu_binds=["0", "1"]))
+
+
+def test_without_nodes_a_prefill_decode_cluster_as_before() -> None:
+    plan = plan_cluster(_opts())
+    assert [i.command.name for i in plan.instances] == ["prefill-0", "decode-0"]
+    assert plan.nodes == ()
+    assert "nodes" not in plan.urls()
+    gw = plan.gateway
+    assert gw is not None and gw.node_urls == ()
+    assert "nodes" not in json.loads(gw.child_args[0])
+    assert _opts(prefill=2, decode=3).prefill_count == 2 and _opts().decode_count == 1
+    # A prefill/decode pair that both take both roles (as the real-vLLM both-roles tests start it).
+    both = plan_cluster(_opts(kv_both=True))
+    assert [i.command.name for i in both.instances] == ["prefill-0", "decode-0"]
+    assert {json.loads(_arg(i.command.argv, "--kv-transfer-config"))["kv_role"] for i in both.instances} == {"kv_both"}
+    with pytest.raises(ValueError, match="or pool instances"):
+        plan_cluster(_opts(decode=0))
+    with pytest.raises(ValueError, match="not be negative"):
+        plan_cluster(_opts(nodes=-1))
+    with pytest.raises(ValueError, match="pool instances"):
+        plan_cluster(_opts(nodes=0, prefill=0, decode=0))
 
 
 def test_plan_rejects_bad_input() -> None:
