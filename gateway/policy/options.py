@@ -140,8 +140,11 @@ def prefill_stall(node: NodeLoad, n: int, cached: int, steps: int, credit: tuple
         return stall, interference, (f"TPOT quota: a request decoding on {where} may absorb "
                                      f"{max(0.0, credit_s):.3f}s more stall (of {quota_s:.3f}s), this one is "
                                      f"{stall:.3f}s")
+    # A decode node also keeps its running requests' inter-token time within the budget over a short window (no
+    # hiccup a reader would notice), the smoothness P/D is run for. A pool instance is held to the objective
+    # itself, per request (its quotas, capped by the budget): the pool trades that smoothness for TTFT.
     tpot = c.est.tpot_s(node.url, running) + stall / c.knobs.tpot_window_tokens
-    if tpot > c.knobs.tpot_budget_s:
+    if not (node.both and math.isfinite(credit_s)) and tpot > c.knobs.tpot_budget_s:
         return stall, interference, (f"TPOT of {where}'s {running:g} running {tpot:.3f}s > budget "
                                      f"{c.knobs.tpot_budget_s:.3f}s")
     return stall, interference, ""

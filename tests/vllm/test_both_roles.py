@@ -56,18 +56,20 @@ FIRST_ANSWER = 256
 
 @pytest.fixture(scope="module")
 def both(pytestconfig: pytest.Config) -> Iterator[Backend]:
-    """Two kv_both instances; `prefill_url` and `decode_url` are only their names in the launcher's plan."""
+    """Two pool instances as `kvtether up --nodes 2` plans them (kv_both, bidirectional, prefix caching on);
+    `prefill_url` and `decode_url` are only names for them here."""
     if not opted_in(pytestconfig):
         pytest.skip("real vLLM tests are opt-in: pytest -m vllm (or KVTETHER_VLLM_TESTS=1)")
     reason = vllm_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    opts = pair_options(kv_both=True)
+    opts = pair_options(prefill=None, decode=None, nodes=2)
     plan = plan_cluster(opts)
+    assert len(plan.nodes) == 2 and not plan.prefill and not plan.decode
     log_dir = Path(os.environ.get("KVTETHER_TEST_LOG_DIR") or tempfile.mkdtemp(prefix="kvtether-vllm-both-"))
     with running_cluster(plan, log_dir=log_dir / "both", health_timeout_s=240.0):
-        yield Backend(name="vllm-kv-both", prefill_url=str(plan.prefill[0].command.url),
-                      decode_url=str(plan.decode[0].command.url), model=opts.model)
+        yield Backend(name="vllm-kv-both", prefill_url=str(plan.nodes[1].command.url),
+                      decode_url=str(plan.nodes[0].command.url), model=opts.model)
 
 
 def roles(b: Backend, prefill: str, decode: str) -> Backend:

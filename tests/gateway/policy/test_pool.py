@@ -176,3 +176,23 @@ def test_a_pool_instances_quota_is_bounded_by_the_objective_not_by_the_decode_no
     assert tight.quota_credit(C).quota_s == pytest.approx(300 * 0.005)  # the objective binds: 25 − 20 ms a step
     # Without a share of its own and at request_stall_share 1, no quota is kept at all.
     assert tight.decoding(A, 301, 1.0, now=0.0) is None
+
+
+def test_a_pool_instance_is_held_to_the_objective_per_request_not_to_the_decode_nodes_hiccup_window() -> None:
+    # A 1,500-token suffix on an instance with 8 decoding: its stall over a 16-token window breaks a 25 ms budget,
+    # yet every request there can absorb it within its quota (the objective).
+    turn = replace(history_turn(12000, 1500), request_stall_credit_s=5.0, request_stall_quota_s=5.0)
+    knobs = PolicyKnobs(tpot_budget_s=0.025)
+    on_pool = Nodes(*pool(inst(A, running=8.0)), MOE, knobs)
+    local = next(o for o in choose(turn, A, on_pool.prefills, on_pool.decodes, MOE, knobs).options
+                 if o.option == "decode_local")
+    assert local.feasible and local.stall_s > 0
+    decode = NodeLoad(A, running=8.0)
+    local_d = next(o for o in choose(turn, A, (NodeLoad("http://p"),), (decode,), MOE, knobs).options
+                   if o.option == "decode_local")
+    assert not local_d.feasible and "TPOT of D's" in local_d.why_not
+    # Without quotas to go by (nothing of this gateway's decoding there), the window rule still holds on a pool.
+    blind = replace(turn, request_stall_credit_s=math.inf, request_stall_quota_s=math.inf)
+    local_b = next(o for o in choose(blind, A, on_pool.prefills, on_pool.decodes, MOE, knobs).options
+                   if o.option == "decode_local")
+    assert not local_b.feasible
