@@ -199,6 +199,21 @@ def test_compare_topologies_picks_the_lowest_late_p95_with_its_margin() -> None:
     assert per_turn[2]["p50"] == 550.0 and per_turn[2]["n"] == 2
 
 
+@pytest.mark.parametrize(("best", "topology"), [("colocated", "colocated serving"),
+                                                ("hybrid", "one pool of instances that take both roles"),
+                                                ("auto", "prefill/decode disaggregation")])
+def test_the_verdict_names_the_topology_of_the_best_option(best: str, topology: str) -> None:
+    runs = {o: [timing(1, 900), timing(2, 900)] for o in ("colocated", "hybrid", "auto")}
+    runs[best] = [timing(1, 100), timing(2, 100)]
+    q = compare_topologies(runs, late=1, tpot_slo_ms=50.0)
+    assert q["best"] == best and q["topology"] == topology
+    assert q["verdict"].endswith(f"recommended topology: {topology}")
+    # No option within the objective: no topology is recommended.
+    slow = {o: [timing(1, 100, tpot=90.0)] for o in runs}
+    q = compare_topologies(slow, late=1, tpot_slo_ms=50.0)
+    assert "recommended" not in q["verdict"]
+
+
 def test_compare_topologies_tpot_objective_and_errors() -> None:
     runs = {
         "colocated": [timing(1, 100, tpot=80.0), timing(2, 120, tpot=90.0)],
