@@ -120,3 +120,44 @@ async def test_a_pool_of_one_serves_every_turn_itself() -> None:
                 assert got.get("content") or got.get("tool_calls"), turn
                 messages = next_messages(messages, got, 61, turn, result_words=words)
             assert await _requests(client, node) == 3  # no prefill leg: nowhere else to run one
+
+
+def test_the_cluster_lists_a_pool_instance_in_both_roles_and_tells_its_prefill_legs_from_its_decodes() -> None:
+    from kvtether.gateway.nodes.cluster import Cluster
+
+    cfg = load_config(None, nodes=["http://a:1", "http://b:1"], prefill=["http://p:1"], decode=["http://d:1"])
+    cluster = Cluster(cfg, httpx.AsyncClient())
+    assert [n.url for n in cluster.role("prefill")] == ["http://p:1", "http://a:1", "http://b:1"]
+    assert [n.url for n in cluster.role("decode")] == ["http://d:1", "http://a:1", "http://b:1"]
+    a = cluster.node("http://a:1")
+    a.running = 3.0
+    cluster.begin(a.url, prefill=True)
+    cluster.begin(a.url)
+    view = cluster.view(0.0)
+    for loads in (view.prefill, view.decode):
+        load = next(n for n in loads if n.url == a.url)
+        assert load.both and load.prefilling == 1.0 and load.decoding == 2.0
+    assert not next(n for n in view.decode if n.url == "http://d:1").both
+    cluster.end(a.url, prefill=True)
+    assert a.prefilling == 0 and a.inflight == 1
+    assert cfg.is_bidirectional("http://a:1")
+
+
+@pytest.mark.parametrize(("settings", "error"), [
+    ({"nodes": ["http://a:1"], "decode": ["http://a:1"]}, "more than one of prefill, decode and nodes"),
+    ({"nodes": ["http://a:1"], "aggregated": ["http://b:1"]}, "not both"),
+    ({"nodes": ["http://a:1/v1"]}, "ends in /v1"),
+    ({"nodes": ["http://a:1"], "pool_balance_rel": 0.5}, "pool_balance_rel"),
+    ({"nodes": ["http://a:1"], "pool_stall_share": 1.5}, "pool_stall_share"),
+])
+def test_a_pool_that_cannot_work_is_refused_with_the_field_named(settings: dict[str, Any], error: str) -> None:
+    from kvtether.gateway.config import ConfigError
+
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, **settings)
+
+
+def test_a_pool_alone_or_beside_prefill_and_decode_nodes_is_a_pd_cluster() -> None:
+    assert load_config(None, nodes=["http://a:1"]).mode == "pd"
+    mixed = load_config(None, nodes=["http://a:1"], prefill=["http://p:1"])
+    assert mixed.mode == "pd" and mixed.nodes == ["http://a:1"]
