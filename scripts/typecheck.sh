@@ -15,3 +15,6 @@ cd "$tree"
 # hook is invisible to mypy).
 MYPYPATH="$tree" "$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" \
   "$root/benchmarks"
+# The tests' shared helpers (rigs, bodies, fixtures): every test module leans on them.
+MYPYPATH="$tree:$root" "$root/.venv/bin/mypy" --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" \
+  "$root/tests/support"

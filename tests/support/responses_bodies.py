@@ -56,7 +56,7 @@ def chat_chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, An
     return {"id": "chatcmpl-s", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
 
-_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)
+_text = st.text(alphabet=st.characters(exclude_categories=["Cs"]), max_size=20)
 
 
 @st.composite

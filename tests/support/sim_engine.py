@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 from kvtether.sim.clock import SimClock
 from kvtether.sim.config import NodeConfig
@@ -41,7 +42,7 @@ def make_engine(budget: int = 64, max_seqs: int = 16, capacity: int = 4096) -> E
     return Engine(cfg, preset, TOK, NoTransport(), metrics, SimClock(cfg.speed))
 
 
-def request(prompt: list[int], max_tokens: int = 8, **spec: object) -> EngineRequest:
+def request(prompt: list[int], max_tokens: int = 8, **spec: Any) -> EngineRequest:
     return EngineRequest(
         request_id=f"r{id(prompt)}-{len(prompt)}",
         prompt_ids=prompt,
