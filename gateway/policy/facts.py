@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvtether.gateway.policy.stallquota import RunningPrefill, pending_s
+
 Option = Literal["decode_local", "pull", "cold"]
 OPTIONS: tuple[Option, ...] = ("decode_local", "pull", "cold")  # also the tie-break order
 
@@ -92,6 +94,15 @@ class TurnFacts:
     # The same per pool instance a prefill leg may run on (url, credit, quota): its own decoding requests
     # absorb that leg's stall as they would a local prefill's.
     stall_credits: tuple[tuple[str, float, float], ...] = ()
+    # Prefills admitted earlier and still running beside a node's decodes (url, seconds until each should end,
+    # its whole run, its stall): an answer that starts decoding there meanwhile takes the rest of their stall,
+    # which its TPOT objective must absorb (stallquota.RunningPrefill).
+    running_prefills: tuple[tuple[str, float, float, float], ...] = ()
+
+    def pending_stall(self, url: str, after_s: float) -> float:
+        """The stall an answer that starts decoding on `url` in `after_s` seconds takes from those prefills."""
+        return pending_s((RunningPrefill(end, run, stall) for u, end, run, stall in self.running_prefills
+                          if u == url), after_s)
 
     def stall_credit(self, url: str, pinned: str | None) -> tuple[float, float]:
         """(credit, quota) of the requests decoding on `url`: the pinned D's, or a pool instance's."""

@@ -80,6 +80,8 @@ class Learning:
         self.tail = TailTracker(knobs.tail_quantile)
         # Per prefill node: tokens of new KV it took in (what evicts its older cached blocks; copies.py).
         self.prefill_written: dict[str, int] = {}
+        # Per node: the prefills admitted there that still run beside its decodes (stallquota.RunningPrefill).
+        self.running_prefills: dict[str, list[SQ.RunningPrefill]] = {}
 
     # ---- what planning reads ---------------------------------------------------------------------
 
@@ -109,7 +111,20 @@ class Learning:
 
     # ---- what the shell reports ------------------------------------------------------------------
 
-    def planned(self, p: Plan) -> float:
+    def prefills_running(self, now: float) -> tuple[tuple[str, float, float, float], ...]:
+        """The prefills still running beside decodes, per node: (url, seconds until each should end, its whole
+        run, its stall), for the policy (TurnFacts.running_prefills)."""
+        out = []
+        for url, runs in list(self.running_prefills.items()):
+            live = [r for r in runs if r.ends_at > now]
+            if live:
+                self.running_prefills[url] = live
+            else:
+                del self.running_prefills[url]
+            out += [(url, r.ends_at - now, r.duration_s, r.stall_s) for r in live]
+        return tuple(out)
+
+    def planned(self, p: Plan, now: float | None = None) -> float:
         """A plan about to run; returns the stall seconds it charges the requests decoding where it prefills
         (a decode-local turn's D, a pool instance running its prefill leg).
 
@@ -124,6 +139,13 @@ class Learning:
             where = p.decode if p.action is HandleAction.DECODE_LOCAL else p.prefill
             if where in self.exposures:
                 self.exposures[where] = SQ.absorb(self.exposures[where], stall)
+            if where is not None and stall > 0.0 and now is not None:
+                # Requests placed there while it runs take the rest of its stall (SQ.pending_s): until its first
+                # token for a local turn, until its KV is ready for a prefill leg.
+                o = next((o for o in d.options if o.option == d.option), None)
+                run = (o.ttft_s if p.action is HandleAction.DECODE_LOCAL else o.arrive_s) if o is not None else 0.0
+                if run > 0.0 and math.isfinite(run):
+                    self.running_prefills.setdefault(where, []).append(SQ.RunningPrefill(now + run, run, stall))
         if d is not None and not d.forced:
             self.tail.observe(d.estimates_s.get(d.option, math.inf))
         return stall
@@ -162,8 +184,10 @@ class Learning:
                 return None
         step = self.estimator.snapshot(now).tpot_s(node, max(1.0, running))
         key = next(self._exposure_keys)
+        # What the prefills already running there will still stall it counts against its quota from the start.
+        pending = SQ.pending_s(self.running_prefills.get(node, ()), now)
         self.exposures.setdefault(node, {})[key] = SQ.Exposure(
-            SQ.quota_s(share, expected_output_tokens, step, self.knobs.tpot_budget_s))
+            SQ.quota_s(share, expected_output_tokens, step, self.knobs.tpot_budget_s), pending)
         return key
 
     def done_decoding(self, node: str, key: int) -> None:

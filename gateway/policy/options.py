@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from kvtether.gateway.policy.estimates import EstimatorSnapshot
 from kvtether.gateway.policy.facts import NodeLoad, Option, OptionEstimate, TurnFacts
 from kvtether.gateway.policy.knobs import PolicyKnobs
+from kvtether.gateway.policy.stallquota import objective_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +108,24 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     if n > c.knobs.max_local_suffix_tokens:
         return replace(base, feasible=False, soft=True,
                        why_not=f"local suffix {n} tok > max_local_suffix_tokens {c.knobs.max_local_suffix_tokens}")
+    over = over or answer_stalled(turn, d, ttft, c)
     if over:
         return replace(base, feasible=False, soft=True, why_not=over)
     return base
+
+
+def answer_stalled(turn: TurnFacts, d: NodeLoad, starts_in_s: float, c: Nodes) -> str:
+    """Why this turn's answer, decoding on `d` from `starts_in_s` on, would break the TPOT objective on account of
+    prefills already running there (admitted before it, so no quota of it was charged), or ""."""
+    pending = turn.pending_stall(d.url, starts_in_s)
+    if pending <= 0.0:
+        return ""
+    cap = objective_s(turn.expected_output_tokens, c.est.tpot_s(d.url, d.decoding + 1), c.knobs.tpot_budget_s)
+    if pending <= cap:
+        return ""
+    where = "D" if not d.both else d.url
+    return (f"prefills running on {where} would stall this answer {pending:.3f}s, over the {cap:.3f}s its "
+            f"{turn.expected_output_tokens} tokens may take within the TPOT objective")
 
 
 def prefill_stall(node: NodeLoad, n: int, cached: int, steps: int, credit: tuple[float, float],
@@ -197,6 +213,7 @@ def pd_option(option: Option, turn: TurnFacts, p: NodeLoad, d: NodeLoad, holder:
     est = OptionEstimate(option, True, "", False, ttft, interference, 0.0, p.url, d.url, reuse, computed,
                          pulled + back_tokens, stall, balance_s=balance, tail_s=tail_term(ttft, turn, c),
                          arrive_s=arrive, d_read_s=d_read)
+    over = over or answer_stalled(turn, d, ttft, c)
     return replace(est, feasible=False, soft=True, why_not=over) if over else est
 
 

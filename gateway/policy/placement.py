@@ -76,6 +76,8 @@ class Turn:
     request_stall_credit_s: float = math.inf
     request_stall_quota_s: float = math.inf
     stall_credits: tuple[tuple[str, float, float], ...] = ()  # the same per other pool instance (url, credit, quota)
+    # Prefills running beside decodes (url, ends in s, run s, stall s): what an answer placed there still takes.
+    running_prefills: tuple[tuple[str, float, float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +275,7 @@ def _plan_auto(turn: Turn, cluster: ClusterView, inputs: PlanInputs) -> Plan:
         request_stall_credit_s=turn.request_stall_credit_s,
         request_stall_quota_s=turn.request_stall_quota_s,
         stall_credits=turn.stall_credits,
+        running_prefills=turn.running_prefills,
     )
     knobs = inputs.knobs
     if not turn.allow_local:

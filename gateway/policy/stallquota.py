@@ -13,7 +13,10 @@ does (docs/placement.md). A quota is also capped at what keeps the request's TPO
 
 A request enters when it is placed on D (a decode-local turn, or a P/D turn whose prefill leg is still on P)
 and leaves when its leg ends: a local prefill admitted while it is still prefilling on D or on its way there
-runs on into its first decode steps, so it must fit that request's quota too. Counting the stall before its
+runs on into its first decode steps, so it must fit that request's quota too. The other way round, a request
+placed on D while a prefill admitted before it still runs there takes the rest of that prefill's stall
+(:class:`RunningPrefill`): its placement must leave it within the objective, and its quota starts with that
+much already absorbed. Counting the stall before its
 first token as well is conservative by at most that part. A decode-local turn's own prefill is not charged
 to it. Requests this gateway did not send are not seen: with several gateways in front of the same D, each
 sees only its own.
@@ -62,6 +65,36 @@ def quota_s(share: float, answer_tokens: int, step_s: float, tpot_objective_s: f
     intervals = max(1, answer_tokens - 1)
     step = max(0.0, step_s)
     return min(share * intervals * step, max(0.0, tpot_objective_s - step) * intervals)
+
+
+@dataclass(frozen=True, slots=True)
+class RunningPrefill:
+    """A prefill admitted on a node and still running there (a decode-local turn, or a pool instance's prefill
+    leg), as placed: when it should end (the caller's clock), how long it runs in all, and the stall it spreads
+    over the requests decoding beside it."""
+
+    ends_at: float
+    duration_s: float
+    stall_s: float
+
+    def remaining_s(self, at: float) -> float:
+        """The part of its stall still to come at `at` (spread evenly over its run)."""
+        if self.duration_s <= 0.0:
+            return 0.0 if at >= self.ends_at else self.stall_s
+        return self.stall_s * min(1.0, max(0.0, (self.ends_at - at) / self.duration_s))
+
+
+def pending_s(prefills: Iterable[RunningPrefill], at: float) -> float:
+    """The stall a request decoding on the node from `at` on takes from the prefills already running there: it
+    was not there when they were admitted, so no quota of it was charged, yet it waits out their remaining
+    chunks like everyone decoding there."""
+    return sum(p.remaining_s(at) for p in prefills)
+
+
+def objective_s(answer_tokens: int, step_s: float, tpot_objective_s: float) -> float:
+    """The most stall an answer of `answer_tokens` decoding at `step_s` may take and keep its TPOT within
+    `tpot_objective_s` (its quota's cap, :func:`quota_s`, at any share)."""
+    return max(0.0, tpot_objective_s - max(0.0, step_s)) * max(1, answer_tokens - 1)
 
 
 def credit(exposures: Iterable[Exposure]) -> Credit:

@@ -57,6 +57,11 @@ async def gather(sv: Services, ctx: TurnContext, round_robin: int, progress: Pro
         prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx, progress)
         if prompt_ids is not None:
             reuse, decode_cached = _guard(sv, ctx, taken if has_handle else None, prompt_ids)
+    elif policy == "auto" and sv.config.nodes:
+        # On a pool even a first turn (or one gone cold) is weighed: which instance starts it, by itself or with a
+        # prefill leg beside whose decodes, only its length can tell. Unweighed, its prefill would stall an
+        # instance's answers past their objective unchecked.
+        prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx, progress)
     elif policy == "pull" or sv.config.cache_aware:
         _warm_tokenizer(sv, ctx)
     turn = Turn(
@@ -144,6 +149,8 @@ def _auto_facts(sv: Services, ctx: TurnContext, taken: TakenHandle | None, promp
     elif isinstance(max_tokens, int) and max_tokens > 0:
         facts["expected_output_tokens"] = max_tokens
     if state is None:
+        if prompt_ids is not None:
+            facts["suffix_tokens"] = len(prompt_ids)  # all of it is new
         return facts
     facts["last_prefill"] = state.last_prefill
     facts["local_keeps_handle"] = sv.local_handle_due(ctx, state.decode)

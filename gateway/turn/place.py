@@ -50,7 +50,7 @@ class Placer:
                      if url != turn.pinned_decode and (q := sv.learning.quota_credit(url)).credit_s != float("inf"))
         turn = replace(turn, exclude=frozenset(exclude), ttft_tail_s=sv.learning.tail_threshold(),
                        request_stall_credit_s=quotas.credit_s, request_stall_quota_s=quotas.quota_s,
-                       stall_credits=pool)
+                       stall_credits=pool, running_prefills=sv.learning.prefills_running(now))
         with sv.tracer.start_as_current_span(T.SPAN_PLAN, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
             view = sv.cluster.view(now)
             try:
@@ -80,7 +80,7 @@ class Placer:
         """The decision told to the learning (the estimated stall of a decode-local turn, or of a prefill leg on a
         pool instance) and counted; its reason's bucket (the metric's label)."""
         sv = self.sv
-        stall = sv.learning.planned(p)
+        stall = sv.learning.planned(p, sv.clock())
         bucket = reason_bucket(p)
         sv.metrics.placement_decisions.labels(p.action.value, bucket).inc()
         if p.decision is not None and p.action is HandleAction.DECODE_LOCAL:

@@ -196,3 +196,23 @@ def test_a_pool_instance_is_held_to_the_objective_per_request_not_to_the_decode_
     local_b = next(o for o in choose(blind, A, on_pool.prefills, on_pool.decodes, MOE, knobs).options
                    if o.option == "decode_local")
     assert not local_b.feasible
+
+
+def test_a_prefill_placed_is_remembered_while_it_runs_and_charged_to_answers_placed_beside_it() -> None:
+    learning = Learning(EstimatorSeeds(), LearningParams(), KNOBS, request_stall_share=0.15)
+    learning.decoding(B, 512, 4.0, now=0.0)
+    ps, ds = pool(inst(A), inst(B, running=4.0))
+    turn = Turn("auto", new_session=False, pinned_decode=A, handle=HandleState.PRESENT, handle_tokens=6000,
+                prompt_tokens=12000, reuse_tokens=6000, suffix_tokens=6000,
+                stall_credits=((B, learning.quota_credit(B).credit_s, learning.quota_credit(B).quota_s),))
+    p = plan(turn, ClusterView(ps, ds), MOE, KNOBS)
+    assert p.prefill == B
+    stall = learning.planned(p, now=100.0)
+    (url, ends_in, run, charged), = learning.prefills_running(100.0)
+    assert url == B and charged == pytest.approx(stall) and ends_in == pytest.approx(run) and run > 0
+    # An answer placed on B halfway through starts with half that stall already against its quota.
+    key = learning.decoding(B, 512, 4.0, now=100.0 + run / 2, share=1.0)
+    assert key is not None
+    assert learning.exposures[B][key].absorbed_s == pytest.approx(stall / 2)
+    # Once it has ended it is forgotten.
+    assert learning.prefills_running(100.0 + run + 0.001) == ()

@@ -7,7 +7,16 @@ from dataclasses import replace
 
 import pytest
 from kvtether.gateway.policy import NodeLoad, PolicyKnobs, TurnFacts, choose
-from kvtether.gateway.policy.stallquota import Credit, Exposure, absorb, credit, quota_s
+from kvtether.gateway.policy.stallquota import (
+    Credit,
+    Exposure,
+    RunningPrefill,
+    absorb,
+    credit,
+    objective_s,
+    pending_s,
+    quota_s,
+)
 
 from tests.support.policy_facts import D0, D1, MOE, P0, history_turn
 
@@ -123,3 +132,37 @@ def test_a_long_tool_result_runs_on_d_while_its_requests_have_room_and_through_p
                    D0, (NodeLoad(P0),), BUSY, MOE, QUOTA_ONLY)
     assert tight.option == "pull", tight.reason
 
+
+
+def test_a_running_prefills_stall_still_to_come_falls_as_it_runs() -> None:
+    run = RunningPrefill(ends_at=10.5, duration_s=0.5, stall_s=0.3)
+    assert run.remaining_s(10.0) == pytest.approx(0.3)  # it has just begun
+    assert run.remaining_s(10.25) == pytest.approx(0.15)
+    assert run.remaining_s(11.0) == 0.0
+    assert run.remaining_s(9.0) == pytest.approx(0.3)  # not begun: all of it
+    other = RunningPrefill(ends_at=10.2, duration_s=0.2, stall_s=0.1)
+    assert pending_s([run, other], 10.1) == pytest.approx(0.24 + 0.05)
+    assert objective_s(6, 0.007, 0.025) == pytest.approx(5 * 0.018)
+
+
+def test_an_answer_placed_beside_a_running_prefill_must_absorb_its_rest_within_the_objective() -> None:
+    # A 2,000-token local prefill on D was admitted a moment ago: 0.3 s of its stall is still to come. A short
+    # answer (6 tokens: 5 × 18 ms = 90 ms within a 25 ms objective) cannot take that; a long one can.
+    knobs = PolicyKnobs(tpot_budget_s=0.025)
+    running = ((D0, 0.5, 0.5, 0.3),)
+    short = history_turn(8000, 100, expected_output_tokens=6, running_prefills=running)
+    decodes = (NodeLoad(D0, running=2.0), NodeLoad(D1))
+    d = choose(short, D0, (NodeLoad(P0),), decodes, MOE, knobs)
+    local = next(o for o in d.options if o.option == "decode_local")
+    assert not local.feasible and "prefills running on D would stall this answer" in local.why_not
+    # Through P to the other decode node, whose steps no prefill holds up; on D0 alone it is forced.
+    assert d.option != "decode_local" and d.decode_url == D1 and not d.forced
+    alone = choose(short, D0, (NodeLoad(P0),), decodes[:1], MOE, knobs)
+    assert alone.forced
+    long = replace(short, expected_output_tokens=600)
+    d = choose(long, D0, (NodeLoad(P0),), (NodeLoad(D0, running=2.0),), MOE, knobs)
+    assert next(o for o in d.options if o.option == "decode_local").feasible
+    # Long after that prefill ends, nothing is left of it.
+    late = replace(short, running_prefills=((D0, 0.0, 0.5, 0.3),))
+    d = choose(late, D0, (NodeLoad(P0),), (NodeLoad(D0, running=2.0),), MOE, knobs)
+    assert next(o for o in d.options if o.option == "decode_local").feasible
