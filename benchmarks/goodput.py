@@ -183,7 +183,7 @@ def pool(outs: list[dict[str, Any]]) -> dict[str, Any]:
     from kvtether.cli.replay.report import goodput
 
     first = outs[0]
-    pooled: dict[str, Any] = {**first, "seeds": [o["settings"]["seed"] for o in outs], "workloads": {}}
+    pooled: dict[str, Any] = {**first, "seeds": sorted({o["settings"]["seed"] for o in outs}), "workloads": {}}
     for w in first["workloads"]:
         groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
         for o in outs:
@@ -199,9 +199,11 @@ def pool(outs: list[dict[str, Any]]) -> dict[str, Any]:
                          "late_ttft_ms": {q: _pct(late, q) for q in ("p50", "p95", "p99")},
                          "tpot_p95_ms": _pct(tpots, "p95"), "runs": len(rs)})
         options = list(dict.fromkeys(r["option"] for r in rows))
+        # A seed's sessions once, though its options may come from several runs (files) of it.
+        per_seed = {o["settings"]["seed"]: o["workloads"][w] for o in outs if w in o["workloads"]}
         pooled["workloads"][w] = {
-            "sessions": sum(o["workloads"][w]["sessions"] for o in outs if w in o["workloads"]),
-            "turns": sum(o["workloads"][w]["turns"] for o in outs if w in o["workloads"]),
+            "sessions": sum(x["sessions"] for x in per_seed.values()),
+            "turns": sum(x["turns"] for x in per_seed.values()),
             "runs": rows,
             "goodput": {o: goodput([(r["rate"], r["attainment"]) for r in rows if r["option"] == o]) for o in options},
         }

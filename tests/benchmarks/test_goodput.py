@@ -60,6 +60,13 @@ def test_seeds_pool_into_one_table_of_every_turn() -> None:
     assert row["late_ttft_ms"]["p50"] == 300.0 and row["late_ttft_ms"]["p99"] == 400.0
     assert pooled["goodput"] == {"auto": 1.0} and out["seeds"] == [1, 2]
 
+    # One seed's options run in two goes (files): its sessions count once, its rows pool as one seed's.
+    other = run(1, 10, 10, [50.0])
+    other["workloads"]["chat"]["runs"][0]["option"] = "hybrid"
+    out = g.pool([run(1, 9, 10, [100.0]), other])
+    assert out["seeds"] == [1] and out["workloads"]["chat"]["sessions"] == 2
+    assert {r["option"]: r["turns"] for r in out["workloads"]["chat"]["runs"]} == {"auto": 10, "hybrid": 10}
+
 
 def test_the_trace_workload_takes_a_different_window_per_seed() -> None:
     g = _bench()
