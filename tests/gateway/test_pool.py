@@ -161,3 +161,12 @@ def test_a_pool_alone_or_beside_prefill_and_decode_nodes_is_a_pd_cluster() -> No
     assert load_config(None, nodes=["http://a:1"]).mode == "pd"
     mixed = load_config(None, nodes=["http://a:1"], prefill=["http://p:1"])
     assert mixed.mode == "pd" and mixed.nodes == ["http://a:1"]
+
+
+@pytest.mark.parametrize(("policy", "pool", "decode"), [("auto", 1.0, 0.15), ("pull", None, None)])
+def test_a_pool_instances_answers_get_the_pools_quota_and_a_decode_nodes_its_own(
+        policy: str, pool: float | None, decode: float | None) -> None:
+    cfg = load_config(None, nodes=["http://a:1"], decode=["http://d:1"], prefill=["http://p:1"], policy=policy)
+    sv = create_app(cfg).state.gateway.orchestrator.sv
+    assert sv.quota_share("http://a:1") == pool
+    assert sv.quota_share("http://d:1") == decode
