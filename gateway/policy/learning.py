@@ -135,15 +135,15 @@ class Learning:
         if d is not None:
             # A decode-local turn stalls its D; a P/D turn whose prefill leg runs on a pool instance stalls
             # that instance's decodes.
-            stall = next((o.stall_s for o in d.options if o.option == d.option), 0.0)
+            chosen = next((o for o in d.options if o.option == d.option), None)
+            stall = chosen.stall_s if chosen is not None else 0.0
             where = p.decode if p.action is HandleAction.DECODE_LOCAL else p.prefill
             if where in self.exposures:
                 self.exposures[where] = SQ.absorb(self.exposures[where], stall)
-            if where is not None and stall > 0.0 and now is not None:
+            if where is not None and chosen is not None and stall > 0.0 and now is not None:
                 # Requests placed there while it runs take the rest of its stall (SQ.pending_s): until its first
                 # token for a local turn, until its KV is ready for a prefill leg.
-                o = next((o for o in d.options if o.option == d.option), None)
-                run = (o.ttft_s if p.action is HandleAction.DECODE_LOCAL else o.arrive_s) if o is not None else 0.0
+                run = chosen.ttft_s if p.action is HandleAction.DECODE_LOCAL else chosen.arrive_s
                 if run > 0.0 and math.isfinite(run):
                     self.running_prefills.setdefault(where, []).append(SQ.RunningPrefill(now + run, run, stall))
         if d is not None and not d.forced:
