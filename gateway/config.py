@@ -142,6 +142,8 @@ class GatewayConfig:
     # constants live in policy/knobs.py (PolicyKnobs), each with where its value comes from.
     # A decode-local turn never prefills more than this on D.
     max_local_suffix_tokens: int = _KNOBS.max_local_suffix_tokens
+    # The same on a pool instance (`nodes`); None (the default): none there, its TPOT quotas decide.
+    pool_max_local_suffix_tokens: int | None = _KNOBS.pool_max_local_suffix_tokens
     # Requests decoding on D must keep their mean inter-token time under this, local prefill stall included.
     tpot_budget_s: float = _KNOBS.tpot_budget_s
     # Each request decoding on a decode node may lose at most this share of its expected decode time to
@@ -306,8 +308,9 @@ class GatewayConfig:
                 raise ConfigError(f"{name} must be > 0")
         if self.read_timeout_s is not None and self.read_timeout_s <= 0:
             raise ConfigError("read_timeout_s must be > 0 or unset (no read timeout)")
-        if self.max_local_suffix_tokens < 0 or self.chunk_tokens < 1:
-            raise ConfigError("max_local_suffix_tokens must be >= 0 and chunk_tokens >= 1")
+        if self.max_local_suffix_tokens < 0 or (self.pool_max_local_suffix_tokens or 0) < 0 or self.chunk_tokens < 1:
+            raise ConfigError("max_local_suffix_tokens and pool_max_local_suffix_tokens must be >= 0 and "
+                              "chunk_tokens >= 1")
         if self.tpot_budget_s <= 0:
             raise ConfigError("tpot_budget_s must be > 0")
         if not 0.0 < self.held_kv_budget <= 1.0:
@@ -463,7 +466,8 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
 # Settings whose default is None (unset): the type a set value must have.
 _OPTIONAL_TYPES: dict[str, type] = {"model": str, "block_size": int, "read_timeout_s": float, "idle_release_s": float,
                                     "otlp_endpoint": str, "dynamo_decode_busy_share": float,
-                                    "tokenizer": str, "admin_key": str, "upstream_api_key": str, "reasoning_key": str}
+                                    "tokenizer": str, "admin_key": str, "upstream_api_key": str, "reasoning_key": str,
+                                    "pool_max_local_suffix_tokens": int}
 
 
 def _check_types(cfg: GatewayConfig) -> None:

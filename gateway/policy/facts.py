@@ -147,6 +147,10 @@ class OptionEstimate:
     computed_tokens: int = 0  # tokens prefilled
     moved_tokens: int = 0  # tokens whose KV crosses the network (both directions)
     stall_s: float = 0.0  # decode_local: seconds the running batch on D loses (what its TPOT quotas absorb)
+    # What a request decoding beside this option's prefill takes, on the node that runs it beside decodes (D for
+    # decode_local, a pool instance for a prefill leg there), whether or not one decodes there now: what a
+    # request placed there while it runs inherits (stallquota.RunningPrefill). 0 on a dedicated P.
+    beside_stall_s: float = 0.0
     # P/D on another D than the pinned one: what its answer's decode adds to that D's batch less what it would
     # add to the pinned D's (negative when the other D is lighter; 0 on the pinned D). See _balance_s.
     balance_s: float = 0.0

@@ -21,6 +21,10 @@ class PolicyKnobs:
     # knob). 8192 = one chunked-prefill step at vLLM's default token budget on large GPUs; whether a long
     # suffix may stall a busy D that long is the TPOT quotas' call (GatewayConfig.request_stall_share).
     max_local_suffix_tokens: int = 8192
+    # The same on a pool instance; None: no such limit. A pool instance exists to run long prefills locally
+    # when they fit: its TPOT quotas and the KV-pressure veto already decide whether its decodes can take
+    # one, and every token over a fixed cap would cross the network twice instead (docs/pool.md).
+    pool_max_local_suffix_tokens: int | None = None
     # Running requests on D must keep a mean inter-token time under this over their next
     # `tpot_window_tokens`, local prefill stall included: a typical interactive TPOT objective.
     tpot_budget_s: float = 0.100
@@ -89,7 +93,8 @@ class PolicyKnobs:
             raise ValueError("horizon_discount must be in [0, 1]")
         if self.interference_weight < 0 or self.tpot_budget_s <= 0 or self.tpot_window_tokens < 1:
             raise ValueError("interference_weight >= 0, tpot_budget_s > 0, tpot_window_tokens >= 1")
-        if self.max_local_suffix_tokens < 0 or self.recompute_threshold_tokens < 0:
+        if (self.max_local_suffix_tokens < 0 or self.recompute_threshold_tokens < 0
+                or (self.pool_max_local_suffix_tokens or 0) < 0):
             raise ValueError("token limits must be >= 0")
         if not 0.0 <= self.evict_kv_usage_knee < 1.0:
             raise ValueError("evict_kv_usage_knee must be in [0, 1)")
@@ -106,6 +111,6 @@ class PolicyKnobs:
 # What `[gateway.tuning]` may override: the constants above (the operator settings have their own names).
 TUNING_FIELDS: frozenset[str] = frozenset(
     f.name for f in fields(PolicyKnobs)
-    if f.name not in {"mode", "max_local_suffix_tokens", "tpot_budget_s", "recompute_threshold_tokens",
-                      "handle_ttl_s", "block_size", "chunk_tokens", "rebalance_decode",
+    if f.name not in {"mode", "max_local_suffix_tokens", "pool_max_local_suffix_tokens", "tpot_budget_s",
+                      "recompute_threshold_tokens", "handle_ttl_s", "block_size", "chunk_tokens", "rebalance_decode",
                       "pool_balance_abs", "pool_balance_rel"})

@@ -140,12 +140,14 @@ class Learning:
             where = p.decode if p.action is HandleAction.DECODE_LOCAL else p.prefill
             if where in self.exposures:
                 self.exposures[where] = SQ.absorb(self.exposures[where], stall)
-            if where is not None and chosen is not None and stall > 0.0 and now is not None:
+            beside = chosen.beside_stall_s if chosen is not None else 0.0
+            if where is not None and beside > 0.0 and now is not None:
                 # Requests placed there while it runs take the rest of its stall (SQ.pending_s): until its first
-                # token for a local turn, until its KV is ready for a prefill leg.
+                # token for a local turn, until its KV is ready for a prefill leg. Kept whether or not anything
+                # decodes there now: on an idle instance, the next request placed there is the one it stalls.
                 run = chosen.ttft_s if p.action is HandleAction.DECODE_LOCAL else chosen.arrive_s
                 if run > 0.0 and math.isfinite(run):
-                    self.running_prefills.setdefault(where, []).append(SQ.RunningPrefill(now + run, run, stall))
+                    self.running_prefills.setdefault(where, []).append(SQ.RunningPrefill(now + run, run, beside))
         if d is not None and not d.forced:
             self.tail.observe(d.estimates_s.get(d.option, math.inf))
         return stall
@@ -174,10 +176,12 @@ class Learning:
         return self.chunk_times.since(node, after)[-STEP_ARRIVALS:]
 
     def decoding(self, node: str, expected_output_tokens: int, running: float, now: float,
-                 share: float | None = None) -> int | None:
+                 share: float | None = None, starts_in_s: float = 0.0) -> int | None:
         """A request was placed to decode on `node`: it gets its TPOT quota of stall (`share` of its decode
         time, capped by the TPOT objective, ``knobs.tpot_budget_s``); returns its key. Without `share`, the
-        gateway's request_stall_share, where 1 means no quotas are kept (None: off, or the policy is not auto)."""
+        gateway's request_stall_share, where 1 means no quotas are kept (None: off, or the policy is not auto).
+        `starts_in_s`: when its first token is expected; what runs there only until then (a decode-local
+        turn's own prefill above all) does not stall its answer."""
         if share is None:
             share = self.request_stall_share
             if share >= 1.0:
@@ -185,7 +189,7 @@ class Learning:
         step = self.estimator.snapshot(now).tpot_s(node, max(1.0, running))
         key = next(self._exposure_keys)
         # What the prefills already running there will still stall it counts against its quota from the start.
-        pending = SQ.pending_s(self.running_prefills.get(node, ()), now)
+        pending = SQ.pending_s(self.running_prefills.get(node, ()), now + max(0.0, starts_in_s))
         self.exposures.setdefault(node, {})[key] = SQ.Exposure(
             SQ.quota_s(share, expected_output_tokens, step, self.knobs.tpot_budget_s), pending)
         return key

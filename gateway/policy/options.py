@@ -54,6 +54,14 @@ def d_leg_s(c: Nodes, d: NodeLoad) -> float:
     return c.est.queue_s(d.url, d.waiting) + c.est.tpot_s(d.url, d.running + 1)
 
 
+def new_pin_order(c: Nodes, d: NodeLoad) -> tuple[float, float, str]:
+    """Where a session without a decode node starts (or restarts): the node with the fewest requests, those headed
+    there included, then the one that would serve a first token soonest. Sessions are pinned from then on, so
+    without the turns already on their way, first turns planned together all see the same idle node and pin
+    there for good (decode_load)."""
+    return decode_load(d), d_leg_s(c, d), d.url
+
+
 def d_cached_tokens(turn: TurnFacts, c: Nodes) -> int:
     """Tokens of the prompt the pinned D's prefix cache holds: the handle's blocks (verified), or the estimate."""
     held = max(turn.decode_cached_tokens, turn.reuse_tokens if turn.handle_valid else 0)
@@ -83,7 +91,7 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     d = c.decode(pinned)
     if d is None:
         # A pool instance may start (or restart) a session itself: the least busy one prefills the whole prompt.
-        d = min((n for n in c.decodes if n.both), key=lambda n: (d_leg_s(c, n), n.url), default=None)
+        d = min((n for n in c.decodes if n.both), key=lambda n: new_pin_order(c, n), default=None)
         if d is None:
             why = "no pinned decode node" if pinned is None else f"pinned decode {pinned} is down"
             return OptionEstimate("decode_local", False, why)
@@ -100,14 +108,16 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     blocks = blocked_s(d.arrivals, c.est.queue_s(d.url, d.waiting), ttft) if priced else 0.0
     interference += c.knobs.arrival_weight * blocks
     base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall,
-                          tail_s=tail_term(ttft, turn, c), blocks_s=blocks)
+                          beside_stall_s=beside_stall(d, n, cached, steps, c), tail_s=tail_term(ttft, turn, c),
+                          blocks_s=blocks)
     if d.kv_usage >= c.knobs.local_kv_veto:
         return replace(base, feasible=False, soft=True,
                        why_not=f"D's KV usage {d.kv_usage:.2f} >= {c.knobs.local_kv_veto:g}: a local prefill may "
                                "preempt its running requests")
-    if n > c.knobs.max_local_suffix_tokens:
-        return replace(base, feasible=False, soft=True,
-                       why_not=f"local suffix {n} tok > max_local_suffix_tokens {c.knobs.max_local_suffix_tokens}")
+    limit, knob = ((c.knobs.pool_max_local_suffix_tokens, "pool_max_local_suffix_tokens") if d.both
+                   else (c.knobs.max_local_suffix_tokens, "max_local_suffix_tokens"))
+    if limit is not None and n > limit:
+        return replace(base, feasible=False, soft=True, why_not=f"local suffix {n} tok > {knob} {limit}")
     over = over or answer_stalled(turn, d, ttft, c)
     if over:
         return replace(base, feasible=False, soft=True, why_not=over)
@@ -128,6 +138,13 @@ def answer_stalled(turn: TurnFacts, d: NodeLoad, starts_in_s: float, c: Nodes) -
             f"{turn.expected_output_tokens} tokens may take within the TPOT objective")
 
 
+def beside_stall(node: NodeLoad, n: int, cached: int, steps: int, c: Nodes) -> float:
+    """The stall a request decoding on `node` takes from a prefill of `n` tokens after `cached` run there in
+    `steps` engine steps: what of its compute does not hide under those steps' decode work (prefill_stall), at
+    the node's batch or, when nothing decodes there yet, at a batch of one (whoever comes next)."""
+    return max(0.0, c.est.prefill_s(node.url, n, cached) - steps * c.est.tpot_s(node.url, max(1.0, node.decoding)))
+
+
 def prefill_stall(node: NodeLoad, n: int, cached: int, steps: int, credit: tuple[float, float],
                   c: Nodes) -> tuple[float, float, str]:
     """A prefill of `n` tokens after `cached` in `steps` engine steps on `node`, beside the requests decoding
@@ -144,7 +161,7 @@ def prefill_stall(node: NodeLoad, n: int, cached: int, steps: int, credit: tuple
     if running <= 0:
         return 0.0, 0.0, ""
     where = "D" if not node.both else node.url
-    stall = max(0.0, c.est.prefill_s(node.url, n, cached) - steps * c.est.tpot_s(node.url, running))
+    stall = beside_stall(node, n, cached, steps, c)
     credit_s, quota_s = credit
     interference = 0.0
     if stall:
@@ -205,14 +222,15 @@ def pd_option(option: Option, turn: TurnFacts, p: NodeLoad, d: NodeLoad, holder:
     computed = turn.prompt_tokens - context
     read = c.est.transfer_s(holder, p.url, pulled) if holder is not None else 0.0
     prefill, stall, interference, over = prefill_leg(turn, p, computed, context, pinned, c)
+    beside = beside_stall(p, computed, context, math.ceil(computed / c.knobs.chunk_tokens), c) if p.both else 0.0
     back_tokens = turn.prompt_tokens - d_cached
     arrive = p_queue_s(c, p) + read + prefill  # when D gets the request
     d_read = c.est.transfer_s(p.url, d.url, back_tokens)
     ttft = arrive + d_read + d_leg_s(c, d)
     balance = balance_term(turn, d, pinned, c) if pinned is not None else 0.0
     est = OptionEstimate(option, True, "", False, ttft, interference, 0.0, p.url, d.url, reuse, computed,
-                         pulled + back_tokens, stall, balance_s=balance, tail_s=tail_term(ttft, turn, c),
-                         arrive_s=arrive, d_read_s=d_read)
+                         pulled + back_tokens, stall, beside_stall_s=beside, balance_s=balance,
+                         tail_s=tail_term(ttft, turn, c), arrive_s=arrive, d_read_s=d_read)
     over = over or answer_stalled(turn, d, ttft, c)
     return replace(est, feasible=False, soft=True, why_not=over) if over else est
 
@@ -331,8 +349,7 @@ def cold_option(turn: TurnFacts, pinned: str | None, c: Nodes) -> OptionEstimate
     if home is not None:
         choices = decode_choices(home, c)
     else:
-        # Re-pin on the decode node that would serve a first token soonest.
-        d = min(c.decodes, key=lambda n: (d_leg_s(c, n), n.url), default=None)
+        d = min(c.decodes, key=lambda n: new_pin_order(c, n), default=None)
         if d is None:
             return OptionEstimate("cold", False, "no healthy decode node")
         choices = (d,)

@@ -280,7 +280,7 @@ def _plan_auto(turn: Turn, cluster: ClusterView, inputs: PlanInputs) -> Plan:
     knobs = inputs.knobs
     if not turn.allow_local:
         # A decode-local leg just failed: an over-limit local turn stays possible only as the last resort.
-        knobs = replace(knobs, max_local_suffix_tokens=0)
+        knobs = replace(knobs, max_local_suffix_tokens=0, pool_max_local_suffix_tokens=0)
     try:
         d = choose(facts, pinned if pinned_alive else None, cluster.prefill, cluster.decode, inputs.estimates, knobs,
                    exclude=turn.exclude)

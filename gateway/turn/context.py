@@ -285,17 +285,19 @@ class Services:
             return False
         return not ctx.stream or node.stream_handles
 
-    def enter_decoding(self, node: str, expected_output_tokens: int,
-                       replacing: Placement | None) -> tuple[str, int] | None:
-        """A turn's answer was placed to decode on `node`: its entry in the TPOT quotas of stall there
-        (policy/stallquota.py), in place of the one its placement being replaced made (left here)."""
+    def enter_decoding(self, node: str, expected_output_tokens: int, replacing: Placement | None,
+                       starts_in_s: float = 0.0) -> tuple[str, int] | None:
+        """A turn's answer was placed to decode on `node`, its first token expected in `starts_in_s`: its entry
+        in the TPOT quotas of stall there (policy/stallquota.py), in place of the one its placement being
+        replaced made (left here)."""
         share = self.quota_share(node)
         if share is None:
             return None  # no quotas kept
         self.leave_decoding(replacing)
         n = self.cluster.nodes.get(node)
         running = n.load().running if n is not None else 1.0  # polled gauge or this gateway's own, the fresher
-        key = self.learning.decoding(node, expected_output_tokens, running, self.clock(), share=share)
+        key = self.learning.decoding(node, expected_output_tokens, running, self.clock(), share=share,
+                                     starts_in_s=starts_in_s)
         return (node, key) if key is not None else None
 
     def quota_share(self, node: str) -> float | None:

@@ -7,6 +7,7 @@ reference policy reads, and the policy's parameters as configured.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from kvtether.gateway import telemetry as T
@@ -70,7 +71,7 @@ class Placer:
                                T.ATTR_RE_PLACED: p.re_placed})
         # From here the answer is headed for D: a local prefill admitted before its first token still runs on into
         # its decode steps (policy/stallquota.py), so its TPOT quota is kept from its placement on.
-        exposure = sv.enter_decoding(p.decode, turn.expected_output_tokens, replacing)
+        exposure = sv.enter_decoding(p.decode, turn.expected_output_tokens, replacing, first_token_in(p))
         held = sv.cluster.nodes.get(p.decode)
         T.set_attrs(ctx.span, {T.ATTR_PLAN_ACTION: p.action.value, T.ATTR_PLAN_REASON: p.reason,
                                T.ATTR_DECODE_HELD_KV_TOKENS: held.held_kv_tokens if held is not None else None})
@@ -119,6 +120,13 @@ class Placer:
         return self.sv.clock() + d.arrive_s, d.d_read_s
 
 
+def first_token_in(p: Plan) -> float:
+    """Seconds until the plan's answer should start decoding (its estimated TTFT; 0 when unknown)."""
+    d = p.decision
+    chosen = next((o for o in d.options if o.option == d.option), None) if d is not None else None
+    return chosen.ttft_s if chosen is not None and math.isfinite(chosen.ttft_s) else 0.0
+
+
 def estimator_seeds(config: GatewayConfig) -> EstimatorSeeds:
     return EstimatorSeeds(
         prefill_overhead_s=config.seed_prefill_overhead_s, prefill_s_per_token=config.seed_prefill_s_per_token,
@@ -140,7 +148,8 @@ def peer_knobs(config: GatewayConfig) -> PeerKnobs:
 def policy_knobs(config: GatewayConfig) -> PolicyKnobs:
     """The cost model's parameters: the operator's settings, then any [gateway.tuning] overrides."""
     return PolicyKnobs(
-        max_local_suffix_tokens=config.max_local_suffix_tokens, tpot_budget_s=config.tpot_budget_s,
+        max_local_suffix_tokens=config.max_local_suffix_tokens,
+        pool_max_local_suffix_tokens=config.pool_max_local_suffix_tokens, tpot_budget_s=config.tpot_budget_s,
         recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,
         block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,
         rebalance_decode=config.rebalance_decode, local_kv_veto=config.decode_pressure_usage,

@@ -48,7 +48,7 @@ async def test_a_session_on_a_pool_runs_local_then_disaggregated_then_local_and_
                                                                     speed=SPEED)) as oracle:
         nodes = cluster.aggregated_urls
         cfg = load_config(None, nodes=nodes, policy="auto", metrics_poll_interval_s=0.5,
-                          max_local_suffix_tokens=256, min_reuse_tokens=4, learn_estimates=False,
+                          pool_max_local_suffix_tokens=256, min_reuse_tokens=4, learn_estimates=False,
                           # Local turns leave a handle of their whole sequence, so the long turn's prefill reads
                           # all of the history the first turn's prefill instance does not already cache.
                           local_turn_handles=False)
@@ -109,7 +109,7 @@ async def test_a_pool_of_one_serves_every_turn_itself() -> None:
     async with SimCluster(spec) as cluster:
         (node,) = cluster.aggregated_urls
         cfg = load_config(None, nodes=[node], policy="auto", metrics_poll_interval_s=0.5, learn_estimates=False,
-                          max_local_suffix_tokens=256)
+                          pool_max_local_suffix_tokens=256)
         app = create_app(cfg)
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             messages: list[dict[str, Any]] = first_messages(61)

@@ -169,7 +169,7 @@ async def test_a_session_runs_local_then_disaggregated_then_local_on_two_both_ro
 
 
 # Through the gateway: after a 500-token first turn, 40 new tokens after a 96-token answer leave ~136 tokens plus a
-# partial block uncached on the session's instance, under max_local_suffix_tokens (local); 400 cannot.
+# partial block uncached on the session's instance, under pool_max_local_suffix_tokens (local); 400 cannot.
 POOL_SUFFIXES = (40, 400, 40)
 
 
@@ -180,7 +180,7 @@ async def test_the_gateway_runs_a_session_on_a_pool_local_then_disaggregated_the
     cache from the first turn), and the session's instance decodes. Every answer is greedy decoding of its
     prompt; once the session ends both instances are back at their baseline blocks."""
     pool = [both.decode_url, both.prefill_url]
-    async with gateway(both, nodes=pool, policy="auto", max_local_suffix_tokens=256, learn_estimates=False) as r:
+    async with gateway(both, nodes=pool, policy="auto", pool_max_local_suffix_tokens=256, learn_estimates=False) as r:
         used = {u: Blocks(r.client, u, await total_blocks(r.client, u)) for u in pool}
         baseline = {u: await b.used() for u, b in used.items()}
         assert {n["role"] for n in (await r.client.get(r.url + "/ready")).json()["nodes"]} == {"both"}

@@ -35,7 +35,7 @@ def long_turn() -> TurnFacts:
     return history_turn(12000, 6000)
 
 
-KNOBS = PolicyKnobs(max_local_suffix_tokens=2048)
+KNOBS = PolicyKnobs(max_local_suffix_tokens=2048, pool_max_local_suffix_tokens=2048)
 
 
 def test_a_pool_turn_is_never_prefilled_where_it_decodes() -> None:
@@ -216,3 +216,73 @@ def test_a_prefill_placed_is_remembered_while_it_runs_and_charged_to_answers_pla
     assert learning.exposures[B][key].absorbed_s == pytest.approx(stall / 2)
     # Once it has ended it is forgotten.
     assert learning.prefills_running(100.0 + run + 0.001) == ()
+
+
+def test_a_prefill_on_an_idle_instance_is_remembered_for_the_answers_placed_beside_it() -> None:
+    # B decodes nothing when a prefill leg is placed there, so the leg stalls nobody yet; an answer placed on B
+    # while the leg runs would decode beside its chunks, and must be weighed against them.
+    learning = Learning(EstimatorSeeds(), LearningParams(), KNOBS, request_stall_share=0.15)
+    ps, ds = pool(inst(A), inst(B), inst(C, running=8.0))
+    turn = Turn("auto", new_session=False, pinned_decode=A, handle=HandleState.PRESENT, handle_tokens=6000,
+                prompt_tokens=12000, reuse_tokens=6000, suffix_tokens=6000)
+    p = plan(turn, ClusterView(ps, ds), MOE, KNOBS)
+    assert p.prefill == B and p.decode == A
+    assert learning.planned(p, now=100.0) == 0.0  # nobody decoding on B to charge
+    (url, ends_in, run, beside), = learning.prefills_running(100.0)
+    assert url == B and beside > 0 and ends_in == pytest.approx(run)
+    # A short answer of another session pinned to B, placed now: its local turn would decode beside the leg.
+    short = history_turn(8000, 100, expected_output_tokens=6, running_prefills=learning.prefills_running(100.0))
+    knobs = replace(KNOBS, tpot_budget_s=0.025)
+    local = next(o for o in choose(short, B, ps, ds, MOE, knobs).options if o.option == "decode_local")
+    assert not local.feasible and f"prefills running on {B} would stall this answer" in local.why_not
+    # Placed anyway (forced), its quota starts with the leg's stall still to come when its first token is due.
+    key = learning.decoding(B, 6, 1.0, now=100.0, share=1.0, starts_in_s=run / 2)
+    assert key is not None
+    assert learning.exposures[B][key].absorbed_s == pytest.approx(beside / 2)
+
+
+def test_a_local_turns_own_prefill_is_not_charged_to_its_answer() -> None:
+    # A local turn on an idle instance: its prefill is remembered (for answers placed beside it), yet its own
+    # answer starts when that prefill ends, so none of it counts against its own quota.
+    learning = Learning(EstimatorSeeds(), LearningParams(), KNOBS, request_stall_share=0.15)
+    ps, ds = pool(inst(A), inst(B))
+    turn = Turn("auto", new_session=False, pinned_decode=A, handle=HandleState.PRESENT, handle_tokens=6000,
+                prompt_tokens=7000, reuse_tokens=6000, suffix_tokens=1000)
+    p = plan(turn, ClusterView(ps, ds), MOE, KNOBS)
+    assert p.action is HandleAction.DECODE_LOCAL and p.decode == A
+    learning.planned(p, now=100.0)
+    (url, ends_in, _run, beside), = learning.prefills_running(100.0)
+    assert url == A and beside > 0
+    own = learning.decoding(A, 300, 1.0, now=100.0, share=1.0, starts_in_s=ends_in)
+    assert own is not None and learning.exposures[A][own].absorbed_s == 0.0
+    # Counted from now instead, it would have been charged the whole of it.
+    early = learning.decoding(A, 300, 1.0, now=100.0, share=1.0)
+    assert early is not None and learning.exposures[A][early].absorbed_s == pytest.approx(beside)
+
+
+def test_a_pool_instance_prefills_a_long_suffix_itself_unless_an_operator_caps_it() -> None:
+    # 6,000 new tokens on an idle instance: a dedicated decode node is capped by max_local_suffix_tokens
+    # (2,048 here); a pool instance by nothing but its quotas, unless pool_max_local_suffix_tokens is set.
+    turn = long_turn()
+    knobs = PolicyKnobs(max_local_suffix_tokens=2048)
+    ps, ds = pool(inst(A), inst(B))
+    d = choose(turn, A, ps, ds, SNAP, knobs)
+    assert d.option == "decode_local" and not d.forced
+    capped = choose(turn, A, ps, ds, SNAP, replace(knobs, pool_max_local_suffix_tokens=2048))
+    local = next(o for o in capped.options if o.option == "decode_local")
+    assert capped.option == "pull" and "pool_max_local_suffix_tokens 2048" in local.why_not
+    on_d = choose(turn, A, (NodeLoad("http://p"),), (NodeLoad(A),), SNAP, knobs)
+    local = next(o for o in on_d.options if o.option == "decode_local")
+    assert on_d.option == "pull" and "max_local_suffix_tokens 2048" in local.why_not
+
+
+def test_new_sessions_planned_together_start_on_different_instances() -> None:
+    # A's first turn is on its way (a prefill leg elsewhere, counted in A's `arriving`): with nothing running
+    # anywhere yet, the next new session starts on another instance instead of following it to A.
+    first = TurnFacts(9000, 9000)
+    ps, ds = pool(inst(A, arriving=1.0), inst(B, running=1.0, prefilling=1.0), inst(C))
+    d = choose(first, None, ps, ds, SNAP, KNOBS)
+    assert d.decode_url == C
+    # The same on dedicated decode nodes.
+    d = choose(first, None, (NodeLoad("http://p"),), (NodeLoad(A, arriving=1.0), NodeLoad(B)), SNAP, KNOBS)
+    assert d.option == "cold" and d.decode_url == B
