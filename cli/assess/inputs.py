@@ -68,24 +68,38 @@ class Inputs:
     notes: list[str] = field(default_factory=list)  # what the user should know about the answers
 
 
-def _shape_from_ready(ready: dict[str, Any]) -> tuple[int | None, int | None]:
+def shape_from_ready(ready: dict[str, Any]) -> tuple[int | None, int | None, str | None]:
+    """The P/D node counts `assess` compares at the gateway's GPU count, read off its ``/ready``, and a note when
+    they are not the gateway's own. Pool instances (role ``both``) count as nodes of either role: a cluster of N
+    nodes in all is assessed as ⌈N/3⌉ prefill and the rest decode (3 as 1P 2D, 4 as 2P 2D), the split its
+    colocated and pool options are measured against at the same GPU count."""
     nodes = [n for n in ready.get("nodes", []) if isinstance(n, dict)]
     p = sum(1 for n in nodes if n.get("role") == "prefill")
     d = sum(1 for n in nodes if n.get("role") == "decode")
-    return (p or None, d or None)
+    both = sum(1 for n in nodes if n.get("role") == "both")
+    if not both:
+        return p or None, d or None, None
+    total = p + d + both
+    prefill = max(1, -(-total // 3))
+    decode = max(1, total - prefill)
+    return prefill, decode, (f"the gateway runs {both} pool instance(s)" + (f" and {p}P {d}D" if p or d else "")
+                             + f": its {total} nodes are assessed as {prefill}P {decode}D, as {prefill + decode} "
+                             "colocated nodes and as a pool (option hybrid)")
 
 
-def _gateway_seen(err: Console, f: AssessFlags) -> tuple[dict[str, Any] | None, int | None, int | None]:
-    """The gateway's counters, summarized, and its node counts where the flags give none."""
+def _gateway_seen(err: Console, f: AssessFlags) -> tuple[dict[str, Any] | None, int | None, int | None, str | None]:
+    """The gateway's counters, summarized, its node counts where the flags give none, and a note on them."""
     gateway = f.gateway
     if gateway is None:
-        return None, f.prefill, f.decode
+        return None, f.prefill, f.decode, None
     try:
         seen = anyio.run(lambda: scrape(gateway, watch_s=f.watch))
     except (httpx.HTTPError, ValueError) as e:
         fail(err, EXIT_FAILED, f"cannot read the gateway at {gateway} ({type(e).__name__}: {e})")
-    gp, gd = _shape_from_ready(seen.ready)
-    return summarize_gateway(seen), f.prefill or gp, f.decode or gd
+    gp, gd, note = shape_from_ready(seen.ready)
+    if f.prefill is not None or f.decode is not None:
+        note = None  # the flags say what to assess
+    return summarize_gateway(seen), f.prefill or gp, f.decode or gd, note
 
 
 def _shape(err: Console, f: AssessFlags, prefill: int | None, decode: int | None) -> ClusterShape:
@@ -113,9 +127,9 @@ def _encoder(err: Console, f: AssessFlags, shape: ClusterShape) -> tuple[Encoder
 def load(err: Console, f: AssessFlags) -> Inputs:
     """The gateway's counters (exit 1 when it cannot be read), the cluster, the sessions and the tokenizer (exit 2
     on a bad one of them), in that order."""
-    seen, prefill, decode = _gateway_seen(err, f)
+    seen, prefill, decode, pool_note = _gateway_seen(err, f)
     shape = _shape(err, f, prefill, decode)
-    notes: list[str] = []
+    notes: list[str] = [pool_note] if pool_note else []
     if shape.session_ttl_s != f.session_ttl:
         notes.append(f"session TTL {f.session_ttl:g} s is not below D's TTL {f.ttl:g} s: "
                      f"used {shape.session_ttl_s:g} s")

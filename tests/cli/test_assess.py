@@ -290,3 +290,19 @@ def test_gateway_counters_summarised() -> None:
     assert g["ttft_ms_by_source"]["decode_pull"]["p50"] == 100.0
     assert g["ttft_ms_by_source"]["decode_pull"]["p95"] == pytest.approx(235.0)
     assert histogram_quantile([(1.0, 0.0), (math.inf, 0.0)], 0.5) is None
+
+
+def test_a_pool_gateways_nodes_are_assessed_at_the_same_gpu_count() -> None:
+    from kvtether.cli.assess.inputs import shape_from_ready
+
+    def ready(*roles: str) -> dict[str, object]:
+        return {"nodes": [{"url": f"http://n{i}", "role": r} for i, r in enumerate(roles)]}
+
+    assert shape_from_ready(ready("prefill", "decode", "decode")) == (1, 2, None)
+    assert shape_from_ready(ready()) == (None, None, None)
+    p, d, note = shape_from_ready(ready("both", "both", "both"))
+    assert (p, d) == (1, 2) and note is not None and "3 pool instance(s)" in note and "1P 2D" in note
+    assert shape_from_ready(ready("both", "both", "both", "both"))[:2] == (2, 2)
+    assert shape_from_ready(ready("both"))[:2] == (1, 1)
+    p, d, note = shape_from_ready(ready("prefill", "decode", "both", "both"))
+    assert (p, d) == (2, 2) and note is not None and "and 1P 1D" in note
