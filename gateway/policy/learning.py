@@ -141,7 +141,7 @@ class Learning:
             if where in self.exposures:
                 self.exposures[where] = SQ.absorb(self.exposures[where], stall)
             beside = chosen.beside_stall_s if chosen is not None else 0.0
-            if where is not None and beside > 0.0 and now is not None:
+            if where is not None and chosen is not None and beside > 0.0 and now is not None:
                 # Requests placed there while it runs take the rest of its stall (SQ.pending_s): until its first
                 # token for a local turn, until its KV is ready for a prefill leg. Kept whether or not anything
                 # decodes there now: on an idle instance, the next request placed there is the one it stalls.

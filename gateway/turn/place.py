@@ -61,7 +61,7 @@ class Placer:
             except NoCapacity as exc:
                 span.set_attribute(T.ERROR_TYPE, "no_capacity")
                 raise self.no_capacity(exc) from None
-            bucket = self._count(p)
+            bucket = self._count(p, now)
             if p.decision is not None:
                 T.set_attrs(span, T.cost_attributes(p.decision.trace_attributes()))
             T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_ACTION: p.action.value,
@@ -77,11 +77,12 @@ class Placer:
                                T.ATTR_DECODE_HELD_KV_TOKENS: held.held_kv_tokens if held is not None else None})
         return p, view, exposure
 
-    def _count(self, p: Plan) -> str:
+    def _count(self, p: Plan, now: float) -> str:
         """The decision told to the learning (the estimated stall of a decode-local turn, or of a prefill leg on a
-        pool instance) and counted; its reason's bucket (the metric's label)."""
+        pool instance) as of `now`, the clock the plan was made on, and counted; its reason's bucket (the
+        metric's label)."""
         sv = self.sv
-        stall = sv.learning.planned(p, sv.clock())
+        stall = sv.learning.planned(p, now)
         bucket = reason_bucket(p)
         sv.metrics.placement_decisions.labels(p.action.value, bucket).inc()
         if p.decision is not None and p.action is HandleAction.DECODE_LOCAL:
