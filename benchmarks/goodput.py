@@ -21,7 +21,8 @@ Options (one GPU count: 1 prefill + 2 decode nodes, 3 colocated nodes, or a pool
 Workloads: short-append chat; coding-agent sessions (long contexts, appends of 0.2–6k tokens, answers of
 50–2.5k, tool gaps of seconds); long documents (examples/sessions/aiperf-long-docs.jsonl); a production-style
 conversation trace in mooncake_trace format (examples/traces/mooncake-conversation-sample.jsonl). Generated
-workloads get Poisson session arrivals; the trace keeps its own.
+workloads get Poisson session arrivals; the trace keeps its own. On request only (--workloads coding-long): the
+coding sessions with file-sized tool results too (12-24k tokens in one turn of ten).
 
     python benchmarks/goodput.py                       # every workload, 3 loads (about 20-40 min here)
     python benchmarks/goodput.py --workloads chat --loads 1,2 --options auto,colocated --sessions 4
@@ -47,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = ("no-pull", "reference", "pull", "dynamo", "llm-d", "auto", "colocated", "hybrid")
 PD_OPTIONS = OPTIONS[:-2]
 WORKLOADS = ("chat", "coding", "long-docs", "trace")
+EXTRA_WORKLOADS = ("coding-long",)  # on request (--workloads) only
 LATE_TURN = 3  # turns from this index on are "late": their history is what reuse is for
 
 
@@ -85,6 +87,14 @@ def workload(name: str, st: Settings) -> list[Any]:
                                         output_tokens="50-400:0.8,1000-2500:0.2", system_tokens=8000,
                                         think_ms=6000.0, seed=st.seed + 1, id_prefix="code"))
         return _with_arrivals(s, 3000.0, st.seed + 1)
+    if name == "coding-long":
+        # The coding sessions with file-sized tool results too (a whole source file or a test log: 12-24k tokens
+        # in one turn of ten): a local prefill of one costs an answer beside it about its whole TPOT slack.
+        s = generate_sessions(GenParams(sessions=st.sessions, turns=9,
+                                        new_tokens="200-1500:0.7,3000-6000:0.2,12000-24000:0.1",
+                                        output_tokens="50-400:0.8,1000-2500:0.2", system_tokens=8000,
+                                        think_ms=6000.0, seed=st.seed + 3, id_prefix="code"))
+        return _with_arrivals(s, 3000.0, st.seed + 3)
     if name == "long-docs":
         s = import_file(ROOT / "examples/sessions/aiperf-long-docs.jsonl", "aiperf", model=model)
         return _with_arrivals(s[: st.sessions], 4000.0, st.seed + 2)

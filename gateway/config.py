@@ -155,6 +155,9 @@ class GatewayConfig:
     # a pool trades a decode node's isolation from prefills for TTFT, within the objective. The share a dedicated
     # decode node keeps (0.15) holds TPOT near classic P/D's, which is what running P/D is for.
     pool_stall_share: float = 1.0
+    # A turn every option would run over a limit that clears as running requests finish (a TPOT quota, a prefill
+    # still running) waits up to this many seconds for one to clear before it runs anyway; 0: never waits.
+    defer_max_s: float = _KNOBS.defer_max_s
     # The engines' max_num_batched_tokens: a local prefill is spread over steps of this many tokens.
     chunk_tokens: int = _KNOBS.chunk_tokens
     # A P/D turn may decode on a less loaded D than the pinned one (the pin moves): balance across D's.
@@ -319,6 +322,8 @@ class GatewayConfig:
             raise ConfigError("retention_interval_s must be > 0 and release_concurrency >= 1")
         if not (0.0 < self.release_low_water <= 1.0 and 0.0 < self.decode_pressure_usage <= 1.0):
             raise ConfigError("release_low_water and decode_pressure_usage must be in (0, 1]")
+        if self.defer_max_s < 0.0:
+            raise ConfigError("defer_max_s must be >= 0")
         if not (0.0 <= self.request_stall_share <= 1.0 and 0.0 <= self.pool_stall_share <= 1.0):
             raise ConfigError("request_stall_share and pool_stall_share must be in [0, 1]")
         self._validate_tuning()

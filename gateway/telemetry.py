@@ -69,6 +69,10 @@ ATTR_PLAN_REASON_BUCKET = "kvtether.plan.reason_bucket"  # the reason label of k
 ATTR_PREFILL = "kvtether.prefill.node"
 ATTR_DECODE = "kvtether.decode.node"
 ATTR_RE_PLACED = "kvtether.plan.re_placed"
+# Seconds the turn waited for a limit to clear before this placement (policy/deferral.py); on a placement that
+# decides to wait instead, the wait it asks for.
+ATTR_PLAN_DEFERRED_S = "kvtether.plan.deferred_s"
+ATTR_PLAN_DEFERS = "kvtether.plan.defers"  # this placement was not run: the turn waits, then is placed again
 ATTR_HANDLE_OUTCOME = "kvtether.handle.outcome"
 ATTR_HELD_TOKENS = "kvtether.held.tokens"
 ATTR_PROMPT_TOKENS = "kvtether.prompt.tokens"
@@ -147,6 +151,9 @@ M_HELD_KV_BUDGET = "kvtether_held_kv_budget"  # the configured held_kv_budget (a
 M_NODE_HEALTHY = "kvtether_node_healthy"
 # P/D plans by option (the plan's action) and reason (a bucket of its reason text: policy/reasons.py BUCKETS).
 M_PLACEMENT_DECISIONS = "kvtether_placement_decisions_total"
+M_DEFERRED_TURNS = "kvtether_deferred_turns_total"
+M_DEFERRED_SECONDS = "kvtether_deferred_seconds_total"
+DEFER_OUTCOMES = ("cleared", "forced")  # placed within the limits after waiting, or run over one when the wait ran out
 # Hosted tools left out of /v1/responses and /v1/messages turns, by type without its version (web_search_20250305
 # and web_search_preview are web_search): the closed set the translations drop (kvtether.protocol).
 M_DROPPED_TOOLS = "kvtether_dropped_tools_total"
@@ -245,6 +252,11 @@ class Metrics:
                                    ["node"], registry=r, multiprocess_mode="livemostrecent")
         self.placement_decisions = Counter(M_PLACEMENT_DECISIONS, "P/D turns' placements, by option and reason",
                                            ["option", "reason"], registry=r)
+        self.deferred_turns = Counter(M_DEFERRED_TURNS, "Turns that waited for a limit to clear before they were "
+                                      "placed, by how they then ran", ["outcome"], registry=r)
+        self.deferred_seconds = Counter(M_DEFERRED_SECONDS, "Seconds turns waited for a limit to clear", registry=r)
+        for outcome in DEFER_OUTCOMES:
+            self.deferred_turns.labels(outcome)
         self.store_seconds = Histogram(M_STORE_SECONDS, "Latency of the shared session store's calls",
                                        ["operation"], buckets=STORE_BUCKETS, registry=r)
         self.store_failures = Counter(M_STORE_FAILURES, "Session store calls answered without the store",

@@ -56,6 +56,10 @@ class StackTimes:
     session_ttl_s: float = 450.0  # the gateway stops sending a handle after this: below the engine's TTL
     retention_interval_s: float = 1.0  # the gateway reviews its held handles this often
     sweep_interval_s: float = 10.0  # and drops expired sessions this often
+    # The most a turn waits for a limit to clear, and how often it is placed again meanwhile: engine time, like
+    # the objectives the wait protects. None: the gateway's defaults.
+    defer_max_s: float | None = None
+    defer_step_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +100,14 @@ def gateway_settings(spec: StackSpec, option: str) -> dict[str, Any]:
     P/D cluster the policy and the calibrated seeds."""
     if option == COLOCATED:
         return time_settings(spec.times, spec.speed)
+    from kvtether.gateway.policy.knobs import PolicyKnobs
+
     policy = "auto" if option == HYBRID else option
-    return {"policy": policy, **time_settings(spec.times, spec.speed), **seed_settings(spec.preset, spec.speed)}
+    times, knobs = spec.times, PolicyKnobs()
+    defer_max = knobs.defer_max_s if times.defer_max_s is None else times.defer_max_s
+    defer_step = knobs.defer_step_s if times.defer_step_s is None else times.defer_step_s
+    return {"policy": policy, **time_settings(times, spec.speed), **seed_settings(spec.preset, spec.speed),
+            "defer_max_s": defer_max / spec.speed, "tuning": {"defer_step_s": defer_step / spec.speed}}
 
 
 def cluster_spec(spec: StackSpec, option: str) -> ClusterSpec:

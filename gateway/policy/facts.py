@@ -161,6 +161,9 @@ class OptionEstimate:
     arrive_s: float = 0.0
     d_read_s: float = 0.0
     blocks_s: float = 0.0
+    # soft only: the limit is a fixed cap (max_local_suffix_tokens), which no wait clears; the others (TPOT
+    # quotas, prefills running, KV pressure) clear as the requests running there finish (policy/deferral.py).
+    fixed_limit: bool = False
 
     @property
     def score_s(self) -> float:

@@ -52,8 +52,16 @@ class PolicyKnobs:
     # apart are not imbalanced.
     pool_balance_abs: float = 4.0
     pool_balance_rel: float = 1.5
+    # A turn that every option would run over a limit that clears as the requests running there finish (a TPOT
+    # quota, a prefill still running, the KV-pressure veto) waits up to this many seconds for one to clear
+    # (policy/deferral.py), instead of breaking another request's TPOT at once. 0.2 s: a tenth of a 2 s TTFT
+    # objective, and several of a short answer's whole decode (six tokens at 7 ms), which is what usually
+    # holds the limit. 0 turns it off.
+    defer_max_s: float = 0.2
 
     # ---- tuning constants ----
+    # A deferred turn is placed again this often: about a decode step, the soonest a running answer can end.
+    defer_step_s: float = 0.01
     # The window of the TPOT budget above: 16 tokens ≈ what a reader perceives as one hiccup.
     tpot_window_tokens: int = 16
     # Seconds of this turn's TTFT that one second of delay on *each* running request of D is worth (1 would
@@ -104,6 +112,8 @@ class PolicyKnobs:
             raise ValueError("tail_weight must be >= 0 and tail_quantile in (0, 1)")
         if self.pool_balance_abs < 0.0 or self.pool_balance_rel < 1.0:
             raise ValueError("pool_balance_abs must be >= 0 and pool_balance_rel >= 1")
+        if self.defer_max_s < 0.0 or self.defer_step_s <= 0.0:
+            raise ValueError("defer_max_s must be >= 0 and defer_step_s > 0")
         if self.arrival_weight < 0.0 or self.holdback_weight < 0.0:
             raise ValueError("arrival_weight and holdback_weight must be >= 0")
 
@@ -113,4 +123,4 @@ TUNING_FIELDS: frozenset[str] = frozenset(
     f.name for f in fields(PolicyKnobs)
     if f.name not in {"mode", "max_local_suffix_tokens", "pool_max_local_suffix_tokens", "tpot_budget_s",
                       "recompute_threshold_tokens", "handle_ttl_s", "block_size", "chunk_tokens", "rebalance_decode",
-                      "pool_balance_abs", "pool_balance_rel"})
+                      "pool_balance_abs", "pool_balance_rel", "defer_max_s"})

@@ -117,7 +117,8 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     limit, knob = ((c.knobs.pool_max_local_suffix_tokens, "pool_max_local_suffix_tokens") if d.both
                    else (c.knobs.max_local_suffix_tokens, "max_local_suffix_tokens"))
     if limit is not None and n > limit:
-        return replace(base, feasible=False, soft=True, why_not=f"local suffix {n} tok > {knob} {limit}")
+        return replace(base, feasible=False, soft=True, fixed_limit=True,
+                       why_not=f"local suffix {n} tok > {knob} {limit}")
     over = over or answer_stalled(turn, d, ttft, c)
     if over:
         return replace(base, feasible=False, soft=True, why_not=over)

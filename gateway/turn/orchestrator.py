@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+import anyio
 import httpx
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.config import GatewayConfig
@@ -47,7 +48,7 @@ from kvtether.gateway.turn.context import (
 from kvtether.gateway.turn.gather import Gathered, gather
 from kvtether.gateway.turn.identify import identify
 from kvtether.gateway.turn.legs import Whole, final_leg, prefill_with_recovery
-from kvtether.gateway.turn.place import Placer, estimator_seeds, learning_params, peer_knobs, policy_knobs
+from kvtether.gateway.turn.place import Deferred, Placer, estimator_seeds, learning_params, peer_knobs, policy_knobs
 from kvtether.gateway.turn.relay import relay
 from kvtether.gateway.turn.remember import finish
 from kvtether.gateway.turn.stream import Stream
@@ -114,7 +115,7 @@ class Orchestrator:
 
     async def _pd(self, ctx: TurnContext, progress: Progress) -> tuple[FinalLeg, Answer]:
         found = await gather(self.sv, ctx, self.placer.next_rr(), progress)  # 2. gather
-        placed = self.plan(ctx, progress, found, found.turn)  # 3. plan
+        placed = await self._first_plan(ctx, progress, found)  # 3. plan
         kv, unused = self._offer(found, placed.plan)
         # 4. legs. One re-placement after a failed node: the in-flight request may fail, the next turn must not.
         for attempt in range(2):
@@ -145,12 +146,26 @@ class Orchestrator:
                 progress.exclude.add(failure.node)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def plan(self, ctx: TurnContext, progress: Progress, found: Gathered, turn: Turn) -> Placement:
+    async def _first_plan(self, ctx: TurnContext, progress: Progress, found: Gathered) -> Placement:
+        """The turn's placement; while every option is over a limit that may clear, it waits and is placed
+        again (policy/deferral.py), up to defer_max_s in all."""
+        started, deferred = self.sv.clock(), False
+        while True:
+            waited = self.sv.clock() - started if deferred else 0.0
+            try:
+                return self.plan(ctx, progress, found, found.turn, waited_s=waited)
+            except Deferred as wait:
+                deferred = True
+                await anyio.sleep(wait.wait_s)
+
+    def plan(self, ctx: TurnContext, progress: Progress, found: Gathered, turn: Turn,
+             waited_s: float | None = None) -> Placement:
         """Place the turn (pure: policy.placement.plan) with the live state the policy reads, on its span, avoiding
         the nodes found failing. The placement returned is the one in force: it replaces any earlier one of the
         turn (whose TPOT-quota entry it leaves), and assumes what gather found of the prefix caches and the load
-        view the plan saw (what the legs queued behind)."""
-        the_plan, view, exposure = self.placer.place(ctx, turn, progress.exclude, progress.placed)
+        view the plan saw (what the legs queued behind). `waited_s`: see Placer.place (a first placement only;
+        a re-placement after a failed node never waits)."""
+        the_plan, view, exposure = self.placer.place(ctx, turn, progress.exclude, progress.placed, waited_s)
         placed = Placement(the_plan, view, found.decode_cached, found.prefill_cached, exposure)
         progress.placed = placed
         log.debug("plan %s: %s", ctx.session_id, the_plan.reason)

@@ -13,6 +13,7 @@ from dataclasses import replace
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
+from kvtether.gateway.policy.deferral import deferral_s
 from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
 from kvtether.gateway.policy.knobs import PolicyKnobs
 from kvtether.gateway.policy.peers import PeerKnobs
@@ -30,6 +31,15 @@ from kvtether.gateway.policy.reasons import reason_bucket
 from kvtether.gateway.turn.context import Placement, Services, TurnContext
 
 
+class Deferred(Exception):
+    """The turn's placement is not run: every option is over a limit that may clear; place it again after
+    `wait_s` (policy/deferral.py). Nothing was charged for it."""
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(f"deferred {wait_s:.3f}s")
+        self.wait_s = wait_s
+
+
 class Placer:
     def __init__(self, sv: Services, knobs: PolicyKnobs, peers: PeerKnobs) -> None:
         self.sv, self.knobs, self.peer_knobs = sv, knobs, peers
@@ -39,10 +49,11 @@ class Placer:
         self._rr += 1
         return self._rr - 1
 
-    def place(self, ctx: TurnContext, turn: Turn, exclude: set[str],
-              replacing: Placement | None) -> tuple[Plan, ClusterView, tuple[str, int] | None]:
+    def place(self, ctx: TurnContext, turn: Turn, exclude: set[str], replacing: Placement | None,
+              waited_s: float | None = None) -> tuple[Plan, ClusterView, tuple[str, int] | None]:
         """The turn's plan, the load view it was made on, and its entry in D's TPOT quotas (`replacing`'s left),
-        with the nodes found failing (`exclude`) left out."""
+        with the nodes found failing (`exclude`) left out. `waited_s`: the turn may wait for a limit to clear,
+        having waited that long already; raises Deferred (nothing charged) when it should wait more."""
         sv = self.sv
         now = sv.clock()
         quotas = sv.learning.quota_credit(turn.pinned_decode)
@@ -61,6 +72,14 @@ class Placer:
             except NoCapacity as exc:
                 span.set_attribute(T.ERROR_TYPE, "no_capacity")
                 raise self.no_capacity(exc) from None
+            wait = deferral_s(p.decision, waited_s, self.knobs) if waited_s is not None else 0.0
+            if wait > 0.0:
+                T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_DEFERS: True,
+                                   T.ATTR_PLAN_DEFERRED_S: wait, T.ATTR_PLAN_REASON: p.reason})
+                raise Deferred(wait)
+            if waited_s:
+                self._deferred(p, waited_s)
+                span.set_attribute(T.ATTR_PLAN_DEFERRED_S, waited_s)
             bucket = self._count(p, now)
             if p.decision is not None:
                 T.set_attrs(span, T.cost_attributes(p.decision.trace_attributes()))
@@ -90,6 +109,12 @@ class Placer:
         elif p.prefill is not None and stall > 0.0:
             sv.metrics.decode_stall.labels(p.prefill).inc(stall)
         return bucket
+
+    def _deferred(self, p: Plan, waited_s: float) -> None:
+        """A turn placed after waiting for a limit to clear: counted by whether it then ran within the limits."""
+        forced = p.decision is not None and p.decision.forced
+        self.sv.metrics.deferred_turns.labels("forced" if forced else "cleared").inc()
+        self.sv.metrics.deferred_seconds.inc(waited_s)
 
     def aggregated(self, ctx: TurnContext, exclude: set[str]) -> Plan:
         """Aggregated mode: the session's replica while it is healthy, else the least-loaded one (of those not
@@ -155,4 +180,5 @@ def policy_knobs(config: GatewayConfig) -> PolicyKnobs:
         block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,
         rebalance_decode=config.rebalance_decode, local_kv_veto=config.decode_pressure_usage,
         pool_balance_abs=config.pool_balance_abs, pool_balance_rel=config.pool_balance_rel,
+        defer_max_s=config.defer_max_s,
         **config.policy_tuning())

@@ -170,3 +170,59 @@ def test_a_pool_instances_answers_get_the_pools_quota_and_a_decode_nodes_its_own
     sv = create_app(cfg).state.gateway.orchestrator.sv
     assert sv.quota_share("http://a:1") == pool
     assert sv.quota_share("http://d:1") == decode
+
+
+@pytest.mark.parametrize(("defer_max_s", "outcome"), [(10.0, "cleared"), (0.3, "forced"), (0.0, None)])
+async def test_a_turn_that_would_break_a_running_answers_tpot_waits_for_it_to_end(
+        defer_max_s: float, outcome: str | None) -> None:
+    """A pool of one: session x's answer decodes, its TPOT quota a few ms of stall (its answers have been ~10
+    tokens long); session y's follow-up can run only there, and its local prefill (~0.2 s) would break x's
+    quota. It waits for x's answer to end (cleared), or runs over the limit when defer_max_s is spent (forced),
+    or at once when deferral is off."""
+    spec = ClusterSpec(prefill=0, decode=0, aggregated=1, speed=1.0, kv_recompute_threshold=4)
+    async with SimCluster(spec) as cluster:
+        (node,) = cluster.aggregated_urls
+        cfg = load_config(None, nodes=[node], policy="auto", metrics_poll_interval_s=0.5, learn_estimates=False,
+                          tpot_budget_s=0.01, seed_prefill_overhead_s=0.2, seed_tpot_base_s=0.001,
+                          seed_tpot_s_per_seq=1e-4, tuning={"interference_weight": 0.0}, defer_max_s=defer_max_s)
+        app = create_app(cfg)
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            histories = {}
+            for s, seed in (("x", 63), ("y", 64)):
+                first = first_messages(seed)
+                got = await chat(client, url, request_body(first, stream=False, max_tokens=10), {"x-session-id": s})
+                histories[s] = next_messages(first, got, seed, 0, result_words=10)
+            long_body = {**request_body(histories["x"], stream=True, max_tokens=3000), "min_tokens": 3000,
+                         "ignore_eos": True}
+            done: dict[str, float] = {}
+            async with client.stream("POST", f"{url}/v1/chat/completions", json=long_body,
+                                     headers={"x-session-id": "x"}) as resp:
+                assert resp.status_code == 200
+                lines = resp.aiter_lines()  # kept: a dropped iterator would close the stream
+                async for line in lines:  # x's answer is decoding once its first chunk is out
+                    if line.startswith("data:"):
+                        break
+                quotas = [e.quota_s for e in app.state.gateway.orchestrator.learning.exposures[node].values()]
+                assert len(quotas) == 1 and quotas[0] < 0.15, quotas
+
+                async def y_turn() -> None:
+                    got = await chat(client, url, request_body(histories["y"], stream=False, max_tokens=10),
+                                     {"x-session-id": "y"})
+                    assert got.get("content") or got.get("tool_calls")
+                    done["y"] = anyio.current_time()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(y_turn)
+                    await anyio.sleep(1.0)
+                    done["x left"] = anyio.current_time()
+                    await resp.aclose()  # x's client walks away: its answer ends, and its quota with it
+            cleared, forced = [await metric(client, url, "kvtether_deferred_turns_total", outcome=o)
+                               for o in ("cleared", "forced")]
+            waited = await metric(client, url, "kvtether_deferred_seconds_total")
+    if outcome == "cleared":
+        # Placed within the limits once x's answer was gone, not before.
+        assert (cleared, forced) == (1, 0) and done["y"] > done["x left"] and waited >= 0.9
+    elif outcome == "forced":
+        assert (cleared, forced) == (0, 1) and done["y"] < done["x left"] and 0.3 <= waited < 0.9
+    else:
+        assert (cleared, forced, waited) == (0, 0, 0) and done["y"] < done["x left"]

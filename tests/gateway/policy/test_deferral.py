@@ -1,0 +1,41 @@
+"""Whether a forced turn waits (pure): only over limits that clear as running requests finish, in steps, and
+never longer than defer_max_s in all."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from kvtether.gateway.policy import NodeLoad, PolicyKnobs, choose
+from kvtether.gateway.policy.deferral import deferral_s
+
+from tests.support.policy_facts import D0, D1, MOE, P0, history_turn
+
+KNOBS = PolicyKnobs(tpot_budget_s=0.025, defer_max_s=0.2, defer_step_s=0.01)
+# A 2,000-token prefill still running on D0 with 0.3 s of its stall to come: a six-token answer there cannot
+# take it within a 25 ms objective.
+SHORT = history_turn(8000, 100, expected_output_tokens=6, running_prefills=((D0, 0.5, 0.5, 0.3),))
+
+
+def test_a_turn_forced_over_a_limit_that_clears_waits_a_step_at_a_time_up_to_the_maximum() -> None:
+    alone = choose(SHORT, D0, (NodeLoad(P0),), (NodeLoad(D0, running=2.0),), MOE, KNOBS)
+    assert alone.forced
+    assert deferral_s(alone, 0.0, KNOBS) == pytest.approx(0.01)
+    assert deferral_s(alone, 0.195, KNOBS) == pytest.approx(0.005)  # the rest of the wait, no more
+    assert deferral_s(alone, 0.2, KNOBS) == 0.0  # spent: it runs as decided
+    assert deferral_s(alone, 0.0, replace(KNOBS, defer_max_s=0.0)) == 0.0  # off
+
+
+def test_a_turn_within_the_limits_or_over_a_fixed_cap_alone_never_waits() -> None:
+    # Another decode node, which no prefill holds up, takes it: not forced.
+    free = choose(SHORT, D0, (NodeLoad(P0),), (NodeLoad(D0, running=2.0), NodeLoad(D1)), MOE, KNOBS)
+    assert not free.forced and deferral_s(free, 0.0, KNOBS) == 0.0
+    # No prefill node at all and a suffix over max_local_suffix_tokens: only the fixed cap stands in the way,
+    # which no wait clears.
+    long = history_turn(12000, 6000)
+    capped = replace(KNOBS, max_local_suffix_tokens=2048)
+    d = choose(long, D0, (), (NodeLoad(D0),), MOE, capped)
+    local = next(o for o in d.options if o.option == "decode_local")
+    assert d.forced and local.fixed_limit and "max_local_suffix_tokens" in local.why_not
+    assert deferral_s(d, 0.0, capped) == 0.0
+    assert deferral_s(None, 0.0, KNOBS) == 0.0  # a fixed policy's plan has no decision to wait on
