@@ -254,18 +254,23 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
     names = list(out["workloads"])
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
+    palette = plt.get_cmap("tab10").colors
+    # One colour per option in every panel (and the one legend), whatever order each workload's runs came in.
+    colour = {o: palette[i % len(palette)] for i, o in enumerate(OPTIONS)}
+    shown: dict[str, Any] = {}
     for ax, w in zip(axes[0], names, strict=True):
         runs = out["workloads"][w]["runs"]
-        for o in dict.fromkeys(r["option"] for r in runs):
+        for o in sorted(dict.fromkeys(r["option"] for r in runs), key=lambda x: OPTIONS.index(x)):
             pts = sorted((r["rate"], r["attainment"] or 0.0) for r in runs if r["option"] == o)
-            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=o)
+            (line,) = ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=o, color=colour[o])
+            shown.setdefault(o, line)
         ax.axhline(90, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_title(w)
         ax.set_xlabel("load (arrival-rate multiplier)")
         ax.set_ylim(0, 102)
     axes[0][0].set_ylabel("turns meeting TTFT and TPOT (%)")
-    axes[0][-1].legend(fontsize=7, loc="lower left")
+    axes[0][-1].legend(list(shown.values()), list(shown), fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -16,7 +16,7 @@ def _bench() -> types.ModuleType:
     return benchmark_scripts.load("goodput")
 
 
-@pytest.mark.parametrize("name", ["chat", "coding", "long-docs", "trace"])
+@pytest.mark.parametrize("name", ["chat", "coding", "long-docs", "trace", "coding-long"])
 def test_every_workload_has_sessions_that_arrive_over_time(name: str) -> None:
     g = _bench()
     sessions = g.workload(name, g.Settings(sessions=4))
@@ -24,6 +24,17 @@ def test_every_workload_has_sessions_that_arrive_over_time(name: str) -> None:
     offsets = [s.metadata.get("start_offset_ms", 0.0) for s in sessions]
     assert offsets[0] == 0.0 or name == "trace"
     assert len(set(offsets)) == len(offsets), offsets  # not all at once: open loop has something to compress
+
+
+def test_coding_long_adds_file_sized_tool_results_to_the_coding_sessions() -> None:
+    g = _bench()
+
+    def largest_append(name: str) -> int:
+        # Words of the largest tool result (the generator writes about a token a word).
+        return max(len(str(m.get("content", "")).split()) for s in g.workload(name, g.Settings(sessions=8))
+                   for t in s.turns for m in (t.new_messages or ()) if m.get("role") == "tool")
+
+    assert largest_append("coding") <= 6000 < 12000 <= largest_append("coding-long")
 
 
 def test_the_table_names_each_options_goodput_and_late_turn_figures() -> None:
