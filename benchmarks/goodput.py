@@ -254,9 +254,9 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
     names = list(out["workloads"])
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
-    palette = plt.get_cmap("tab10").colors
-    # One colour per option in every panel (and the one legend), whatever order each workload's runs came in.
-    colour = {o: palette[i % len(palette)] for i, o in enumerate(OPTIONS)}
+    # One colour per option in every panel (and the one legend), whatever order each workload's runs came in:
+    # matplotlib's default cycle, C0 to C9.
+    colour = {o: f"C{i % 10}" for i, o in enumerate(OPTIONS)}
     shown: dict[str, Any] = {}
     for ax, w in zip(axes[0], names, strict=True):
         runs = out["workloads"][w]["runs"]
