@@ -507,7 +507,7 @@ async def test_a_pin_moved_back_reads_only_what_its_old_decode_node_lacks() -> N
         hit, read = await by_source(home, "local_cache_hit"), await by_source(home, "external_kv_transfer")
         plans: list[Any] = []
         planner = orch.plan
-        orch.plan = lambda *a: (placed := planner(*a), plans.append(placed.plan))[0]  # type: ignore[method-assign]
+        orch.plan = lambda *a, **kw: (placed := planner(*a, **kw), plans.append(placed.plan))[0]  # type: ignore[method-assign]
         await _oracle_turn(r, messages, 2, h)
         state = await orch.sv.store.get("back-1")
         assert state is not None and state.decode == home, "the pin did not move back"
@@ -606,7 +606,7 @@ async def test_a_pd_turn_goes_back_to_the_prefill_node_whose_cache_holds_the_his
         orch.sv.cluster.nodes[lo].running = 0.0
         plans: list[Any] = []
         planner = orch.plan
-        orch.plan = lambda *a: (placed := planner(*a), plans.append(placed.plan))[0]  # type: ignore[method-assign]
+        orch.plan = lambda *a, **kw: (placed := planner(*a, **kw), plans.append(placed.plan))[0]  # type: ignore[method-assign]
 
         async def by_source(source: str) -> float:
             return await metric(r.client, hi, "vllm:prompt_tokens_by_source_total", source=source)
