@@ -29,6 +29,7 @@ from kvtether.gateway.policy.placement import (
 )
 from kvtether.gateway.policy.reasons import reason_bucket
 from kvtether.gateway.turn.context import Placement, Services, TurnContext
+from opentelemetry import trace
 
 
 class Deferred(Exception):
@@ -73,21 +74,13 @@ class Placer:
                 span.set_attribute(T.ERROR_TYPE, "no_capacity")
                 raise self.no_capacity(exc) from None
             wait = deferral_s(p.decision, waited_s, self.knobs) if waited_s is not None else 0.0
-            if wait > 0.0:
+            if wait > 0.0:  # a wait is no error: the span ends as it is, then the turn is told to wait
                 T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_DEFERS: True,
                                    T.ATTR_PLAN_DEFERRED_S: wait, T.ATTR_PLAN_REASON: p.reason})
-                raise Deferred(wait)
-            if waited_s:
-                self._deferred(p, waited_s)
-                span.set_attribute(T.ATTR_PLAN_DEFERRED_S, waited_s)
-            bucket = self._count(p, now)
-            if p.decision is not None:
-                T.set_attrs(span, T.cost_attributes(p.decision.trace_attributes()))
-            T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_ACTION: p.action.value,
-                               T.ATTR_PLAN_REASON: p.reason, T.ATTR_PLAN_REASON_BUCKET: bucket,
-                               T.ATTR_PREFILL: p.prefill, T.ATTR_DECODE: p.decode,
-                               T.ATTR_HANDLE_OUTCOME: p.handle_outcome, T.ATTR_REUSE_TOKENS: p.reuse_tokens,
-                               T.ATTR_RE_PLACED: p.re_placed})
+            else:
+                self._placed(span, turn, p, now, waited_s)
+        if wait > 0.0:
+            raise Deferred(wait)
         # From here the answer is headed for D: a local prefill admitted before its first token still runs on into
         # its decode steps (policy/stallquota.py), so its TPOT quota is kept from its placement on.
         exposure = sv.enter_decoding(p.decode, turn.expected_output_tokens, replacing, first_token_in(p))
@@ -95,6 +88,20 @@ class Placer:
         T.set_attrs(ctx.span, {T.ATTR_PLAN_ACTION: p.action.value, T.ATTR_PLAN_REASON: p.reason,
                                T.ATTR_DECODE_HELD_KV_TOKENS: held.held_kv_tokens if held is not None else None})
         return p, view, exposure
+
+    def _placed(self, span: trace.Span, turn: Turn, p: Plan, now: float, waited_s: float | None) -> None:
+        """The plan that runs: counted, told to the learning, on its span (with the wait before it, if any)."""
+        if waited_s:
+            self._deferred(p, waited_s)
+            span.set_attribute(T.ATTR_PLAN_DEFERRED_S, waited_s)
+        bucket = self._count(p, now)
+        if p.decision is not None:
+            T.set_attrs(span, T.cost_attributes(p.decision.trace_attributes()))
+        T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_ACTION: p.action.value,
+                           T.ATTR_PLAN_REASON: p.reason, T.ATTR_PLAN_REASON_BUCKET: bucket,
+                           T.ATTR_PREFILL: p.prefill, T.ATTR_DECODE: p.decode,
+                           T.ATTR_HANDLE_OUTCOME: p.handle_outcome, T.ATTR_REUSE_TOKENS: p.reuse_tokens,
+                           T.ATTR_RE_PLACED: p.re_placed})
 
     def _count(self, p: Plan, now: float) -> str:
         """The decision told to the learning (the estimated stall of a decode-local turn, or of a prefill leg on a

@@ -179,13 +179,21 @@ async def test_a_turn_that_would_break_a_running_answers_tpot_waits_for_it_to_en
     tokens long); session y's follow-up can run only there, and its local prefill (~0.2 s) would break x's
     quota. It waits for x's answer to end (cleared), or runs over the limit when defer_max_s is spent (forced),
     or at once when deferral is off."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
     spec = ClusterSpec(prefill=0, decode=0, aggregated=1, speed=1.0, kv_recompute_threshold=4)
     async with SimCluster(spec) as cluster:
         (node,) = cluster.aggregated_urls
         cfg = load_config(None, nodes=[node], policy="auto", metrics_poll_interval_s=0.5, learn_estimates=False,
                           tpot_budget_s=0.01, seed_prefill_overhead_s=0.2, seed_tpot_base_s=0.001,
                           seed_tpot_s_per_seq=1e-4, tuning={"interference_weight": 0.0}, defer_max_s=defer_max_s)
-        app = create_app(cfg)
+        app = create_app(cfg, tracer_provider=provider)
         async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             histories = {}
             for s, seed in (("x", 63), ("y", 64)):
@@ -219,6 +227,16 @@ async def test_a_turn_that_would_break_a_running_answers_tpot_waits_for_it_to_en
             cleared, forced = [await metric(client, url, "kvtether_deferred_turns_total", outcome=o)
                                for o in ("cleared", "forced")]
             waited = await metric(client, url, "kvtether_deferred_seconds_total")
+    plans = [s for s in exporter.get_finished_spans() if s.name == "kvtether.plan"]
+    waits = [s for s in plans if (s.attributes or {}).get("kvtether.plan.defers")]
+    ran = [s for s in plans if (s.attributes or {}).get("kvtether.plan.deferred_s") and s not in waits]
+    # A wait is no error: its spans end unset; the placement that ran carries the whole wait.
+    assert all(s.status.status_code is StatusCode.UNSET for s in plans)
+    if outcome is None:
+        assert not waits and not ran
+    else:
+        assert waits and len(ran) == 1
+        assert (ran[0].attributes or {})["kvtether.plan.deferred_s"] == pytest.approx(waited, abs=0.05)
     if outcome == "cleared":
         # Placed within the limits once x's answer was gone, not before.
         assert (cleared, forced) == (1, 0) and done["y"] > done["x left"] and waited >= 0.9
