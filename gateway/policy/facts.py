@@ -186,6 +186,11 @@ class CostDecision:
     arrive_s: float = 0.0
     d_read_s: float = 0.0
 
+    @property
+    def chosen(self) -> OptionEstimate | None:
+        """The estimate of the option chosen (None when the decision carries no estimates)."""
+        return next((o for o in self.options if o.option == self.option), None)
+
     def trace_attributes(self) -> dict[str, str | float | int | bool]:
         """Flat attributes for a span or a JSONL trace record (names without the telemetry prefix)."""
         out: dict[str, str | float | int | bool] = {

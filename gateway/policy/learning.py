@@ -135,7 +135,7 @@ class Learning:
         if d is not None:
             # A decode-local turn stalls its D; a P/D turn whose prefill leg runs on a pool instance stalls
             # that instance's decodes.
-            chosen = next((o for o in d.options if o.option == d.option), None)
+            chosen = d.chosen
             stall = chosen.stall_s if chosen is not None else 0.0
             where = p.decode if p.action is HandleAction.DECODE_LOCAL else p.prefill
             if where in self.exposures:

@@ -156,7 +156,7 @@ class Placer:
 def first_token_in(p: Plan) -> float:
     """Seconds until the plan's answer should start decoding (its estimated TTFT; 0 when unknown)."""
     d = p.decision
-    chosen = next((o for o in d.options if o.option == d.option), None) if d is not None else None
+    chosen = d.chosen if d is not None else None
     return chosen.ttft_s if chosen is not None and math.isfinite(chosen.ttft_s) else 0.0
 
 
