@@ -15,7 +15,8 @@ own ``/v1/responses`` would (0.32–0.34). The rules, all from vLLM:
   ``reasoning`` → ``reasoning`` on the assistant message: ``content[0].text``, else ``summary[0].text``;
   ``function_call`` → a tool call (a namespaced one named ``<namespace>__<name>``);
   ``custom_tool_call`` → a tool call whose arguments are ``{"input": <payload>}`` (``ensure_ascii=False``);
-  ``function_call_output`` / ``custom_tool_call_output`` → a ``tool`` message.
+  ``function_call_output`` / ``custom_tool_call_output`` → a ``tool`` message (a ``function_call_output`` without
+  a ``call_id``, which the spec allows and vLLM does not, gets one by the gateway's rule: :func:`tool_result_id`).
   Reasoning, text and tool calls that follow one another merge into one assistant message as vLLM merges them
   (a field is only filled if still empty, tool calls append), so one answer's items become one message again.
 - Tools: ``function`` → a chat function tool; ``namespace`` → its functions, flattened to
@@ -47,6 +48,8 @@ reads reasoning in this gateway's seal without the key. Whatever it keeps become
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -124,7 +127,7 @@ def translate(body: Mapping[str, Any], *, seal: ReasoningSeal | None = None,
     if isinstance(raw_input, str):
         messages.append({"role": "user", "content": raw_input})
     elif isinstance(raw_input, list):
-        messages += input_messages(raw_input, seal, lenient=lenient)
+        messages += input_messages(raw_input, seal, lenient=lenient, before=messages)
     if not messages:
         refuse(invalid("`input` holds no message", "input"), lenient)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
@@ -234,17 +237,18 @@ def check_choice_after_drop(choice: Any, dropped: Sequence[str], *, has_tools: b
                   "use auto", "tool_choice")
 
 
-def input_messages(items: Sequence[Any], seal: ReasoningSeal | None, *, lenient: bool = False
-                   ) -> list[dict[str, Any]]:
+def input_messages(items: Sequence[Any], seal: ReasoningSeal | None, *, lenient: bool = False,
+                   before: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
     """Chat messages for Responses input (or output) items, merged as vLLM merges them; ``lenient``: an item
-    (or a content part) that would be refused is left out."""
+    (or a content part) that would be refused is left out. ``before``: the chat messages the items follow (a
+    chain's history), which a tool result without a ``call_id`` may answer (:func:`tool_result_id`)."""
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         try:
             if not isinstance(item, Mapping):
                 raise invalid(f"{where} must be an object", where)
-            message = _message_for(item, out[-1] if out else None, seal, where, lenient)
+            message = _message_for(item, out, before, seal, where, lenient)
         except ResponsesError as e:
             refuse(e, lenient)  # _message_for refuses an item before it merges anything of it
             continue
@@ -253,10 +257,11 @@ def input_messages(items: Sequence[Any], seal: ReasoningSeal | None, *, lenient:
     return out
 
 
-def _message_for(item: Mapping[str, Any], prev: dict[str, Any] | None, seal: ReasoningSeal | None,
-                 where: str, lenient: bool) -> dict[str, Any] | None:
-    """A new chat message for one item, or None when it was merged into ``prev`` (vLLM's
+def _message_for(item: Mapping[str, Any], out: list[dict[str, Any]], before: Sequence[Mapping[str, Any]],
+                 seal: ReasoningSeal | None, where: str, lenient: bool) -> dict[str, Any] | None:
+    """A new chat message for one item, or None when it was merged into the last of ``out`` (vLLM's
     ``_construct_message_from_response_item``)."""
+    prev = out[-1] if out else None
     assistant = prev if prev is not None and prev.get("role") == "assistant" else None
     kind = item.get("type")
     call = _tool_call_for(item, where)
@@ -273,8 +278,11 @@ def _message_for(item: Mapping[str, Any], prev: dict[str, Any] | None, seal: Rea
         return {"role": "assistant", "reasoning": text}
     if kind in ("function_call_output", "custom_tool_call_output"):
         call_id = item.get("call_id")
+        if call_id is None and kind == "function_call_output":
+            call_id = tool_result_id(item, [*before, *out])
         if not isinstance(call_id, str):
-            raise invalid(f"{where}.call_id must be a string", f"{where}.call_id")
+            raise invalid(f"{where}.call_id must be a string: the id of the {kind.removesuffix('_output')} "
+                          "it answers", f"{where}.call_id")
         return {"role": "tool", "content": _tool_output(item.get("output"), where, lenient), "tool_call_id": call_id}
     role = item.get("role")
     if kind not in (None, "message") or role is None:
@@ -289,6 +297,36 @@ def _message_for(item: Mapping[str, Any], prev: dict[str, Any] | None, seal: Rea
     if role not in ("user", "system", "developer"):
         raise invalid(f"{where}.role must be user, assistant, system or developer", f"{where}.role")
     return {"role": role, "content": _user_content(item.get("content"), where, lenient)}
+
+
+def tool_result_id(item: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]) -> str:
+    """The ``tool_call_id`` of a ``function_call_output`` that names no ``call_id`` (the spec makes it optional;
+    Codex sends its goal tools' results so, naming the tool by ``name`` and ``namespace``). vLLM has no rule for
+    it (its request model requires the id); the gateway's, which looks only at what comes before the item, so an
+    item lowers to the same message on every turn that resends it and the history's tokens stay put:
+
+    1. the id of the first call, in the nearest earlier assistant message that has one, of the tool the item names
+       (``<namespace>__<name>``, as calls are named) that no earlier tool message answers;
+    2. else ``call_`` and 24 hex digits of a SHA-256: of the item's own ``id`` when it has one (clients resend
+       it unchanged), else of its name, namespace and output and its position among the messages before it."""
+    name = item.get("name")
+    namespace = item.get("namespace")
+    if isinstance(name, str) and name:
+        tool = flat_name(namespace, name) if isinstance(namespace, str) and namespace else name
+        answered = {m.get("tool_call_id") for m in earlier if m.get("role") == "tool"}
+        for message in reversed(earlier):
+            if message.get("role") != "assistant":
+                continue
+            for call in message.get("tool_calls") or ():
+                fn = call.get("function") if isinstance(call, Mapping) else None
+                if isinstance(fn, Mapping) and fn.get("name") == tool and call.get("id") not in answered \
+                        and isinstance(call.get("id"), str):
+                    return str(call["id"])
+    own = item.get("id")
+    basis = json.dumps(["id", own] if isinstance(own, str) and own else
+                       ["item", namespace, name, item.get("output"), len(earlier)],
+                       ensure_ascii=False, sort_keys=True, separators=(",", ":"), default=str)
+    return "call_" + hashlib.sha256(basis.encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
 def _tool_call_for(item: Mapping[str, Any], where: str) -> dict[str, Any] | None:
