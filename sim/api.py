@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
+import struct
 import time
-import uuid
+from array import array
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +22,7 @@ from kvtether.protocol.wire import KV_FIELD, openai_error_body
 from kvtether.sim.agent_apis import agent_api_routes
 from kvtether.sim.engine import EngineRequest, ErrorEvent, Event, FinishEvent, TokenEvent
 from kvtether.sim.nixl import KVLoadError
-from kvtether.sim.parsers import ChatOutputParser, Delta
+from kvtether.sim.parsers import ChatOutputParser, Delta, tool_call_ids
 from kvtether.sim.requests import BadRequest, ParsedRequest, chat_prompt_ids, completion_prompt_ids, parse_request
 from kvtether.sim.tokenizer import IncrementalDetokenizer
 from starlette.applications import Starlette
@@ -71,6 +73,14 @@ class StopTrimmer:
         return "" if self.stopped else out
 
 
+def request_seed(seed: int, req: ParsedRequest) -> bytes:
+    """What a request's tool-call ids are drawn from: the cluster's seed, the prompt and the sampling seed, so that
+    the same request gets the same ids whatever was served before it."""
+    digest = hashlib.blake2b(array("q", req.prompt_ids).tobytes(), digest_size=16)
+    digest.update(struct.pack("<qq", seed, -1 if req.spec.seed is None else req.spec.seed))
+    return digest.digest()
+
+
 class Completion:
     """One request's run through the engine, rendered as vLLM's chat or text completion objects."""
 
@@ -81,15 +91,16 @@ class Completion:
         # vLLM's ids: the response id is `cmpl-`/`chatcmpl-` + a 16-hex base; completions add the prompt index
         # (`-0`), and the engine appends `-<8 hex>` to make its internal id unique. That internal id is what
         # `remote_request_id` carries: `cmpl-<16>-0-<8>` (observed on 0.32), `chatcmpl-<16>-<8>`.
-        self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:16]
+        self.id = ("chatcmpl-" if req.chat else "cmpl-") + node.next_id(16)
         engine_id = self.id if req.chat else self.id + "-0"
         self.created = int(time.time())
         self.model = node.cfg.model_name
-        self.parser = ChatOutputParser(node.tokenizer, parse_tools=req.parse_tools, tool_format=req.tool_format)
+        self.parser = ChatOutputParser(node.tokenizer, parse_tools=req.parse_tools, tool_format=req.tool_format,
+                                       call_ids=tool_call_ids(request_seed(node.cfg.seed, req)))
         self.trimmer = StopTrimmer(req.stop)
         self.detok = IncrementalDetokenizer(node.tokenizer)
         self.engine_request = EngineRequest(
-            request_id=f"{engine_id}-{uuid.uuid4().hex[:8]}",
+            request_id=f"{engine_id}-{node.next_id(8)}",
             prompt_ids=req.prompt_ids,
             spec=req.spec,
             max_tokens=req.max_tokens,

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import uuid
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from kvtether.sim.clock import Source
 from kvtether.sim.config import NodeConfig
 from kvtether.sim.node import SimNode
 from kvtether.sim.presets import get_preset
+
+
+def engine_id(seed: int, index: int) -> str:
+    """The engine id of a cluster's `index`-th node (vLLM's is a random UUID): a UUID drawn from the seed."""
+    return str(uuid.UUID(bytes=hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=16).digest()))
 
 
 @dataclass
@@ -47,6 +55,9 @@ class ClusterSpec:
     decode_num_gpu_blocks: int | None = None
     tool_call_parser: str | None = None  # vLLM --tool-call-parser on every node; None: the preset's
     callable_tools: tuple[str, ...] | None = None  # the functions the simulated model may call (NodeConfig)
+    # The simulated model's seed (NodeConfig.seed), and what the nodes' engine ids are drawn from: the same spec
+    # makes the same cluster, answers and ids included.
+    seed: int = 0
 
     def node_configs(self) -> list[NodeConfig]:
         get_preset(self.preset)  # fail early with UnknownPreset
@@ -72,15 +83,20 @@ class ClusterSpec:
                 }.get(role),
                 tool_call_parser=self.tool_call_parser,
                 callable_tools=self.callable_tools,
+                seed=self.seed,
+                engine_id=engine_id(self.seed, i),
             )
-            for role in roles
+            for i, role in enumerate(roles)
         ]
 
 
 class SimCluster:
-    def __init__(self, spec: ClusterSpec | None = None, **overrides: Any) -> None:
+    def __init__(self, spec: ClusterSpec | None = None, *, clock: Source | None = None, **overrides: Any) -> None:
+        """`clock`: the time source of every node's clock (sim/clock.py), e.g. a virtual loop's ``loop.time``;
+        None: the OS's."""
         base = spec or ClusterSpec()
         self.spec = dataclasses.replace(base, **overrides) if overrides else base
+        self.clock = clock
         self.nodes: list[SimNode] = []
         self.prefill_urls: list[str] = []
         self.decode_urls: list[str] = []
@@ -88,7 +104,7 @@ class SimCluster:
 
     async def start(self) -> SimCluster:
         configs = self.spec.node_configs()
-        self.nodes = [SimNode(cfg) for cfg in configs]
+        self.nodes = [SimNode(cfg, clock=self.clock) for cfg in configs]
         ports = [self.spec.base_port + i if self.spec.base_port else 0 for i in range(len(self.nodes))]
         try:
             await asyncio.gather(*(n.start(self.spec.host, p) for n, p in zip(self.nodes, ports, strict=True)))

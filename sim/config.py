@@ -35,6 +35,8 @@ class NodeConfig:
     side_channel_host: str = "localhost"  # remote_host advertised in kv_transfer_params
     model_name: str = "kvtether-sim"
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    # The simulated model's seed for unseeded sampling (sim/model.py): a cluster's nodes share it.
+    seed: int = 0
     max_model_len: int = 131_072
     # Prefill declines a handle this close to its expiry (vLLM: 5 s), in simulated seconds.
     expiry_margin: float = 5.0

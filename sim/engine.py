@@ -242,7 +242,7 @@ class Engine:
         self.cfg = cfg
         self.preset = preset
         self.tok = tokenizer
-        self.model = Model(tokenizer)
+        self.model = Model(tokenizer, cfg.seed)
         self.transport = transport
         self.metrics = metrics
         self.clock = clock

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import secrets
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,14 +75,18 @@ class Plan:
 
 
 class Model:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, seed: int = 0) -> None:
         self.tok = tokenizer
+        self.seed = seed  # the cluster's: an unseeded sample is drawn from it and the KV state
 
     def rng(self, state: bytes, spec: GenerationSpec) -> random.Random:
         if spec.temperature <= 0:
             return random.Random(state)
         if spec.seed is None:
-            return random.Random(secrets.token_bytes(16))
+            # vLLM draws an unseeded sample from its own generator, a different one per run. The simulator draws
+            # it from the cluster's seed and the KV content the request attends to: the same request gets the
+            # same answer in any order and in any run (a replay repeats exactly), another cluster seed another.
+            return random.Random(state + struct.pack("<qd", self.seed, spec.temperature) + b"unseeded")
         return random.Random(state + struct.pack("<qd", spec.seed, spec.temperature))
 
     def plan(self, state: bytes, spec: GenerationSpec) -> Plan:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import itertools
 import logging
-import socket
 import time
 from collections.abc import Generator, Mapping
 from dataclasses import asdict, dataclass
@@ -13,7 +14,7 @@ from typing import Any
 
 import uvicorn
 from kvtether.sim.api import build_app
-from kvtether.sim.clock import SimClock
+from kvtether.sim.clock import SimClock, Source
 from kvtether.sim.config import NodeConfig
 from kvtether.sim.engine import Engine, ErrorEvent, State, kv_blocks
 from kvtether.sim.metrics import NodeMetrics
@@ -58,6 +59,11 @@ class Faults:
         return {**asdict(self), "slow_factor": node.engine.slow_factor, "dropped": dropped}
 
 
+def listening_port(server: uvicorn.Server) -> int:
+    """The port a started uvicorn server listens on (the one it was given, or the one it got for port 0)."""
+    return int(server.servers[0].sockets[0].getsockname()[1])
+
+
 class _EmbeddedServer(uvicorn.Server):
     # Several nodes share one process: leave signal handling to the embedding program.
     @contextlib.contextmanager
@@ -66,7 +72,9 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class SimNode:
-    def __init__(self, cfg: NodeConfig, *, transport: KVTransport | None = None) -> None:
+    def __init__(self, cfg: NodeConfig, *, transport: KVTransport | None = None,
+                 clock: Source | None = None) -> None:
+        """`clock`: the time source of the node's simulated clock (sim/clock.py); None: the OS's."""
         cfg.validate()
         self.cfg = cfg
         self.preset = get_preset(cfg.preset)
@@ -75,7 +83,7 @@ class SimNode:
         cfg.max_model_len = min(cfg.max_model_len, blocks * self.preset.block_size)
         self.tokenizer: Tokenizer = default_tokenizer()
         self.tool_format: str = cfg.tool_call_parser or self.preset.tool_call_parser
-        self.clock = SimClock(cfg.speed)
+        self.clock = SimClock(cfg.speed, clock)
         self.metrics = NodeMetrics(
             cfg.model_name,
             block_size=self.preset.block_size,
@@ -93,6 +101,13 @@ class SimNode:
         self._server: _EmbeddedServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
+        self._ids = itertools.count()
+
+    def next_id(self, hex_digits: int) -> str:
+        """A new id of `hex_digits` hex digits for a response or an engine request (vLLM's are random): drawn from
+        the engine id and a counter, so a run that serves the same requests in the same order gives the same ids."""
+        seed = f"{self.cfg.engine_id}/{next(self._ids)}".encode()
+        return hashlib.blake2b(seed, digest_size=(hex_digits + 1) // 2).hexdigest()[:hex_digits]
 
     @property
     def url(self) -> str:
@@ -100,16 +115,13 @@ class SimNode:
         return f"http://{host}:{self.port}"
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        sock.setblocking(False)
-        self.host, self.port = host, sock.getsockname()[1]
-        self.engine.port = self.port
+        """Listen on `host`:`port` (0: a free port, read back once uvicorn listens). uvicorn opens the listener
+        itself on the running loop, so the same code serves on a real socket or on a virtual loop's in-memory
+        network (sim/virtual.py)."""
         config = uvicorn.Config(
             self.app,
+            host=host,
+            port=port,
             log_level="warning",
             lifespan="off",
             access_log=False,
@@ -118,13 +130,19 @@ class SimNode:
             # never reuses a connection the server is closing (see nixl.CLIENT_KEEPALIVE_EXPIRY_S).
             timeout_keep_alive=SERVER_KEEPALIVE_S,
         )
-        self._server = _EmbeddedServer(config)
+        self._server = server = _EmbeddedServer(config)
         self._tasks.append(asyncio.ensure_future(self.engine.run()))
-        self._tasks.append(asyncio.ensure_future(self._server.serve(sockets=[sock])))
-        while not self._server.started:
+        self._tasks.append(asyncio.ensure_future(server.serve()))
+        while not server.started:
             if self._tasks[-1].done():
-                self._tasks[-1].result()  # surfaces the start-up error
+                try:
+                    self._tasks[-1].result()  # surfaces the start-up error
+                except SystemExit:  # uvicorn's answer to a listen that failed (it logged why)
+                    raise OSError(f"the simulated node cannot listen on {host}:{port}") from None
+                raise RuntimeError(f"the simulated node stopped before it listened on {host}:{port}")
             await asyncio.sleep(0.005)
+        self.host, self.port = host, listening_port(server)
+        self.engine.port = self.port
 
     async def stop(self) -> None:
         """Stop serving (idempotent: tests may kill a node before the cluster shuts down)."""

@@ -25,10 +25,11 @@ call cut off by ``max_tokens`` is raw content, non-streamed (vLLM's regex needs 
 from __future__ import annotations
 
 import codecs
+import hashlib
+import itertools
 import json
 import re
-import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,8 +87,16 @@ class Delta:
         return not (self.content or self.reasoning or self.tool_calls)
 
 
-def new_tool_call_id() -> str:
-    return "chatcmpl-tool-" + secrets.token_hex(16)
+def tool_call_ids(seed: bytes) -> Callable[[], str]:
+    """vLLM's tool-call ids (``chatcmpl-tool-`` + 32 hex), drawn in order from `seed`: the request's (sim/api.py),
+    so that the same request gets the same ids whatever ran before it, and a replay's histories repeat exactly."""
+    counter = itertools.count()
+    return lambda: "chatcmpl-tool-" + hashlib.blake2b(seed + next(counter).to_bytes(4, "little"),
+                                                        digest_size=16).hexdigest()
+
+
+# Parsers made without a request's seed (tests, one-off parses) still give every call an id of its own.
+_UNSEEDED_PARSERS = itertools.count()
 
 
 # The head of a hermes call up to its closed name string, then the separator before the arguments value.
@@ -161,11 +170,13 @@ class _Glm47Call:
 
 
 class ChatOutputParser:
-    def __init__(self, tok: Tokenizer, *, parse_tools: bool = True, tool_format: str = HERMES) -> None:
+    def __init__(self, tok: Tokenizer, *, parse_tools: bool = True, tool_format: str = HERMES,
+                 call_ids: Callable[[], str] | None = None) -> None:
         if tool_format not in TOOL_FORMATS:
             raise ValueError(f"tool_format must be one of {TOOL_FORMATS}, got {tool_format!r}")
         self._tok = tok
         self._parse_tools = parse_tools
+        self._call_id = call_ids or tool_call_ids(b"parser-%d" % next(_UNSEEDED_PARSERS))
         self._glm = tool_format == GLM47
         self._arg_tags = {
             tok.special(ARG_KEY_START): ARG_KEY_START,
@@ -228,7 +239,7 @@ class ChatOutputParser:
         """The glm47 name is complete (an <arg_key> or </tool_call> follows it): its delta goes out."""
         name = self._glm_call.name.strip()
         if self._tool_id is None and name:
-            self._tool_id = new_tool_call_id()
+            self._tool_id = self._call_id()
             d.tool_calls.append(ToolCallDelta(self._tool_count, id=self._tool_id, name=name))
             self._tool_count += 1
 
@@ -277,7 +288,7 @@ class ChatOutputParser:
                 name = json.loads(m.group(1))
             except ValueError:
                 return
-            self._tool_id, self._name_end = new_tool_call_id(), m.end()
+            self._tool_id, self._name_end = self._call_id(), m.end()
             d.tool_calls.append(ToolCallDelta(self._tool_count, id=self._tool_id, name=str(name)))
             self._tool_count += 1
         if self._args_at < 0:
@@ -308,6 +319,7 @@ class ChatOutputParser:
             return
         if self._tool_id is None:
             # The name never streamed (an unusual layout): the whole call goes out in one delta.
+            call.id = self._call_id()
             d.tool_calls.append(ToolCallDelta(self._tool_count, id=call.id, name=call.name, arguments=call.arguments))
             self._tool_count += 1
         else:
@@ -362,7 +374,8 @@ class ChatOutputParser:
             return None
         args = obj.get("arguments", {})
         arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        return ToolCall(id=new_tool_call_id(), name=obj["name"], arguments=arguments)
+        # The id is the streamed one when the name streamed (_close_tool), so draw one only when it did not.
+        return ToolCall(id="", name=obj["name"], arguments=arguments)
 
 
 @dataclass(slots=True)

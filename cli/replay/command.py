@@ -46,6 +46,10 @@ _PREFILL = typer.Option(1, "--prefill", min=1, help="--sim: prefill nodes.")
 _DECODE = typer.Option(2, "--decode", min=1, help="--sim: decode nodes.")
 _SPEED = typer.Option(
     1.0, "--speed", min=0.001, help="--sim: simulated time = real time × speed; reported numbers are simulated.")
+_VIRTUAL = typer.Option(
+    False, "--virtual/--realtime", metavar=FLAG,
+    help="--sim: run the cluster, the gateway and the clients on one virtual clock (exact, repeatable figures, as "
+    "fast as the CPU allows; the gateway's own CPU is modelled). --realtime (default): the wall clock × --speed.")
 _FORMAT = typer.Option(
     SESSION_FORMAT, "--format", help=f"Input format: session, {', '.join(FORMATS)} (imported on the fly).")
 _CONCURRENCY = typer.Option(8, "--concurrency", "-c", min=1, help="Sessions in flight (--arrivals closed).")
@@ -95,7 +99,8 @@ _ENGINE_LOG = typer.Option(
 def replay(
     file: str = _FILE, policies_given: list[str] | None = _POLICIES, gateway: str | None = _GATEWAY,
     sim: str | None = _SIM, compare: bool = _COMPARE, policy: str = _POLICY, prefill: int = _PREFILL,
-    decode: int = _DECODE, speed: float = _SPEED, input_format: str = _FORMAT, concurrency: int = _CONCURRENCY,
+    decode: int = _DECODE, speed: float = _SPEED, virtual: bool = _VIRTUAL, input_format: str = _FORMAT,
+    concurrency: int = _CONCURRENCY,
     arrivals: str = _ARRIVALS, rate: float = _RATE, objective: list[str] | None = _OBJECTIVE,
     goodput_rates: str | None = _GOODPUT, think_time: str = _THINK_TIME, max_think_ms: float | None = _MAX_THINK_MS,
     history: str = _HISTORY, prefill_prefix_caching: bool = _PREFILL_PREFIX_CACHING, model: str | None = _MODEL,
@@ -158,6 +163,10 @@ def _check_target(err: Console, f: ReplayFlags) -> None:
         fail(err, EXIT_USAGE, "give exactly one of --gateway URL or --sim PRESET")
     if f.compare and f.sim is None:
         fail(err, EXIT_USAGE, "--compare needs --sim: an external gateway runs one policy, fixed at its start")
+    if f.virtual and f.sim is None:
+        fail(err, EXIT_USAGE, "--virtual needs --sim: only a simulated cluster runs on a virtual clock")
+    if f.virtual and f.speed != 1.0:
+        fail(err, EXIT_USAGE, "--virtual runs at speed 1 (as fast as the CPU allows): --speed is for --realtime runs")
     if f.engine_log is not None and f.sim is None:
         fail(err, EXIT_USAGE, "--engine-log needs --sim: a gateway given by URL logs where it runs")
     if f.policy not in KNOWN_POLICIES:
@@ -203,7 +212,8 @@ def check(err: Console, f: ReplayFlags) -> ReplayPlan:
         max_think_ms=f.max_think_ms, timeout_s=f.timeout, model=f.model,
         time_scale=f.speed if f.sim is not None else 1.0, arrivals="trace" if open_loop else "closed", rate=f.rate)
     target = (SimTarget(preset=f.sim, prefill=f.prefill, decode=f.decode, speed=f.speed,
-                        prefill_prefix_caching=f.prefill_prefix_caching) if f.sim is not None else None)
+                        prefill_prefix_caching=f.prefill_prefix_caching, virtual=f.virtual)
+              if f.sim is not None else None)
     policies = (words.policies or list(DEFAULT_COMPARE)) if f.compare else [f.policy]
     return ReplayPlan(flags=f, path=Path(words.file), target=target, opts=opts, policies=policies, rates=rates,
                       objectives=objectives, slos=slos)

@@ -134,10 +134,27 @@ class TurnResult:
         return asdict(self)
 
 
+@dataclass(frozen=True, slots=True)
+class RunClock:
+    """The clock a replay reads (nanoseconds) and when its run started on it."""
+
+    now_ns: Callable[[], int]
+    t0: int
+
+    def since_ms(self) -> float:
+        return (self.now_ns() - self.t0) / 1e6
+
+
 @dataclass(slots=True)
 class ReplayRun:
     results: list[TurnResult]
     wall_s: float  # real seconds
+    # Seconds of the run on the clock it read when that was not the wall clock (virtual time); None: the wall's.
+    clock_s: float | None = None
+    # Virtual time: the gateway's modelled CPU and what it did (cli/simstack/gateway_cost.py), and the CPU seconds
+    # this process really took for the run (measured, reported beside the model, never fed back).
+    gateway_model: dict[str, Any] | None = None
+    cpu_s: float | None = None
     # A simulated run's counters, read from the gateway and the nodes before teardown (`SimStack.counters`).
     counters: dict[str, Any] | None = None
     # Whether `TurnResult.engine_tpot_ms` was joined from the decoding engines (simulated runs).
@@ -211,15 +228,15 @@ async def _one_turn(
     tools: list[dict[str, Any]] | None,
     params: dict[str, Any],
     opts: ReplayOptions,
-    run_t0: int,
+    clock: RunClock,
 ) -> tuple[TurnResult, dict[str, Any] | None]:
     """One turn streamed and timed (kvtether.cli.streaming); a failure is recorded, never raised out of the run."""
     body, stamped = _request(model, messages, tools, params)
     headers = {**opts.extra_headers, SESSION_HEADER: sid, **stamps_for_body(stamped).headers()}
     res = TurnResult(session_id=sid, turn=turn_index, ok=False, prompt_messages=len(messages))
-    res.start_ms = (now_ns() - run_t0) / 1e6 * opts.time_scale
+    res.start_ms = clock.since_ms() * opts.time_scale
     try:
-        answer = await stream_answer(client, url, body, headers)
+        answer = await stream_answer(client, url, body, headers, clock_ns=clock.now_ns)
     except StreamFailure as e:
         res.error_kind, res.error = e.kind, e.message
         res.reuse = _reuse_headers(e.headers)
@@ -236,7 +253,7 @@ async def _one_session(
     url: str,
     session: SessionRecord,
     opts: ReplayOptions,
-    run_t0: int,
+    clock: RunClock,
     emit: Callable[[TurnResult], None],
 ) -> None:
     sid = session.session_id + opts.session_suffix
@@ -255,7 +272,7 @@ async def _one_session(
                 await anyio.sleep(delay / 1000.0 / opts.time_scale)
         _, messages, tools = history.request(i)
         result, answer = await _one_turn(client, url, sid, turn.index, model, messages, tools, turn.params, opts,
-                                         run_t0)
+                                         clock)
         history.answered(i, answer)
         emit(result)
         failed = not result.ok
@@ -297,7 +314,11 @@ async def run_replay(
     base_url: str,
     opts: ReplayOptions,
     on_result: Callable[[TurnResult], None] | None = None,
+    *,
+    clock_ns: Callable[[], int] = now_ns,
 ) -> ReplayRun:
+    """Replay `sessions` against `base_url`. `clock_ns`: the clock every time is read on (nanoseconds), the
+    arrivals' schedule included: the wall clock live, the virtual loop's in virtual time (``loop_clock_ns``)."""
     if opts.concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     if opts.time_scale <= 0:
@@ -306,6 +327,7 @@ async def run_replay(
         raise ValueError(f"arrivals must be one of {ARRIVALS}, not {opts.arrivals!r}")
     if opts.rate <= 0:
         raise ValueError("rate must be > 0")
+    wall_t0 = time.perf_counter()
     results: list[TurnResult] = []
 
     def emit(r: TurnResult) -> None:
@@ -320,14 +342,14 @@ async def run_replay(
     open_loop = opts.arrivals == "trace"
     limit = anyio.Semaphore(OPEN_LOOP_CAP if open_loop else opts.concurrency)
     starts = arrival_delays_s(sessions, opts.rate, opts.time_scale) if open_loop else [0.0] * len(sessions)
-    run_t0 = time.perf_counter_ns()
+    clock = RunClock(clock_ns, clock_ns())
 
     async def guarded(s: SessionRecord, start_s: float) -> None:
         if start_s > 0:
             # From the run's start, not from now: the task group may start this task late.
-            await anyio.sleep(max(0.0, start_s - (time.perf_counter_ns() - run_t0) / 1e9))
+            await anyio.sleep(max(0.0, start_s - clock.since_ms() / 1e3))
         async with limit:
-            await _one_session(client, url, s, opts, run_t0, emit)
+            await _one_session(client, url, s, opts, clock, emit)
 
     try:
         async with anyio.create_task_group() as tg:
@@ -335,4 +357,5 @@ async def run_replay(
                 tg.start_soon(guarded, s, start_s)
     finally:
         await client.aclose()
-    return ReplayRun(results=results, wall_s=(time.perf_counter_ns() - run_t0) / 1e9)
+    return ReplayRun(results=results, wall_s=time.perf_counter() - wall_t0,
+                     clock_s=clock.since_ms() / 1e3 if clock_ns is not now_ns else None)

@@ -30,6 +30,7 @@ class ReplayFlags:
     prefill: int
     decode: int
     speed: float
+    virtual: bool
     input_format: str
     concurrency: int
     arrivals: str
@@ -79,7 +80,11 @@ class ReplayPlan:
 
     @property
     def time_note(self) -> str:
-        return f"simulated time = real × {self.flags.speed:g}" if self.target is not None else "real time"
+        if self.target is None:
+            return "real time"
+        if self.target.virtual:
+            return "virtual time: exact, the gateway's CPU modelled"
+        return f"simulated time = real × {self.flags.speed:g}"
 
     @property
     def arrivals_note(self) -> str:

@@ -75,6 +75,11 @@ def summarize_run(label: str, run: ReplayRun, sessions: int) -> dict[str, Any]:
         "first_errors": [f"{r.session_id} turn {r.turn}: {r.error_kind}: {r.error}" for r in errors[:5]],
         "wall_s": run.wall_s,
     }
+    if run.clock_s is not None:  # virtual time: the run's length on it, the CPU it took, the modelled gateway
+        out["clock"] = "virtual"
+        out["virtual_s"] = round(run.clock_s, 6)
+        out["cpu_s"] = None if run.cpu_s is None else round(run.cpu_s, 3)
+        out["gateway_model"] = run.gateway_model
     warnings: list[str] = []
     if out["empty"]:
         warnings.append(

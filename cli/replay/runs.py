@@ -77,18 +77,30 @@ async def _run_one(plan: ReplayPlan, sessions: Sequence[SessionRecord], policy: 
     return await replay_sim(sessions, plan.target, policy, plan.opts, tick)
 
 
-async def _run_all(err: Console, plan: ReplayPlan, sessions: Sequence[SessionRecord]) -> list[tuple[str, ReplayRun]]:
+def _run_all(err: Console, plan: ReplayPlan, sessions: Sequence[SessionRecord]) -> list[tuple[str, ReplayRun]]:
+    """Each job in an event loop of its own: on a virtual target a fresh virtual clock and network, so that a run's
+    figures do not depend on the runs before it."""
     out: list[tuple[str, ReplayRun]] = []
     announce = _Announcement(err, plan, sessions)
     n_turns = sum(len(s.turns) for s in sessions)
+    virtual = plan.target is not None and plan.target.virtual
     with _progress(err, plan) as progress:
         for policy, rate in plan.jobs:
             label = plan.label(policy, rate)
             description = label if plan.target is not None else plan.flags.gateway or ""
             tick = _Ticker(progress, progress.add_task(description, total=n_turns, errors=0))
-            plan.opts.session_suffix = "" if plan.flags.keep_session_ids else new_session_suffix()
+            # A fresh simulated cluster per run needs no suffix to keep runs apart; a virtual run's ids stay as
+            # recorded, so that two runs give the same document.
+            keep = plan.flags.keep_session_ids or virtual
+            plan.opts.session_suffix = "" if keep else new_session_suffix()
             plan.opts.rate = rate
-            out.append((label, await _run_one(plan, sessions, policy, tick, announce)))
+            if virtual:
+                from kvtether.sim.virtual import run_virtual
+
+                run = run_virtual(_run_one, plan, sessions, policy, tick, announce)
+            else:
+                run = anyio.run(_run_one, plan, sessions, policy, tick, announce)
+            out.append((label, run))
     return out
 
 
@@ -104,7 +116,7 @@ def run_jobs(err: Console, plan: ReplayPlan,
     started = started_at()
     try:
         with cluster_logs:
-            runs = anyio.run(_run_all, err, plan, sessions)
+            runs = _run_all(err, plan, sessions)
     except Unreachable as e:
         fail(err, EXIT_FAILED, f"{e}; is the gateway running? (kvtether serve …)")
     except ModuleNotFoundError as e:

@@ -4,6 +4,7 @@ front), its counters read before it stops, each answer's TPOT joined from the de
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from kvtether.cli.replay.engine import ReplayOptions, ReplayRun, TurnResult, join_engine_tpot, run_replay
 from kvtether.cli.simstack import DEFAULT_PREFILL_PREFIX_CACHING, StackSpec, sim_stack
 from kvtether.cli.simstack.decode_times import DecodeTimes
+from kvtether.cli.streaming import loop_clock_ns
 from kvtether.sdk.sessionfile import SessionRecord
 
 LEARNING_OFF = {"learn_estimates": False}
@@ -25,12 +27,15 @@ class SimTarget:
     decode: int = 2
     speed: float = 1.0  # simulated seconds per real second; a replay on it reports simulated time
     prefill_prefix_caching: bool = DEFAULT_PREFILL_PREFIX_CACHING
+    # On one virtual clock (sim/virtual.py): the cluster, the gateway and the clients; speed 1, exact figures.
+    virtual: bool = False
 
     def describe(self) -> str:
         caching = "on" if self.prefill_prefix_caching else "off"
+        clock = "virtual clock" if self.virtual else f"clock = real × {self.speed:g}"
         return (
             f"simulated {self.preset}, {self.prefill} prefill + {self.decode} decode, "
-            f"prefix caching on P {caching}, clock = real × {self.speed:g}"
+            f"prefix caching on P {caching}, {clock}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -52,8 +57,9 @@ async def replay_sim(
 ) -> ReplayRun:
     """Replay `sessions` on a fresh simulated stack whose gateway runs `policy`.
 
-    Times are simulated (``opts.time_scale`` is set to the target's speed); the model name defaults to the
-    simulator's (it serves one). The run's ``counters`` are read before the cluster stops. Each answer's
+    Times are simulated (``opts.time_scale`` is set to the target's speed; on a virtual loop the client reads the
+    loop's clock, as the stack does, and the run reports its CPU and the gateway's model); the model name
+    defaults to the simulator's (it serves one). The run's ``counters`` are read before the cluster stops. Each answer's
     ``engine_tpot_ms`` is the decoding engine's own (``simstack.decode_times.DecodeTimes``), which this machine's
     load does not inflate as it does the client's.
     """
@@ -64,8 +70,12 @@ async def replay_sim(
         assert stack.cluster is not None
         decode_times.watch_decoding(stack.cluster)
         run_opts = dataclasses.replace(opts, model=opts.model or stack.model, time_scale=target.speed)
-        run = await run_replay(sessions, stack.url, run_opts, on_result)
+        cpu0 = time.process_time()
+        run = await run_replay(sessions, stack.url, run_opts, on_result,
+                               **({"clock_ns": loop_clock_ns()} if stack.virtual else {}))
         run.counters = stack.counters()
+        if stack.virtual:
+            run.cpu_s, run.gateway_model = time.process_time() - cpu0, stack.gateway_model()
     join_engine_tpot(run.results, decode_times.tpot_by_request())
     run.engine_tpot = True
     return run

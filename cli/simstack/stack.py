@@ -7,11 +7,15 @@ serving prefill and decode with its own prefix cache, behind the gateway in aggr
 pool instances (kv_both, bidirectional), behind the gateway's ``auto`` policy, which runs each turn on the session's
 instance or prefills it on another that pulls the history (docs/pool.md).
 
-Time. The simulator's clock runs ``speed`` times real time; the gateway's clock is real. So every time setting of
-the stack is given in simulated seconds (``StackTimes``) and the gateway gets each as simulated / speed real
-seconds (``time_settings``, the one rule): its session TTL below the engines' ``decoder_kv_blocks_ttl``, the
-engine TTL it checks that against, its retention review and its expired-session sweep. The engines get their
-TTL as it is (their clock is the simulated one).
+Time. On a virtual clock (the stack started inside ``sim.virtual.run_virtual``: the running loop is a
+``VirtualLoop``) everything reads one clock, the loop's: the nodes, the gateway (``create_app(clock=…)``) and the
+caller's clients; the speed is 1, every figure is exact and repeatable, and the gateway's own CPU, which virtual
+time does not see, is modelled (gateway_cost.py). On the wall clock the simulator's clock runs ``speed`` times
+real time and the gateway's clock is real. So every time setting of the stack is given in simulated seconds
+(``StackTimes``) and the gateway gets each as simulated / speed real seconds (``time_settings``, the one rule):
+its session TTL below the engines' ``decoder_kv_blocks_ttl``, the engine TTL it checks that against, its
+retention review and its expired-session sweep. The engines get their TTL as it is (their clock is the
+simulated one).
 
 Estimator seeds. On a P/D cluster the gateway's estimator starts from seeds calibrated on the preset's cost model
 and converted to real seconds at ``speed`` (``seed_settings``, calibration.py): what an operator sets from a short
@@ -24,11 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import sys
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from kvtether.cli.simstack.gateway_cost import CostedGateway, GatewayCost, default_cost
 
 if TYPE_CHECKING:
     from kvtether.gateway.config import GatewayConfig
@@ -134,7 +141,7 @@ def _sample_sums(registry: Any, name: str, label: str | None = None) -> dict[str
 @dataclass(slots=True)
 class SimStack:
     """A running simulated stack: the gateway's URL, the model it serves, its configuration and app, and the
-    cluster (None when it runs in a process of its own)."""
+    cluster (None when it runs in a process of its own); on a virtual clock, the clock and the modelled gateway."""
 
     url: str
     model: str
@@ -142,6 +149,16 @@ class SimStack:
     app: GatewayApp
     cluster: SimCluster | None
     urls: dict[str, list[str]]  # the nodes by role: prefill, decode, aggregated
+    clock: Callable[[], float] | None = None  # the virtual loop's time; None on the wall clock
+    costed: CostedGateway | None = None  # the gateway's modelled CPU (virtual time only)
+
+    @property
+    def virtual(self) -> bool:
+        return self.clock is not None
+
+    def gateway_model(self) -> dict[str, Any] | None:
+        """The modelled gateway's parameters and what it did (gateway_cost.py); None on the wall clock."""
+        return None if self.costed is None else self.costed.report()
 
     def counters(self) -> dict[str, Any]:
         """What the run did to the handles and where each node's prompt tokens came from, as counted so far.
@@ -190,14 +207,15 @@ asyncio.run(main())
 
 
 @contextlib.asynccontextmanager
-async def _cluster(spec: ClusterSpec, separate: bool) -> AsyncIterator[tuple[dict[str, list[str]], SimCluster | None]]:
+async def _cluster(spec: ClusterSpec, separate: bool,
+                   clock: Callable[[], float] | None) -> AsyncIterator[tuple[dict[str, list[str]], SimCluster | None]]:
     """(the nodes' URLs by role, the in-process cluster or None). In-process by default: one Python process (one
     GIL) then runs the engines, the gateway and the clients, so the gateway's CPU time also delays the simulated
     engines. Separate: the engines get a core of their own, as vLLM's servers would."""
     from kvtether.sim.cluster import SimCluster
 
     if not separate:
-        async with SimCluster(spec) as cluster:
+        async with SimCluster(spec, clock=clock) as cluster:
             yield cluster.urls(), cluster
         return
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _SERVE_SIM, json.dumps(asdict(spec)),
@@ -218,8 +236,6 @@ def _config(spec: StackSpec, option: str, urls: Mapping[str, list[str]],
             overrides: Mapping[str, Any]) -> GatewayConfig:
     """The gateway's configuration: its defaults, the stack's settings, then `overrides`. Not from the
     environment: a simulated stack must not take the operator's secrets (API keys) for its own."""
-    import dataclasses
-
     from kvtether.gateway.config import GatewayConfig
 
     nodes: dict[str, Any] = ({"aggregated": list(urls["aggregated"])} if option == COLOCATED
@@ -229,27 +245,55 @@ def _config(spec: StackSpec, option: str, urls: Mapping[str, list[str]],
     return dataclasses.replace(GatewayConfig(), **settings).validate()
 
 
+def _virtual_clock(spec: StackSpec, separate_process: bool) -> Callable[[], float] | None:
+    """The running virtual loop's clock, or None on a real loop; what a virtual stack cannot be refused."""
+    from kvtether.sim.virtual import current_virtual_loop
+
+    loop = current_virtual_loop()
+    if loop is None:
+        return None
+    if spec.speed != 1.0:
+        raise ValueError("a stack on a virtual clock runs at speed 1 (its time is exact; --speed is for live runs)")
+    if separate_process:
+        raise ValueError("a stack on a virtual clock runs in one process: the cluster cannot have one of its own")
+    return loop.time
+
+
 @contextlib.asynccontextmanager
 async def sim_stack(spec: StackSpec, option: str, *, gateway: Mapping[str, Any] | None = None,
-                    tracer_provider: Any = None, separate_process: bool = False) -> AsyncIterator[SimStack]:
+                    tracer_provider: Any = None, separate_process: bool = False,
+                    gateway_cost: GatewayCost | None = None) -> AsyncIterator[SimStack]:
     """A fresh simulated cluster of `spec`'s shape for `option` and an in-process gateway in front of it.
 
     `gateway`: settings over the stack's (GatewayConfig field names, real seconds). `tracer_provider`: the
     gateway's spans go there. `separate_process`: the cluster runs in a child process (no ``cluster`` then).
+    On a virtual loop (``sim.virtual.run_virtual``) the stack runs on its clock (module docstring), its gateway
+    behind `gateway_cost` (None: the measured default for the option, gateway_cost.py; ``NO_COST``: free); it
+    keeps its sessions in memory (a Redis store would wait on real I/O: refused).
     A stop signal (Ctrl-C, SIGTERM) stops the gateway as after a normal run before it goes on: handed the
     cancellation, the server would be cancelled mid-shutdown and uvicorn would log its lifespan's traceback."""
+    from kvtether.gateway.clock import DEFAULT_CLOCK
     from kvtether.gateway.shell.app import create_app
     from kvtether.gateway.shell.server import serve_gateway
 
+    clock = _virtual_clock(spec, separate_process)
     cspec = cluster_spec(spec, option)
-    async with _cluster(cspec, separate_process) as (urls, cluster):
+    if clock is not None:
+        # The lease's real-time floor guards a live run against this machine's stalls; virtual time has none.
+        cspec = dataclasses.replace(cspec, kv_lease_real_floor_s=0.0)
+    async with _cluster(cspec, separate_process, clock) as (urls, cluster):
         config = _config(spec, option, urls, gateway or {})
-        app = create_app(config, tracer_provider=tracer_provider)
+        if clock is not None and config.store != "memory":
+            raise ValueError("a stack on a virtual clock keeps its sessions in memory: a Redis or Valkey store "
+                             "answers on the wall clock (leave `store` unset)")
+        app = create_app(config, tracer_provider=tracer_provider, clock=clock or DEFAULT_CLOCK)
+        costed = None if clock is None else CostedGateway(
+            app, gateway_cost or default_cost(aggregated=option == COLOCATED, workers=1), clock)
         stopped: BaseException | None = None
-        async with serve_gateway(config, app=app) as url:
+        async with serve_gateway(config, app=costed or app) as url:
             try:
                 yield SimStack(url=str(url), model=cspec.model_name, config=config, app=app, cluster=cluster,
-                               urls=urls)
+                               urls=urls, clock=clock, costed=costed)
             except (asyncio.CancelledError, KeyboardInterrupt) as e:
                 stopped = e
         if stopped is not None:

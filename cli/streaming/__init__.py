@@ -31,7 +31,7 @@ from kvtether.cli.streaming.answers import (
     reader_for,
 )
 from kvtether.cli.streaming.client import PATHS, StreamedAnswer, StreamFailure, stream_answer
-from kvtether.cli.streaming.clock import TIME_DEFINITIONS, TokenClock, now_ns
+from kvtether.cli.streaming.clock import TIME_DEFINITIONS, TokenClock, loop_clock_ns, now_ns
 
 __all__ = [
     "APIS",
@@ -46,6 +46,7 @@ __all__ = [
     "StreamedAnswer",
     "TokenClock",
     "has_token",
+    "loop_clock_ns",
     "now_ns",
     "reader_for",
     "stream_answer",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,10 +62,10 @@ def _data(line: str) -> Any:
     return orjson.loads(payload)
 
 
-async def _read(resp: httpx.Response, reader: AnswerReader) -> None:
+async def _read(resp: httpx.Response, reader: AnswerReader, clock_ns: Callable[[], int]) -> None:
     clock = reader.clock
     async for line in resp.aiter_lines():
-        now = now_ns()  # first: nothing else may sit between arrival and stamp
+        now = clock_ns()  # first: nothing else may sit between arrival and stamp
         data = _data(line)
         if not isinstance(data, Mapping):
             continue
@@ -77,13 +77,15 @@ async def _read(resp: httpx.Response, reader: AnswerReader) -> None:
 
 async def stream_answer(client: httpx.AsyncClient, url: str, body: Mapping[str, Any],
                         headers: Mapping[str, str] | None = None, *, api: str = CHAT,
-                        request_timeout_s: float | None = None) -> StreamedAnswer:
+                        request_timeout_s: float | None = None,
+                        clock_ns: Callable[[], int] = now_ns) -> StreamedAnswer:
     """POST `body` (a streamed request of `api`) to `url` and read its answer to the end of the stream.
 
     The clock starts just before the request is sent; `request_timeout_s` bounds each wait (the client's own
-    timeout without it). Raises StreamFailure: never a retry, which would hide in the times; the caller counts
-    the failure instead."""
-    clock = TokenClock(t0=now_ns())
+    timeout without it). `clock_ns`: the clock the times are read on (nanoseconds): ``perf_counter_ns`` live, a
+    virtual loop's time (``loop_clock_ns``) in virtual time. Raises StreamFailure: never a retry, which would
+    hide in the times; the caller counts the failure instead."""
+    clock = TokenClock(t0=clock_ns())
     reader = reader_for(api, clock)
     timeout = httpx.USE_CLIENT_DEFAULT if request_timeout_s is None else request_timeout_s
     started = False  # whether the response's head came: a failure after it broke the stream
@@ -94,8 +96,8 @@ async def stream_answer(client: httpx.AsyncClient, url: str, body: Mapping[str, 
                 text = (await resp.aread()).decode("utf-8", "replace")
                 raise StreamFailure(f"http_{resp.status_code}", f"HTTP {resp.status_code}: {text}"[:300], resp.headers)
             answer = StreamedAnswer(api, clock, reader, resp.headers)
-            await _read(resp, reader)
-        clock.end = now_ns()
+            await _read(resp, reader, clock_ns)
+        clock.end = clock_ns()
         return answer
     except StreamFailure:
         raise

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # The definitions (package docstring), one line each, as result documents carry them.
@@ -18,6 +20,13 @@ TIME_DEFINITIONS = {
 
 def now_ns() -> int:
     return time.perf_counter_ns()
+
+
+def loop_clock_ns() -> Callable[[], int]:
+    """The running event loop's clock in nanoseconds: on a virtual loop (sim/virtual.py), virtual time, which the
+    simulated stack reads too (a client on it measures exactly what the stack did)."""
+    time_of = asyncio.get_running_loop().time
+    return lambda: round(time_of() * 1e9)
 
 
 @dataclass(slots=True)

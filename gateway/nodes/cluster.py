@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import logging
 import re
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -20,6 +19,7 @@ from urllib.parse import urlparse
 
 import anyio
 import httpx
+from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.nodes.health import next_backoff
 from kvtether.gateway.policy.placement import ClusterView, NodeLoad
@@ -73,7 +73,7 @@ class Node:
     max_model_len: dict[str, int] = field(default_factory=dict)  # per served model, from /v1/models
     last_error: str | None = None
     consecutive_errors: int = 0
-    # While out of service: when its /health is probed next (the gateway's monotonic clock), and the backoff
+    # While out of service: when its /health is probed next (the gateway's clock), and the backoff
     # after that probe if it fails too (health.py). Reset by a request that succeeds.
     out_until: float = 0.0
     backoff_s: float = 0.0
@@ -187,9 +187,10 @@ def parse_metrics(text: str) -> dict[str, float | int]:
 
 class Cluster:
     def __init__(self, config: GatewayConfig, client: httpx.AsyncClient,
-                 on_poll_failure: Callable[[str], None] | None = None) -> None:
+                 on_poll_failure: Callable[[str], None] | None = None, clock: Clock = DEFAULT_CLOCK) -> None:
         self.config = config
         self.client = client
+        self.clock = clock  # the gateway's (clock.py): health backoffs, expected arrivals
         self.on_poll_failure = on_poll_failure  # a node's /metrics poll failed (its URL): counted by the app
         self._arrival_ids = itertools.count()
         # Set when a node is taken out, so the health prober (health.py) probes it without waiting.
@@ -245,7 +246,7 @@ class Cluster:
         if node.healthy:
             log.warning("node %s marked unhealthy: %s", node.url, why)
             node.backoff_s = next_backoff(node.backoff_s, self.config)
-            node.out_until = time.monotonic() + node.backoff_s
+            node.out_until = self.clock() + node.backoff_s
             if self.wake is not None:
                 self.wake.set()
         node.healthy = False
@@ -258,7 +259,7 @@ class Cluster:
     def retry_after(self, role: str) -> float:
         """Seconds until the first node of `role` is probed again (what a 503's Retry-After says)."""
         outs = [n.out_until for n in self.role(role) if not n.healthy]
-        return max(self.config.health_backoff_s, min(outs, default=0.0) - time.monotonic())
+        return max(self.config.health_backoff_s, min(outs, default=0.0) - self.clock())
 
     def begin(self, url: str, *, prefill: bool = False) -> None:
         node = self.nodes.get(url)

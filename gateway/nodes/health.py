@@ -10,7 +10,6 @@ doubled backoff, and a request that succeeds resets it.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import anyio
@@ -30,13 +29,13 @@ def next_backoff(current_s: float, config: GatewayConfig) -> float:
 async def probe_forever(cluster: Cluster) -> None:
     cluster.wake = anyio.Event()
     while True:
-        now = time.monotonic()
+        now = cluster.clock()
         due = [n for n in cluster.nodes.values() if not n.healthy and n.out_until <= now]
         async with anyio.create_task_group() as tg:
             for node in due:
                 tg.start_soon(_probe, cluster, node)
         pending = [n.out_until for n in cluster.nodes.values() if not n.healthy]
-        wait = min(pending, default=now + cluster.config.health_backoff_max_s) - time.monotonic()
+        wait = min(pending, default=now + cluster.config.health_backoff_max_s) - cluster.clock()
         with anyio.move_on_after(max(0.01, wait)):
             await cluster.wake.wait()
         cluster.wake = anyio.Event()
@@ -48,4 +47,4 @@ async def _probe(cluster: Cluster, node: Node) -> None:
         await cluster.refresh(node)  # its load and models, before turns are placed on it again
     else:
         node.backoff_s = next_backoff(node.backoff_s, cluster.config)
-        node.out_until = time.monotonic() + node.backoff_s
+        node.out_until = cluster.clock() + node.backoff_s

@@ -21,8 +21,6 @@ little held KV.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +28,7 @@ import anyio
 import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.guard.verify import handle_num_tokens, handle_request_id
 from kvtether.gateway.nodes.cluster import Cluster, Node
@@ -84,7 +83,7 @@ class _DecodeView:
 
 class Retention:
     def __init__(self, config: GatewayConfig, cluster: Cluster, store: SessionStore, metrics: T.Metrics,
-                 client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
+                 client: httpx.AsyncClient, clock: Clock = DEFAULT_CLOCK,
                  scan_page: int = SCAN_PAGE_SIZE) -> None:
         self.config, self.cluster, self.store, self.metrics, self.client, self.clock = (
             config, cluster, store, metrics, client, clock)

@@ -3,8 +3,7 @@
 One :class:`Learning` per gateway. The shell reports what happened in plain values (a prefill leg's time, a
 finished decode leg's timing, when chunks arrived, which requests are decoding where); the policy reads back
 an :class:`EstimatorSnapshot`, the pinned D's tightest TPOT quota and the TTFT tail threshold. No I/O; every
-time is passed in from the caller's clock (the gateway's monotonic clock, or ``time.perf_counter`` for
-stream timing, as noted per method).
+time is passed in from the caller's clock (the gateway's one clock, gateway/clock.py).
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ class NodeFacts(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class DecodeSample:
-    """A finished final leg on a decode node, as the relay timed it (``time.perf_counter`` seconds)."""
+    """A finished final leg on a decode node, as the relay timed it (the gateway's clock, seconds)."""
 
     node: str
     local: bool  # a decode-local turn: D prefilled the suffix itself

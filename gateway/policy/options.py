@@ -54,12 +54,12 @@ def d_leg_s(c: Nodes, d: NodeLoad) -> float:
     return c.est.queue_s(d.url, d.waiting) + c.est.tpot_s(d.url, d.running + 1)
 
 
-def new_pin_order(c: Nodes, d: NodeLoad) -> tuple[float, float, str]:
+def new_pin_order(c: Nodes, d: NodeLoad) -> tuple[float, float]:
     """Where a session without a decode node starts (or restarts): the node with the fewest requests, those headed
     there included, then the one that would serve a first token soonest. Sessions are pinned from then on, so
     without the turns already on their way, first turns planned together all see the same idle node and pin
-    there for good (decode_load)."""
-    return decode_load(d), d_leg_s(c, d), d.url
+    there for good (decode_load). Ties go to the first in the configuration's order."""
+    return decode_load(d), d_leg_s(c, d)
 
 
 def d_cached_tokens(turn: TurnFacts, c: Nodes) -> int:
@@ -266,8 +266,9 @@ def cheapest(cands: Iterable[OptionEstimate]) -> OptionEstimate | None:
     cheapest over a soft limit. A pairing's interference is a pool instance's prefill leg stalling its decodes."""
     pool = list(cands)
     within = [o for o in pool if o.feasible] or [o for o in pool if o.soft]
-    return min(within, key=lambda o: (o.ttft_s + o.interference_s + o.balance_s + o.tail_s, o.prefill_url or "",
-                                      o.balance_s != 0.0), default=None)
+    # Ties: staying before moving, then the configuration's order (the candidates come in it; min keeps the first).
+    return min(within, key=lambda o: (o.ttft_s + o.interference_s + o.balance_s + o.tail_s, o.balance_s != 0.0),
+               default=None)
 
 
 def decode_choices(pinned: NodeLoad, c: Nodes) -> tuple[NodeLoad, ...]:

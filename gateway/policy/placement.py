@@ -105,7 +105,9 @@ def least_loaded(nodes: Sequence[NodeLoad], *, exclude: frozenset[str] = frozens
     candidates = [n for n in nodes if n.healthy and n.url not in exclude]
     if not candidates:
         return None
-    return min(candidates, key=lambda n: (n.score, n.url))
+    # Ties go to the first in the configuration's order (min keeps the first): never to an accident such as
+    # which port sorts first.
+    return min(candidates, key=lambda n: n.score)
 
 
 def _healthy(nodes: Sequence[NodeLoad], exclude: frozenset[str]) -> list[NodeLoad]:

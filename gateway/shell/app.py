@@ -23,6 +23,7 @@ from kvtether.gateway.api.endpoint import turn_endpoint
 from kvtether.gateway.api.hosted import DroppedTools
 from kvtether.gateway.api.responses.state import ResponsesState, seal_for
 from kvtether.gateway.api.serving import Serving, request_headers
+from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.nodes.cluster import Cluster
@@ -55,8 +56,10 @@ class Gateway:
     """Everything one app instance owns; reachable as ``app.state.gateway`` (tests, admin)."""
 
     def __init__(self, config: GatewayConfig, store: SessionStore | None = None,
-                 tracer_provider: trace.TracerProvider | None = None) -> None:
+                 tracer_provider: trace.TracerProvider | None = None, clock: Clock = DEFAULT_CLOCK) -> None:
         self.config = config
+        # The one clock every part below reads (gateway/clock.py): passed down, never read beside it.
+        self.clock = clock
         self.tracer = T.tracer(tracer_provider)
         self.metrics = T.Metrics()
         self.metrics.set_policy(config.policy)
@@ -69,7 +72,7 @@ class Gateway:
         self.worker_metrics: str | None = None
         # The configured store (memory, or Redis/Valkey shared by replicas); closed at shutdown when built here.
         self.own_store = store is None
-        self.store: SessionStore = store or open_store(config, metrics=self.metrics)
+        self.store: SessionStore = store or open_store(config, metrics=self.metrics, clock=clock)
         self.auth = Auth(config)
         self.client = _upstream_client(config)
         # The guard's /tokenize calls get connections of their own. Sharing a keep-alive connection with the
@@ -82,18 +85,21 @@ class Gateway:
         self.upstream = Upstream(UpstreamLimits(
             connect_timeout_s=config.connect_timeout_s, write_timeout_s=config.write_timeout_s,
             pool_timeout_s=config.pool_timeout_s, max_connections=config.max_connections,
-            max_keepalive_connections=config.max_keepalive_connections, keepalive_expiry_s=config.keepalive_expiry_s))
+            max_keepalive_connections=config.max_keepalive_connections,
+            keepalive_expiry_s=config.keepalive_expiry_s), clock=clock)
         self.cluster = Cluster(config, self.client,
-                               on_poll_failure=lambda url: self.metrics.upstream_errors.labels(url, "metrics").inc())
+                               on_poll_failure=lambda url: self.metrics.upstream_errors.labels(url, "metrics").inc(),
+                               clock=clock)
         for node in self.cluster.nodes.values():  # every series from the start, so a rate() sees the first error
             for phase in T.PHASES:
                 self.metrics.upstream_errors.labels(node.url, phase)
         # Releases go out on the polls' client: a one-token prefill each, off the request path.
-        self.retention = Retention(config, self.cluster, self.store, self.metrics, self.client)
+        self.retention = Retention(config, self.cluster, self.store, self.metrics, self.client, clock=clock)
         self.responses = ResponsesState(self.store, config.responses_ttl_s, seal_for(config.reasoning_key))
         self.dropped_tools = DroppedTools(self.metrics.dropped_tools)
         self.orchestrator = Orchestrator(config, self.cluster, self.store, self.metrics, self.upstream,
-                                         self.tokenize_client, tracer=self.tracer, retention=self.retention)
+                                         self.tokenize_client, clock=clock, tracer=self.tracer,
+                                         retention=self.retention)
 
     async def sweep_forever(self) -> None:
         while True:
@@ -199,9 +205,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
-               tracer_provider: trace.TracerProvider | None = None, worker_metrics: str | None = None) -> GatewayApp:
-    """``worker_metrics``: this app is one of several workers, which write their metrics in that directory."""
-    gw = Gateway(config, store, tracer_provider)
+               tracer_provider: trace.TracerProvider | None = None, worker_metrics: str | None = None,
+               clock: Clock = DEFAULT_CLOCK) -> GatewayApp:
+    """``worker_metrics``: this app is one of several workers, which write their metrics in that directory.
+    ``clock``: the one clock the gateway reads (gateway/clock.py); the simulated stack's virtual time passes its
+    event loop's."""
+    gw = Gateway(config, store, tracer_provider, clock)
     gw.worker_metrics = worker_metrics
 
     @contextlib.asynccontextmanager

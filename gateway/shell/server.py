@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ from kvtether.gateway.shell.app import create_app
 from kvtether.gateway.shell.workers import MULTIPROC_ENV, metrics_directory, sigint_to_supervisor_only
 from kvtether.gateway.stores.sessions import SessionStore
 from starlette.applications import Starlette
+from starlette.types import ASGIApp
 
 
 def _installed(module: str) -> bool:
@@ -48,32 +48,39 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 @contextlib.asynccontextmanager
-async def serve_gateway(config: GatewayConfig, *, store: SessionStore | None = None, app: Starlette | None = None,
+async def serve_gateway(config: GatewayConfig, *, store: SessionStore | None = None, app: ASGIApp | None = None,
                         log_level: str = "warning") -> AsyncIterator[str]:
     """``async with serve_gateway(cfg) as url:`` — a running gateway on a free port (``config.port`` ignored).
 
     Pass ``app=create_app(cfg)`` to keep a handle on it (``app.state.gateway``: store, cluster, metrics).
     """
     app = app or create_app(config, store=store)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, 0))
-    port = sock.getsockname()[1]
-    # The caller's event loop runs it (so no `loop`); the HTTP parser is uvicorn's own choice.
-    server = _EmbeddedServer(uvicorn.Config(app, log_level=log_level, lifespan="on", access_log=False, http=HTTP, ws=WS,
-                                            timeout_graceful_shutdown=2,
+    # uvicorn opens the listener itself on the running loop (port 0: a free one, read back once it listens), so
+    # the same code serves on a real socket or on a virtual loop's in-memory network (the simulated stack's
+    # virtual time). The caller's event loop runs it (so no `loop`); the HTTP parser is uvicorn's own choice.
+    server = _EmbeddedServer(uvicorn.Config(app, host=config.host, port=0, log_level=log_level, lifespan="on",
+                                            access_log=False, http=HTTP, ws=WS, timeout_graceful_shutdown=2,
                                             timeout_keep_alive=int(config.client_keepalive_s)))
     async with anyio.create_task_group() as tg:
-        tg.start_soon(server.serve, [sock])
+        tg.start_soon(_serve, server)
         while not server.started:
             if server.should_exit:
                 raise RuntimeError("gateway failed to start")
             await anyio.sleep(0.01)
+        port = int(server.servers[0].sockets[0].getsockname()[1])
         try:
             yield f"http://{config.host}:{port}"
         finally:
             server.should_exit = True
-    sock.close()
+
+
+async def _serve(server: uvicorn.Server) -> None:
+    """uvicorn's serve, its failure to listen (it exits, having logged why) turned into a start-up error."""
+    try:
+        await server.serve()
+    except SystemExit:
+        server.should_exit = True
+        raise RuntimeError("gateway failed to start: it cannot listen") from None
 
 
 # How `run_gateway` hands the configuration to its worker processes (each builds its own app from it).

@@ -7,10 +7,9 @@ calls; a store outage makes turns cold, never failed). :func:`open_store` builds
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 from kvtether.gateway.stores.failsafe import FailSafeStore, pin_by_hash
 from kvtether.gateway.stores.memory import MemorySessionStore
 from kvtether.gateway.stores.sessions import SessionState, SessionStore, TakenHandle
@@ -24,7 +23,7 @@ __all__ = ["FailSafeStore", "MemorySessionStore", "SessionState", "SessionStore"
 
 
 def open_store(config: GatewayConfig, *, metrics: Metrics | None = None,
-               clock: Callable[[], float] = time.monotonic) -> SessionStore:
+               clock: Clock = DEFAULT_CLOCK) -> SessionStore:
     """The store ``config.store`` names. Connects lazily: a Redis that is down at start-up only makes the
     first turns cold."""
     if config.store == "memory":

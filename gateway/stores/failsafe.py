@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import anyio
+from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 from kvtether.gateway.stores.sessions import SCAN_PAGE_SIZE, SessionState, SessionStore, TakenHandle
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class FailSafeStore:
     """Wraps a shared store: every call bounded, counted, and answered safely when the store fails."""
 
     def __init__(self, inner: SessionStore, *, timeout_s: float, metrics: Metrics | None = None,
-                 pins: Sequence[str] = (), clock: Callable[[], float] = time.monotonic,
+                 pins: Sequence[str] = (), clock: Clock = DEFAULT_CLOCK,
                  cooldown_s: float = 0.1, max_cooldown_s: float = 2.0) -> None:
         self.inner = inner
         self.timeout_s = timeout_s
@@ -76,10 +76,10 @@ class FailSafeStore:
         return self.failures == 0
 
     async def _call(self, operation: str, call: Callable[[], Awaitable[R]], fallback: Callable[[], R]) -> R:
-        if self.failures and time.monotonic() < self._paused_until:
+        if self.failures and self.clock() < self._paused_until:
             self._count_failure(operation, "skipped")
             return fallback()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             with anyio.fail_after(self.timeout_s):
                 result = await call()
@@ -90,7 +90,7 @@ class FailSafeStore:
             self._failed(operation, "error", f"{type(exc).__name__}: {exc}")
             return fallback()
         if self.metrics is not None:
-            self.metrics.store_seconds.labels(operation).observe(time.perf_counter() - t0)
+            self.metrics.store_seconds.labels(operation).observe(self.clock() - t0)
         if self.failures:
             log.warning("session store answers again (%d calls ran without it)", self._missed)
             self.failures = self._missed = 0
@@ -99,7 +99,7 @@ class FailSafeStore:
     def _failed(self, operation: str, reason: str, why: str) -> None:
         self.failures += 1
         pause = min(self.max_cooldown_s, self.cooldown_s * 2 ** min(self.failures - 1, 16))
-        self._paused_until = time.monotonic() + pause
+        self._paused_until = self.clock() + pause
         self._count_failure(operation, reason)
         if self.failures == 1:
             log.warning("session store %s failed (%s): turns run cold until it answers", operation, why)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 
+from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 from kvtether.gateway.stores.sessions import SCAN_PAGE_SIZE, SessionState, TakenHandle
 
 
@@ -14,7 +14,7 @@ class MemorySessionStore:
 
     available = True  # in-process: every call answers
 
-    def __init__(self, *, max_sessions: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, max_sessions: int = 100_000, clock: Clock = DEFAULT_CLOCK) -> None:
         self._sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._by_prefix: dict[str, str] = {}
         self._max = max_sessions

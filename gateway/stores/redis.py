@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 from kvtether.gateway.stores import codec
 from kvtether.gateway.stores.sessions import SCAN_PAGE_SIZE, SessionState, TakenHandle
 from redis.asyncio.retry import Retry
@@ -100,7 +101,7 @@ class RedisSessionStore:
     available = True  # a call that got no answer raised instead
 
     def __init__(self, client: aioredis.Redis, *, key_prefix: str, handle_ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 clock: Clock = DEFAULT_CLOCK, wall: Callable[[], float] = time.time,
                  list_limit: int = 1000) -> None:
         self.client = client
         self.prefix = key_prefix

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import anyio.lowlevel
 import httptools
 import httpx
 import orjson
+from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 
 # A stream's body is buffered up to this much before the socket stops being read (flow control: a client that
 # reads slowly holds the node's writes back instead of the gateway's memory growing).
@@ -289,8 +289,9 @@ class UpstreamResponse:
 class Upstream:
     """Keep-alive connections to the nodes, at most ``max_connections`` open at once."""
 
-    def __init__(self, limits: UpstreamLimits | None = None) -> None:
+    def __init__(self, limits: UpstreamLimits | None = None, clock: Clock = DEFAULT_CLOCK) -> None:
         self.limits = limits or UpstreamLimits()
+        self.clock = clock  # the gateway's (clock.py): idle connections' expiry
         self._idle: dict[tuple[str, str, int], deque[_Connection]] = {}
         self._idle_count = 0
         self._free = self.limits.max_connections  # connection slots not taken
@@ -367,7 +368,7 @@ class Upstream:
 
     def _take_idle(self, origin: _Origin) -> _Connection | None:
         idle = self._idle.get(origin.key)
-        now = time.monotonic()
+        now = self.clock()
         while idle:
             conn = idle.pop()  # the most recently used: the least likely to have been closed by the node
             self._idle_count -= 1
@@ -401,7 +402,7 @@ class Upstream:
         self._give_slot()
         if conn.complete and conn.keep_alive and not conn.closed and not conn.body \
                 and self._idle_count < self.limits.max_keepalive_connections:
-            conn.idle_since = time.monotonic()
+            conn.idle_since = self.clock()
             self._idle.setdefault(conn.origin.key, deque()).append(conn)
             self._idle_count += 1
         else:

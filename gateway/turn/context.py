@@ -8,14 +8,14 @@ HTTP clients and the policy's :class:`~kvtether.gateway.policy.learning.Learning
 
 from __future__ import annotations
 
-import time
 from array import array
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.guard.readback import Read
@@ -242,7 +242,7 @@ class Services:
     tokenize_client: httpx.AsyncClient  # /tokenize on connections of its own (see shell/app.py)
     tracer: trace.Tracer
     learning: Learning
-    clock: Callable[[], float] = time.monotonic
+    clock: Clock = DEFAULT_CLOCK
     tokenizer: GuardTokenizer | None = None  # the guard's local tokenizer (None: /tokenize for every turn)
     retention: Retention | None = None  # releases the handles the gateway will not pull (None: none released)
 

@@ -9,12 +9,12 @@ keys, both live in the caller's tenant namespace (``tenancy.scoped``).
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 from kvtether.gateway.stores.sessions import SessionStore
 from kvtether.gateway.tenancy import scoped
 from kvtether.gateway.turn import body as B
@@ -25,7 +25,7 @@ from opentelemetry import trace
 
 async def identify(store: SessionStore, kind: str, body: dict[str, Any], headers: Mapping[str, str],
                    span: trace.Span, tenant: str | None = None, *, upstream_auth: str | None = None,
-                   clock: Callable[[], float] = time.monotonic) -> TurnContext:
+                   clock: Clock = DEFAULT_CLOCK) -> TurnContext:
     """The turn's context: its session (in the tenant's namespace: `scoped`), that session's state, and whether
     the client marked it as the session's last turn. ``clock``: the gateway's, for when the turn arrived."""
     named = session_id_from_headers(headers) or _cache_key(body)
@@ -44,12 +44,13 @@ async def identify(store: SessionStore, kind: str, body: dict[str, Any], headers
     T.set_attrs(span, {T.GEN_AI_CONVERSATION_ID: named if source == "header" else None,
                        T.ATTR_SESSION_SOURCE: source})
     final = session_final_from_headers(headers)
+    now = clock()
     if final:
         span.set_attribute(T.ATTR_SESSION_FINAL, True)
     return TurnContext(kind, body, {k.lower(): v for k, v in headers.items()}, body.get("stream") is True,
-                       body.get("return_token_ids") is True, sid, source, state, time.perf_counter(), span,
+                       body.get("return_token_ids") is True, sid, source, state, now, span,
                        tenant=tenant, named_session=named, upstream_auth=upstream_auth, chain=chain, final=final,
-                       arrived_at=clock())
+                       arrived_at=now)
 
 
 def _cache_key(body: Mapping[str, Any]) -> str | None:

@@ -11,7 +11,6 @@ of the turn are the orchestrator's.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -90,7 +89,7 @@ async def prefill(sv: Services, ctx: TurnContext, progress: Progress, placed: Pl
     node = placed.plan.prefill
     assert node is not None
     span = sv.leg_span(ctx, node, "prefill")
-    started = time.perf_counter()
+    started = sv.clock()
     sv.cluster.begin(node, prefill=True)
     try:
         payload = B.prefill_body(ctx.body, kv)
@@ -108,7 +107,7 @@ async def prefill(sv: Services, ctx: TurnContext, progress: Progress, placed: Pl
         except httpx.HTTPError as exc:
             raise UpstreamFailure.from_http(node, "prefill", exc) from None
         finally:
-            progress.upstream_s += time.perf_counter() - started
+            progress.upstream_s += sv.clock() - started
         data = _json_or_none(resp)
         if resp.status_code != 200 or not isinstance(data, dict):
             raise UpstreamFailure(node, "prefill", f"HTTP {resp.status_code}", resp.status_code, data)
@@ -119,11 +118,11 @@ async def prefill(sv: Services, ctx: TurnContext, progress: Progress, placed: Pl
         prompt = prompt if isinstance(prompt, int) else None
         read = read_of(handle_num_tokens(kv) if kv is not None else None, prompt, reported_cached_tokens(usage))
         response_id, response_model = B.response_identity(data)
-        T.set_attrs(span, {T.GEN_AI_RESPONSE_TTFC: time.perf_counter() - started,
+        T.set_attrs(span, {T.GEN_AI_RESPONSE_TTFC: sv.clock() - started,
                            T.GEN_AI_RESPONSE_ID: response_id, T.GEN_AI_RESPONSE_MODEL: response_model,
                            T.GEN_AI_USAGE_INPUT: prompt, T.GEN_AI_USAGE_CACHE_READ: read.cached_tokens,
                            T.ATTR_HANDLE_READ: read.source == DECODE_PULL if kv is not None else None})
-        _prefill_learned(sv, ctx, placed, node, prompt, read, time.perf_counter() - started, kv)
+        _prefill_learned(sv, ctx, placed, node, prompt, read, sv.clock() - started, kv)
         return Prefilled(params if isinstance(params, dict) else None, read)
     except UpstreamFailure as failure:
         span.set_attribute(T.ERROR_TYPE, str(failure.status or "connection"))
@@ -163,7 +162,7 @@ async def final_leg(sv: Services, ctx: TurnContext, progress: Progress, leg: Fin
     node = leg.node
     leg.span = span = sv.leg_span(ctx, node, leg.name)
     sv.cluster.begin(node)  # ended by remember.finish, or below on failure
-    leg.sent_at, leg.upstream_s = time.perf_counter(), progress.upstream_s
+    leg.sent_at, leg.upstream_s = sv.clock(), progress.upstream_s
     sresp: UpstreamResponse | None = None
     try:
         if not ctx.stream:
@@ -184,7 +183,7 @@ async def final_leg(sv: Services, ctx: TurnContext, progress: Progress, leg: Fin
         raise
     sv.cluster.mark_ok(node)
     if sresp is None:
-        result = LegResult(ok=True, usage=data.get("usage"), ttft=time.perf_counter() - ctx.t0)
+        result = LegResult(ok=True, usage=data.get("usage"), ttft=sv.clock() - ctx.t0)
         _read_whole(data, result)
         B.strip_internal(data, keep_token_ids=ctx.keep_token_ids)
         return Whole(data, result)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import anyio
 import httpx
 from kvtether.gateway import telemetry as T
+from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.guard.readback import readable_offer
@@ -63,7 +63,7 @@ Answer = Whole | Stream  # what the final leg hands over: a whole answer, or a s
 
 class Orchestrator:
     def __init__(self, config: GatewayConfig, cluster: Cluster, store: SessionStore, metrics: T.Metrics,
-                 upstream: Upstream, tokenize_client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
+                 upstream: Upstream, tokenize_client: httpx.AsyncClient, clock: Clock = DEFAULT_CLOCK,
                  tracer: trace.Tracer | None = None, retention: Retention | None = None) -> None:
         knobs = policy_knobs(config)
         # TPOT quotas and step boundaries serve decode-local turns only: P/D mode under the auto policy.

@@ -12,7 +12,6 @@ that turn must find the handle.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -123,7 +122,7 @@ class _Reader:
     def batch_arrived(self) -> float:
         """A network read's lines are here: one timestamp for them all, and (past the stream's first chunk) one
         arrival on D's record of step boundaries (policy/steps.py): the chunks of one read are one arrival."""
-        now = time.perf_counter()
+        now = self.sv.clock()
         if self.result.first_chunk is not None:
             self.sv.learning.chunk_arrived(self.leg.node, now)
         return now

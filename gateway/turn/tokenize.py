@@ -11,7 +11,6 @@ tokenizer checked against each served model) use the same calls.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import anyio
@@ -61,11 +60,11 @@ async def tokenize_remote(sv: Services, payload: dict[str, Any], ctx: TurnContex
     nodes = [n for n in view.prefill if n.healthy] or list(view.prefill)
     if not nodes:
         return None
-    node = min(nodes, key=lambda n: (n.score, n.url)).url
+    node = min(nodes, key=lambda n: n.score).url  # ties: the configuration's order
     parent = ctx.parent_ctx if ctx is not None else None
     with sv.tracer.start_as_current_span(T.SPAN_TOKENIZE, context=parent, kind=T.KIND_INTERNAL) as span:
         T.set_attrs(span, {T.ATTR_PREFILL: node, T.ATTR_TOKENIZE_SOURCE: "remote"})
-        started = time.perf_counter()
+        started = sv.clock()
         try:
             try:
                 timeout = httpx.Timeout(sv.config.tokenize_timeout_s, connect=sv.config.connect_timeout_s)
@@ -73,7 +72,7 @@ async def tokenize_remote(sv: Services, payload: dict[str, Any], ctx: TurnContex
                                                      headers=_JSON, timeout=timeout)
             finally:
                 if progress is not None:
-                    progress.upstream_s += time.perf_counter() - started
+                    progress.upstream_s += sv.clock() - started
             if resp.status_code != 200:
                 raise UpstreamFailure(node, "tokenize", f"HTTP {resp.status_code}", resp.status_code)
             tokens = resp.json().get("tokens")
