@@ -54,7 +54,8 @@ class _Selector(selectors.DefaultSelector):
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         if self.loop.leaked is not None:
-            raise VirtualTimeError(self.loop.leaked)
+            leaked, self.loop.leaked = self.loop.leaked, None  # said once: the run's tasks are cancelled after it
+            raise VirtualTimeError(leaked)
         ready = super().select(0)
         if ready or timeout == 0:
             return ready

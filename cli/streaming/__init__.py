@@ -9,8 +9,12 @@ zero is taken just before it is sent.
 - **TTFT**: request sent → the first event that carries a token of the answer, of any kind: content (text),
   reasoning, a refusal, or a tool call (its name or its arguments). A role-only first chunk is not a token.
   Tool-call-only turns count: an agent's turn often has no text.
-- **TPOT**: (last token event − first token event) / (tokens − 1), tokens being the answer's completion tokens
-  from its usage (without usage: the number of token events). An answer of one token has no TPOT.
+- **TPOT**: (end of generation − first token event) / (tokens − 1), tokens being the answer's completion tokens
+  from its usage (without usage: the number of token events). The end of generation is the event that says why
+  the answer ended (chat's ``finish_reason``, Messages' ``stop_reason``, Responses' ``response.completed``): it
+  comes with the engine step that sampled the last token, an end-of-sequence token included, which has no text
+  and so no token event but is one of the completion tokens; without it, the last token event. So a lone
+  stream's TPOT is the engine's step time. An answer of one token has no TPOT.
 - **E2E**: request sent → the end of the stream.
 
 ``answers.py`` says per API which events carry a token. A 200 stream that ends without one is an answer

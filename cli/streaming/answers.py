@@ -85,6 +85,8 @@ class ChatReader(AnswerReader):
         if isinstance(delta, Mapping) and has_token(delta):
             self.clock.token(now)
             self.add(delta)
+        if choice is not None and choice.get("finish_reason"):
+            self.clock.finished(now)
 
     def _choice(self, data: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """Choice 0 of an event (None: an error, or no choice), once what any event may carry is read: an
@@ -146,6 +148,8 @@ class CompletionsReader(ChatReader):
         if choice is not None and choice.get("text"):
             self.clock.token(now)
             self.content.append(str(choice["text"]))
+        if choice is not None and choice.get("finish_reason"):
+            self.clock.finished(now)
 
 
 class ResponsesReader(AnswerReader):
@@ -170,6 +174,7 @@ class ResponsesReader(AnswerReader):
         elif kind == "response.created" and isinstance(data.get("response"), Mapping):
             self.response_id = data["response"].get("id") or self.response_id
         elif kind in self._ENDS and isinstance(data.get("response"), Mapping):
+            self.clock.finished(now)
             self._final(data["response"])
 
     def _delta(self, kind: str, index: int, delta: str) -> None:
@@ -217,6 +222,7 @@ class MessagesReader(AnswerReader):
         elif kind == "message_delta":
             delta = data.get("delta")
             if isinstance(delta, Mapping) and delta.get("stop_reason"):
+                self.clock.finished(now)
                 self.finish_reason = str(delta["stop_reason"])
             self._usage(data.get("usage"))
 

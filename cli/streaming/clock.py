@@ -12,8 +12,9 @@ TIME_DEFINITIONS = {
     "ttfc": "request sent → first SSE chunk of any kind",
     "ttft": "request sent → first chunk with content, reasoning, a refusal or a tool call (its name or arguments): "
             "the first token of any kind",
-    "tpot": "(last token chunk − first token chunk) / (completion_tokens − 1; without usage, the token chunks "
-            "counted)",
+    "tpot": "(end of generation − first token chunk) / (completion_tokens − 1; without usage, the token chunks "
+            "counted); the end of generation is the event that says why the answer ended (finish_reason, "
+            "stop_reason, response.completed), else the last token chunk",
     "e2e": "request sent → end of stream",
 }
 
@@ -39,6 +40,9 @@ class TokenClock:
     first_event: int | None = None
     first_token: int | None = None
     last_token: int | None = None
+    # The event that said why the answer ended: it came with the step that sampled the last token, the end of
+    # sequence included, which has no text of its own and so no token event.
+    finish: int | None = None
     end: int | None = None
     events: int = 0
     token_events: int = 0
@@ -54,6 +58,10 @@ class TokenClock:
             self.first_token = now
         self.last_token = now
 
+    def finished(self, now: int) -> None:
+        if self.finish is None:
+            self.finish = now
+
     def _ms(self, at: int | None, scale: float) -> float | None:
         return None if at is None else (at - self.t0) / 1e6 * scale
 
@@ -67,11 +75,14 @@ class TokenClock:
         return self._ms(self.end, scale)
 
     def tpot_ms(self, tokens: int | None, scale: float = 1.0) -> float | None:
-        """(last token − first token) / (tokens − 1); `tokens` the answer's completion tokens (None or 0: the
-        token events counted). None for an answer of one token, or none."""
+        """(end of generation − first token) / (tokens − 1); `tokens` the answer's completion tokens (None or 0:
+        the token events counted), the end of generation the finish event when one came (it arrives with the step
+        that sampled the last token, an end of sequence included, which `tokens` counts), else the last token
+        event. So a lone stream's TPOT is the engine's step time. None for an answer of one token, or none."""
         if self.first_token is None or self.last_token is None:
             return None
         n = tokens if tokens else self.token_events
         if n < 2:
             return None
-        return (self.last_token - self.first_token) / 1e6 * scale / (n - 1)
+        last = self.last_token if self.finish is None or not tokens else max(self.last_token, self.finish)
+        return (last - self.first_token) / 1e6 * scale / (n - 1)

@@ -60,6 +60,18 @@ def test_chat_ttft_is_the_first_token_of_any_kind_and_tpot_runs_from_it() -> Non
         {"id": "call_1", "type": "function", "function": {"name": "read", "arguments": '{"p": 1}'}}]}
 
 
+def test_tpot_runs_to_the_end_of_generation_which_an_end_of_sequence_token_has_no_text_for() -> None:
+    # A lone stream: a token a step (10 ms), the last step sampling the end of sequence (no text, in usage). The
+    # finish chunk comes with that step, so the client's TPOT is the engine's step, not 9/10 of it.
+    events = [(0, chunk({"role": "assistant", "content": ""})), *((10 * i, chunk({"content": f"w{i}"}))
+                                                                   for i in range(1, 10)),
+              (100, {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+              (100, {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 10}})]
+    clock, r = feed(CHAT, events)
+    assert clock.ttft_ms() == 10 and clock.tpot_ms(r.completion_tokens) == pytest.approx(10.0)
+    assert clock.tpot_ms(None) == pytest.approx(10.0)  # without usage: the 9 token events, 10 ms apart
+
+
 def test_a_refusal_or_a_tool_call_alone_is_a_token_and_one_token_has_no_tpot() -> None:
     clock, r = feed(CHAT, [(3, chunk({"role": "assistant"})), (9, chunk({"refusal": "no"}))])
     assert clock.ttft_ms() == 9 and clock.tpot_ms(1) is None
@@ -90,7 +102,9 @@ def test_completions_responses_and_messages_by_the_same_rule() -> None:
         (13, {"type": "response.completed", "response": {"id": "resp_1", "status": "completed", "usage": {
             "input_tokens": 10, "output_tokens": 4, "input_tokens_details": {"cached_tokens": 6}}}}),
     ])
-    assert clock.ttfc_ms() == 1 and clock.ttft_ms() == 6 and clock.tpot_ms(r.completion_tokens) == pytest.approx(2)
+    # The end of generation is response.completed: it comes with the step that sampled the last of the 4 tokens.
+    assert clock.ttfc_ms() == 1 and clock.ttft_ms() == 6
+    assert clock.tpot_ms(r.completion_tokens) == pytest.approx((13 - 6) / 3)
     assert (r.prompt_tokens, r.cached_tokens, r.response_id) == (10, 6, "resp_1")
     assert r.message()["content"] == "ok" and r.message()["tool_calls"][0]["function"] == {"name": "f",
                                                                                           "arguments": "{}"}
@@ -106,7 +120,7 @@ def test_completions_responses_and_messages_by_the_same_rule() -> None:
                                                                     "partial_json": '{"a":1}'}}),
         (16, {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 5}}),
     ])
-    assert clock.ttft_ms() == 7 and clock.tpot_ms(r.completion_tokens) == pytest.approx(2)
+    assert clock.ttft_ms() == 7 and clock.tpot_ms(r.completion_tokens) == pytest.approx((16 - 7) / 4)  # stop_reason
     assert (r.prompt_tokens, r.cached_tokens, r.finish_reason) == (25, 20, "tool_use")
     assert r.message()["tool_calls"] == [{"id": "t1", "type": "function",
                                           "function": {"name": "g", "arguments": '{"a":1}'}}]
