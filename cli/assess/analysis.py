@@ -8,8 +8,9 @@
 3. :func:`retention`: the gaps between turns against the handle lifetime, and a replay of the sessions'
    timeline through the gateway's retention model (``gateway/policy/retention.py``): the share of turns whose
    KV is gone before they arrive, by cause, and the decode nodes' held KV over time against their capacity.
-4. :func:`compare_topologies`: TTFT percentiles per turn index and on late turns, TPOT p95, for each serving
-   option run on the simulator, and the best one with its margin.
+4. :func:`compare_topologies`: TTFT percentiles per turn index and on late turns, TPOT p95, the share of turns
+   meeting the objectives, for each serving option run on the simulator, and the options ranked by what the user
+   asked for (``verdict.py``).
 
 Every answer carries its numbers and a one-line ``verdict``.
 """
@@ -23,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtether.cli.assess.verdict import decide
 from kvtether.cli.common.stats import percentile
 from kvtether.gateway.policy.retention import (
     DecodeMemory,
@@ -468,20 +470,6 @@ class TurnTiming:
     ok: bool = True
 
 
-# Which of the three ways to build the cluster an option is: what the verdict recommends.
-TOPOLOGIES = {"colocated": "colocated serving", "hybrid": "one pool of instances that take both roles"}
-PD_TOPOLOGY = "prefill/decode disaggregation"
-
-
-def topology_of(option: str) -> str:
-    return TOPOLOGIES.get(option, PD_TOPOLOGY)
-
-
-# A margin below this is a tie: the TTFTs are the client's, and the Python work of each turn (client, gateway,
-# simulated nodes, all in one process) shows up in them multiplied by --speed, by tens of ms on a loaded machine.
-TIE_MARGIN = 1.1
-
-
 def _pcts(xs: Sequence[float]) -> dict[str, float | None]:
     return {"n": len(xs), "p50": _r(percentile(xs, 50), 1), "p95": _r(percentile(xs, 95), 1),
             "p99": _r(percentile(xs, 99), 1)}
@@ -491,14 +479,15 @@ def compare_topologies(runs: Mapping[str, Sequence[TurnTiming]], late: int, tpot
                        descriptions: Mapping[str, str] | None = None,
                        engine_tpots: Mapping[str, Sequence[float]] | None = None,
                        attained: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
-    """TTFT per turn index and on late turns (index ≥ ``late``), TPOT p95, per option; the best option: the lowest
-    late-turn TTFT p95 among those whose TPOT p95 meets ``tpot_slo_ms`` (when none does: the lowest TPOT p95),
-    with its margin over the runner-up.
+    """TTFT per turn index and on late turns (index ≥ ``late``), TPOT p95, per option; the options ranked by the
+    share of turns meeting the objectives, then by their late-turn TTFT p95 and TPOT p95 (``verdict.py``), with
+    the best, the runner-up, the rule that decided and the verdict.
 
     ``engine_tpots``: per option, the TPOT of every decoding request as the simulator's engine timed it (in its
     cost model's time, see ``topology.DecodeTimes``); where given, it is the option's ``tpot_ms`` (and
     the client's measurement moves to ``client_tpot_ms``). ``attained``: per option, the share of its turns that
-    met both objectives (replay.report.attainment), reported as its ``attainment``."""
+    met both objectives (replay.report.attainment), reported as its ``attainment`` and ranked first; without it
+    the ranking starts at the TTFT tail."""
     options: dict[str, Any] = {}
     for label, timings in runs.items():
         ok = [t for t in timings if t.ok]
@@ -523,39 +512,6 @@ def compare_topologies(runs: Mapping[str, Sequence[TurnTiming]], late: int, tpot
         if attained is not None and label in attained:
             a = attained[label]
             options[label]["attainment"] = {k: a[k] for k in ("attainment", "met", "turns", "objectives")}
-    usable = {k: v for k, v in options.items() if v["late_ttft_ms"]["p95"] is not None and not v["errors"]}
-    meets = {k: v for k, v in usable.items()
-             if tpot_slo_ms is None or (v["tpot_ms"]["p95"] is not None and v["tpot_ms"]["p95"] <= tpot_slo_ms)}
-    best = runner = None
-    if meets:
-        ranked = sorted(meets, key=lambda k: meets[k]["late_ttft_ms"]["p95"])
-        best = ranked[0]
-        runner = ranked[1] if len(ranked) > 1 else None
-        b95 = meets[best]["late_ttft_ms"]["p95"]
-        if runner is not None:
-            r95 = meets[runner]["late_ttft_ms"]["p95"]
-            margin = r95 / b95 if b95 else None
-            verdict = (f"best: {best} — late-turn TTFT p95 {b95:,.0f} ms against {r95:,.0f} ms for {runner} "
-                       f"({margin:.2f}× lower)" + (f", TPOT p95 {meets[best]['tpot_ms']['p95']:,.1f} ms within "
-                                                    f"the {tpot_slo_ms:g} ms objective" if tpot_slo_ms else ""))
-            if margin is not None and margin < TIE_MARGIN:
-                verdict += f"; within {TIE_MARGIN - 1:.0%}, a tie with {runner} as far as the simulation can tell"
-        else:
-            margin = None
-            verdict = f"best: {best} (the only option within the TPOT objective), late-turn TTFT p95 {b95:,.0f} ms"
-        excluded = sorted(set(usable) - set(meets))
-        if excluded:
-            verdict += f"; {', '.join(excluded)} miss the TPOT p95 objective"
-    elif usable:
-        best = min(usable, key=lambda k: usable[k]["tpot_ms"]["p95"] or math.inf)
-        margin = None
-        verdict = (f"no option meets the TPOT p95 objective of {tpot_slo_ms:g} ms; the lowest TPOT p95 is {best}'s "
-                   f"({usable[best]['tpot_ms']['p95']:,.1f} ms)")
-    else:
-        margin = None
-        verdict = "no option completed its turns without errors: no comparison"
-    if meets and best is not None:
-        verdict += f"; recommended topology: {topology_of(best)}"
-    return {"late_from_turn": late, "tpot_slo_ms": tpot_slo_ms, "options": options, "best": best,
-            "topology": topology_of(best) if best is not None else None, "runner_up": runner,
-            "margin": _r(margin, 3) if margin is not None else None, "verdict": verdict}
+    q4: dict[str, Any] = {"late_from_turn": late, "tpot_slo_ms": tpot_slo_ms, "options": options}
+    q4.update(decide(q4))
+    return q4

@@ -66,8 +66,8 @@ _SPEED = typer.Option(2.0, "--speed", min=0.01, help="Simulated time = real time
 _THINK_SCALE = typer.Option(1.0, "--think-scale", min=0.0, help="Recorded gaps × this in the runs.")
 _MAX_THINK_MS = typer.Option(None, "--max-think-ms", min=0.0, help="Cap one gap in the runs.")
 _TPOT_SLO = typer.Option(100.0, "--tpot-slo", min=0.0,
-                         help="TPOT objective (ms): an option's p95 must meet it to be best, a turn to count as "
-                         "attained, and auto holds its decode-local turns to it; 0 = none.")
+                         help="TPOT objective (ms) a turn must meet to count as attained (the verdict ranks the "
+                         "options by that share), and auto holds its decode-local turns to it; 0 = none.")
 _TTFT_SLO = typer.Option(2000.0, "--ttft-slo", min=0.0,
                          help="TTFT objective (ms) a turn must meet to count as attained; 0 = none.")
 _GOODPUT = typer.Option(None, "--goodput", metavar="RATES",

@@ -9,6 +9,7 @@ from typing import Any
 import typer
 from kvtether.cli.assess.inputs import AssessFlags, Inputs
 from kvtether.cli.assess.report import render_console, render_html
+from kvtether.cli.assess.verdict import decide
 from kvtether.cli.common.document import document, dumps
 from kvtether.cli.common.exits import EXIT_FAILED
 from kvtether.cli.common.failures import fail
@@ -21,6 +22,9 @@ SCHEMA = "kvtether.assess/1"
 def assessment(f: AssessFlags, inputs: Inputs, answers: dict[str, Any], time_note: str,
                started: str) -> dict[str, Any]:
     """The document every rendering reads (docs/assess.md)."""
+    q4 = answers.get("q4")
+    if q4 is not None and "goodput" in q4:
+        q4.update(decide(q4))  # the sweep ran after compare_topologies ranked the options: its goodput ranks first
     notes = list(inputs.notes)
     if inputs.seen is not None and inputs.seen.get("policy") and not inputs.sessions:
         notes.append("no session file given: questions 1, 2 and 4 need the recording of the traffic "

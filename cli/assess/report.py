@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from kvtether.cli.assess.verdict import RULE_TITLES, topology_of
 from kvtether.cli.replay.report import Objectives, render_goodput
 from rich.console import Console
 from rich.markup import escape
@@ -148,7 +149,24 @@ def _console_q4(console: Console, q: dict[str, Any], time_note: str) -> None:
     console.print(f"  {escape(time_note)}", highlight=False)
     if "goodput" in q:
         render_goodput(console, q["goodput"], time_note)
+    if q.get("ranking"):
+        console.print(f"  {escape(ranking_line(q['ranking']))}", soft_wrap=True, highlight=False)
     _verdict(console, q["verdict"])
+
+
+def ranking_line(r: dict[str, Any]) -> str:
+    """``ranking: colocated = hybrid > auto (by …, then …)``: the options best first, ``=`` within a tie."""
+    order = " > ".join(" = ".join(g) for g in r["groups"])
+    return f"ranking: {order} (by {', then '.join(RULE_TITLES[x] for x in r['rules'])})"
+
+
+def _ranks(r: dict[str, Any]) -> dict[str, int]:
+    """Each option's rank: one more than the options ranked above its group (tied options share it)."""
+    ranks, above = {}, 0
+    for g in r["groups"]:
+        ranks.update(dict.fromkeys(g, above + 1))
+        above += len(g)
+    return ranks
 
 
 def _attained(o: dict[str, Any]) -> str:
@@ -427,9 +445,35 @@ def _html_q4(q: dict[str, Any], time_note: str) -> list[str]:
         rows.append(("goodput (open loop, ≥ 90 % of turns)",
                      *["none" if g.get(k) is None else f"×{g[k]:g}" if k in g else "–" for k in opts]))
     rows.append(("errors", *[o["errors"] for o in opts.values()]))
-    return [f"<h2>{html.escape(QUESTIONS[3][1])}</h2>", _verdict_html(q["verdict"]),
+    return [f"<h2>{html.escape(QUESTIONS[3][1])}</h2>", _verdict_html(q["verdict"]), *_html_ranking(q),
             f"<figure id='plot-ttft'>{plot_ttft(q)}</figure>",
             _table(["ms", *opts], rows),
             "<ul class='meta'>" + "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(o['description'])}</li>"
                                            for k, o in opts.items()) + "</ul>",
             f"<p class='meta'>{html.escape(time_note)}</p>"]
+
+
+def _html_ranking(q: dict[str, Any]) -> list[str]:
+    """The options in the verdict's order with the figures it ranked them by, and how it ranks."""
+    r = q.get("ranking")
+    if not r:
+        return []
+    opts, ranks = q["options"], _ranks(r)
+    swept = {p["policy"]: p["goodput"] for p in q.get("goodput", {}).get("policies", [])}
+    header = ["rank", "option", "topology"]
+    header += ["goodput"] if "goodput" in r["rules"] else []
+    header += [_attainment_label(opts)] if "attainment" in r["rules"] else []
+    engine = all(o.get("tpot_source") == "engine" for o in opts.values())
+    header += ["late TTFT p95 (ms)", "TPOT p95 (engine, ms)" if engine else "TPOT p95 (ms)", "errors"]
+    rows = []
+    for name in r["order"]:
+        o = opts[name]
+        row: list[Any] = [ranks[name], name, topology_of(name)]
+        row += ["none" if swept.get(name) is None else f"×{swept[name]:g}"] if "goodput" in r["rules"] else []
+        row += [_attained(o)] if "attainment" in r["rules"] else []
+        row += [_fmt(o["late_ttft_ms"]["p95"], 0), _fmt(o["tpot_ms"]["p95"], 1), o["errors"]]
+        rows.append(row)
+    how = "; then ".join(f"{RULE_TITLES[x]} (within noise: {r['noise'][x]})" for x in r["rules"])
+    return ["<h3>Ranking</h3>", _table(header, rows),
+            f"<p class='meta' id='ranking-rules'>Ranked by {html.escape(how)}: each rule keeps the options within "
+            "noise of its leader, the next ranks those left; equal ranks are a tie.</p>"]
