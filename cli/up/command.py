@@ -2,8 +2,10 @@
 roles (`--nodes N`), and the kvtether gateway in front.
 
 The flags are checked into cluster options in `flags.py`; command construction is pure (`launcher.py`); the
-processes are `supervisor.py`'s (every child in its own process group); this module is the command: it starts the
-cluster, reports it, and stops every child on Ctrl-C, on SIGTERM, or as soon as any child dies.
+processes are `supervisor.py`'s (every child in its own process group); the model's files are made local before
+any child starts, which all run offline (`model_files.py`: a hub name not yet in the Hugging Face cache is fetched
+once, with the vLLM environment's huggingface_hub); this module is the command: it starts the cluster, reports it,
+and stops every child on Ctrl-C, on SIGTERM, or as soon as any child dies.
 
 The gateway takes the same settings as `kvtether serve`: `--config FILE` (TOML), `--policy`, `--otlp-endpoint`,
 `--store`, `--gateway-log-level`, and `--gateway-set KEY=VALUE` for any other GatewayConfig field. `--gateways N`
@@ -24,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from kvtether.cli.common.exits import EXIT_FAILED
@@ -41,9 +43,13 @@ from kvtether.cli.up.cluster_spec import (
 from kvtether.cli.up.flags import UpFlags, cluster_options, usage_error
 from kvtether.cli.up.gateway_child import check_gateway_config, run_gateway_child
 from kvtether.cli.up.launcher import dry_run_text, plan_cluster
+from kvtether.cli.up.model_files import ModelFilesError, Wanted, dry_run_files, ensure_local, wanted_files
 from kvtether.cli.up.preflight import check_vllm_env
 from kvtether.cli.up.supervisor import ChildDied, Supervisor, tail
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from kvtether.gateway.config import GatewayConfig
 
 
 @contextlib.contextmanager
@@ -54,13 +60,18 @@ def running_cluster(
     log: Callable[[str], None] = lambda _msg: None,
     health_timeout_s: float = 300.0,
     start_gateway: bool = True,
+    files: Sequence[Wanted] = (),
+    fetch_python: str | None = None,
 ) -> Iterator[Supervisor]:
     """Start every instance (in parallel), wait for /health, then the gateway; stop everything on exit.
 
-    The gateway's configuration is checked first (ConfigError), so that a bad one starts nothing.
+    The gateway's configuration is checked first (ConfigError), so that a bad one starts nothing; then `files`
+    (the model and tokenizers the children load by name) are made local, fetched with `fetch_python` where
+    missing (ModelFilesError), so that the children, which run offline, find them.
     """
     if start_gateway:
         check_gateway_config(plan)
+    ensure_local(files, python=fetch_python, log=log)
     sup = Supervisor(log_dir=log_dir, log=log)
     try:
         instances = [sup.start(i.command) for i in plan.instances]
@@ -95,7 +106,8 @@ class _StopOnce:
             raise _Interrupted(signal.Signals(signum).name)
 
 
-def run_up(plan: ClusterPlan, *, log_dir: Path, as_json: bool, console: Console) -> int:
+def run_up(plan: ClusterPlan, *, files: Sequence[Wanted], fetch_python: str | None, log_dir: Path, as_json: bool,
+           console: Console) -> int:
     def log(msg: str) -> None:
         console.print(f"[bold cyan]kvtether up[/] {msg}", highlight=False)
 
@@ -104,7 +116,8 @@ def run_up(plan: ClusterPlan, *, log_dir: Path, as_json: bool, console: Console)
     old = {s: signal.signal(s, stop) for s in (*STOP_SIGNALS, signal.SIGHUP)}
     t0 = time.monotonic()
     try:
-        with _disarmed_after(stop), running_cluster(plan, log_dir=log_dir, log=log) as sup:
+        with (_disarmed_after(stop),
+              running_cluster(plan, log_dir=log_dir, log=log, files=files, fetch_python=fetch_python) as sup):
             log(f"cluster up in {time.monotonic() - t0:.0f} s; logs in {log_dir}")
             urls = plan.urls()
             if as_json:
@@ -119,6 +132,9 @@ def run_up(plan: ClusterPlan, *, log_dir: Path, as_json: bool, console: Console)
             while True:
                 sup.check()
                 time.sleep(0.5)
+    except ModelFilesError as e:  # before anything started
+        console.print(f"kvtether up: {e}", markup=False, highlight=False)
+        return e.exit_code
     except ChildDied as e:
         console.print(f"[bold red]kvtether up[/] {e}; stopping the others")
         t = tail(e.log_path)
@@ -147,7 +163,10 @@ def _disarmed_after(stop: _StopOnce) -> Iterator[None]:
 
 
 # The command's options, in the order of its help.
-_MODEL = typer.Option("--model", help="Model path or name served by every instance.")
+_MODEL = typer.Option(
+    "--model",
+    help="Model path or Hugging Face name served by every instance; a name not yet in the Hugging Face cache is "
+    "fetched once (with the vLLM environment's huggingface_hub) before anything starts.")
 _PREFILL = typer.Option("--prefill", min=0, help="Number of prefill instances (default 1; none with --nodes).")
 _DECODE = typer.Option("--decode", min=0, help="Number of decode instances (default 1; none with --nodes).")
 _NODES = typer.Option(
@@ -197,7 +216,9 @@ _GATEWAY_SET = typer.Option(
     "(max_sessions=5000, partial_reuse=false, unidirectional_prefill='[\"http://h:8100\"]'), else as a string.")
 _LOG_DIR = typer.Option("--log-dir", help="Per-child log files.")
 _JSON = typer.Option("--json/--no-json", metavar=FLAG, help="Print one JSON line with the URLs on stdout.")
-_DRY_RUN = typer.Option("--dry-run/--no-dry-run", metavar=FLAG, help="Print the commands and env; start nothing.")
+_DRY_RUN = typer.Option(
+    "--dry-run/--no-dry-run", metavar=FLAG,
+    help="Print where the model's files come from (local, cached or to fetch), the commands and env; start nothing.")
 
 
 def up(
@@ -227,28 +248,33 @@ def up(
     """
     flags = UpFlags(**locals())  # first: the parameters are all the locals there are yet
     try:
-        plan = plan_cluster(cluster_options(flags))
+        opts = cluster_options(flags)
+        plan = plan_cluster(opts)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
-    _check_gateway_or_exit(plan)
+    gateway_cfg = _check_gateway_or_exit(plan)
+    files = wanted_files(opts, gateway_cfg.tokenizer if gateway_cfg is not None else None)
     if dry_run:
-        sys.stdout.write(dry_run_text(plan))
+        sys.stdout.write(dry_run_files(files, python=opts.vllm_python) + dry_run_text(plan))
         if as_json:
             sys.stdout.write(json.dumps(plan.urls()) + "\n")
         return
-    _preflight_or_exit(plan, host=host, vllm_python_given=vllm_python is not None)
+    asked = _preflight_or_exit(plan, host=host, vllm_python_given=vllm_python is not None)
     console = Console(stderr=True, soft_wrap=True)
     logs = log_dir or Path(tempfile.mkdtemp(prefix="kvtether-up-"))
-    raise typer.Exit(run_up(plan, log_dir=logs, as_json=as_json, console=console))
+    raise typer.Exit(run_up(plan, files=files, fetch_python=opts.vllm_python if asked else None, log_dir=logs,
+                            as_json=as_json, console=console))
 
 
 def register(app: typer.Typer) -> None:
     app.command("up", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(up)
 
 
-def _preflight_or_exit(plan: ClusterPlan, *, host: str, vllm_python_given: bool) -> None:
+def _preflight_or_exit(plan: ClusterPlan, *, host: str, vllm_python_given: bool) -> bool:
     """What would otherwise fail only once the cluster is starting: a vLLM environment without vLLM (or, on CPU,
-    without kvtether's plugin, when the engine dies at its first request), and ports something else holds."""
+    without kvtether's plugin, when the engine dies at its first request), and ports something else holds.
+    Whether the vLLM environment's python could be asked (else it is a stand-in, which `up` starts anyway, and
+    which is not asked to fetch a model either)."""
     python = plan.instances[0].command.argv[0]
     checked = check_vllm_env(python, plugin=plan.device == "cpu", defaulted=not vllm_python_given)
     if checked.problem is not None:
@@ -268,13 +294,14 @@ def _preflight_or_exit(plan: ClusterPlan, *, host: str, vllm_python_given: bool)
             typer.echo(f"kvtether up: cannot listen on {where}:{port} ({who}, from {flag}): {problem}; "
                        f"{listen_fix(problem, port_flag=flag)}", err=True)
             raise typer.Exit(EXIT_FAILED)
+    return checked.note is None
 
 
-def _check_gateway_or_exit(plan: ClusterPlan) -> None:
+def _check_gateway_or_exit(plan: ClusterPlan) -> GatewayConfig | None:
     from kvtether.gateway.config import ConfigError
 
     try:
-        check_gateway_config(plan)
+        return check_gateway_config(plan)
     except ConfigError as e:
         msg = f"gateway settings: {e}"
         if plan.gateway is not None and plan.gateway.config_file is not None and "aggregated" in str(e):

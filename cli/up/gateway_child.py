@@ -7,6 +7,7 @@ import argparse
 import datetime
 import json
 import logging
+import os
 import sys
 import tomllib
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, get_type_hints
 
 from kvtether.cli.common.exits import EXIT_USAGE
 from kvtether.cli.up.cluster_spec import DEFAULT_GATEWAY_LOG_LEVEL, ClusterPlan, GatewaySpec
+from kvtether.cli.up.hub_cache import OFFLINE_VARS
 
 if TYPE_CHECKING:
     from kvtether.gateway.config import GatewayConfig
@@ -125,6 +127,10 @@ def _check_cluster_is_ups(cfg: GatewayConfig, gateway: GatewaySpec) -> None:
 def run_gateway_child(args: Sequence[str]) -> None:
     """The gateway child of `kvtether up`: `python -m kvtether.cli.up.command gateway '<settings JSON>' [--config FILE]
     --log-level L`."""
+    # `up` made the tokenizer's files local before it started this child (model_files.py): the gateway loads them
+    # offline, as the vLLM instances do, rather than ask the hub about each file. Set before anything imports
+    # huggingface_hub, which reads it once.
+    os.environ.update(dict.fromkeys(OFFLINE_VARS, "1"))
     from kvtether.cli.serve import run_gateway_until_stopped
     from kvtether.gateway.config import ConfigError
 

@@ -29,7 +29,7 @@ from kvtether.cli.up.cluster_spec import (
     Role,
     url_host,
 )
-from kvtether.cli.up.vllm_instance import cpu_binds_for, vllm_instance_command
+from kvtether.cli.up.vllm_instance import cpu_binds_for, vllm_arg, vllm_instance_command
 
 
 def gateway_session_ttl(decode_ttl_s: float) -> float:
@@ -72,13 +72,7 @@ def gateway_config(
 
 def served_tokenizer(opts: ClusterOptions) -> str:
     """The tokenizer the vLLM instances load: their `--tokenizer` argument, else the model."""
-    args = list(opts.extra_vllm_args)
-    for i, arg in enumerate(args):
-        if arg == "--tokenizer" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--tokenizer="):
-            return arg.split("=", 1)[1]
-    return opts.model
+    return vllm_arg(opts.extra_vllm_args, "--tokenizer") or opts.model
 
 
 def _file_sets(path: str | None, key: str) -> bool:

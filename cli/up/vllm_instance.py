@@ -6,7 +6,7 @@ kv_both: it decodes its own sessions and prefills for the others, pulling their 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kvtether.cli.up.cluster_spec import ChildCommand, ClusterOptions, Device, Role, url_host
 
@@ -48,6 +48,21 @@ def kv_transfer_config(
         "kv_connector_extra_config": extra,
     }
     return json.dumps(cfg, separators=(",", ":"))
+
+
+def vllm_arg(args: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` among vLLM arguments (`--flag V` or `--flag=V`; vLLM also takes `--flag_name`), the
+    last one when repeated, as argparse does."""
+    value: str | None = None
+    for i, arg in enumerate(args):
+        name, eq, rest = arg.partition("=")
+        if name.replace("_", "-") != flag:
+            continue
+        if eq:
+            value = rest
+        elif i + 1 < len(args):
+            value = args[i + 1]
+    return value
 
 
 def _num(x: float) -> int | float:
