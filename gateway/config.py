@@ -20,6 +20,7 @@ from kvtether.gateway.policy.knobs import TUNING_FIELDS, PolicyKnobs
 from kvtether.gateway.policy.peers import DYNAMO_RULES, LLM_D_NON_CACHED_TOKENS, PEER_POLICIES
 from kvtether.gateway.policy.placement import RULES
 from kvtether.protocol.common import HOSTED_TOOLS, HostedTools
+from kvtether.protocol.responses.items import BOOKKEEPING_CHOICES, BookkeepingItems
 
 # The policy's and the estimator's own defaults are the single source of truth; the config only exposes them.
 _KNOBS = PolicyKnobs()
@@ -202,6 +203,10 @@ class GatewayConfig:
     # the model behind vLLM cannot call: "drop" leaves them out of the turn and says so (a response header, a
     # metric, a log line once per session); "refuse" answers 400 naming them, as vLLM does.
     hosted_tools: HostedTools = "drop"
+    # Client bookkeeping items in a Responses input (mcp_list_tools, mcp_approval_*, web_search_call), which
+    # carry nothing the model behind vLLM reads: "drop" leaves them out and says so, as hosted_tools does;
+    # "refuse" answers 400 naming them.
+    bookkeeping_items: BookkeepingItems = "drop"
 
     # The guard's tokenizer: the served model's tokenizer directory or name (its tokenizer.json and chat
     # template); None = P's /tokenize for every guarded turn. Checked against /tokenize at start-up and on
@@ -358,6 +363,9 @@ class GatewayConfig:
             raise ConfigError("reasoning_key must be at least 16 characters")
         if self.hosted_tools not in HOSTED_TOOLS:
             raise ConfigError(f"hosted_tools must be one of {', '.join(HOSTED_TOOLS)}; got {self.hosted_tools!r}")
+        if self.bookkeeping_items not in BOOKKEEPING_CHOICES:
+            raise ConfigError(f"bookkeeping_items must be one of {', '.join(BOOKKEEPING_CHOICES)}; "
+                              f"got {self.bookkeeping_items!r}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port {self.port} out of range")
         return self

@@ -111,6 +111,8 @@ HEADER_PLAN = "x-kvtether-plan"
 HEADER_PLAN_REASON = "x-kvtether-plan-reason"
 # Hosted tools the gateway left out of an Agent-API turn (hosted_tools = "drop"): their types, comma-separated.
 HEADER_DROPPED_TOOLS = "x-kvtether-dropped-tools"
+# Client bookkeeping items left out of a Responses turn (bookkeeping_items = "drop"): their types, comma-separated.
+HEADER_DROPPED_ITEMS = "x-kvtether-dropped-items"
 
 PROVIDER = "openai"
 
@@ -159,7 +161,12 @@ DEFER_OUTCOMES = ("cleared", "forced")  # placed within the limits after waiting
 M_DROPPED_TOOLS = "kvtether_dropped_tools_total"
 DROPPED_TOOL_TYPES = ("web_search", "file_search", "code_interpreter", "computer_use", "image_generation", "mcp",
                       "local_shell", "shell", "apply_patch", "computer", "web_fetch", "code_execution", "bash",
-                      "text_editor", "memory", "tool_search_tool_regex", "tool_search_tool_bm25", "mcp_toolset")
+                      "text_editor", "memory", "tool_search_tool_regex", "tool_search_tool_bm25", "mcp_toolset",
+                      "tool_search", "programmatic_tool_calling", "browser_toolset", "computer_toolset")
+# Client bookkeeping items left out of /v1/responses turns, by type (the closed set of
+# kvtether.protocol.responses.items.BOOKKEEPING_ITEMS).
+M_DROPPED_ITEMS = "kvtether_dropped_items_total"
+DROPPED_ITEM_TYPES = ("mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "web_search_call")
 ROUTES = ("chat", "completions", "messages")
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
 # The guard's local tokenizer: ids that differed from the engine's /tokenize (check = startup | turn; each
@@ -278,6 +285,10 @@ class Metrics:
                                      ["type"], registry=r)
         for kind in DROPPED_TOOL_TYPES:
             self.dropped_tools.labels(kind)
+        self.dropped_items = Counter(M_DROPPED_ITEMS, "Client bookkeeping items left out of agent-API turns, by "
+                                     "type", ["type"], registry=r)
+        for kind in DROPPED_ITEM_TYPES:
+            self.dropped_items.labels(kind)
         self._policy = "auto"
 
     def set_policy(self, policy: str) -> None:

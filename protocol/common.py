@@ -32,10 +32,12 @@ def int_or_none(value: Any) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class Translation:
-    """A request lowered to a chat request, and the hosted tool types it left out (request order, each once)."""
+    """A request lowered to a chat request, the hosted tool types it left out, and the types of the client
+    bookkeeping items it left out (each in request order, each once)."""
 
     chat: dict[str, Any]
     dropped: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()
 
 
 class Refused(Exception):

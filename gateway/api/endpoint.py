@@ -34,6 +34,7 @@ class Edge(Protocol):
     answer (whole, streamed, or an error) raised back on the way out."""
 
     dropped: tuple[str, ...]  # hosted tool types the translation left out of the turn (hosted_tools = "drop")
+    left_out: tuple[str, ...]  # client bookkeeping item types it left out (bookkeeping_items = "drop")
 
     async def lower(self, body: dict[str, Any], headers: dict[str, str],
                     tenant: str | None) -> tuple[dict[str, Any], dict[str, str]]:
@@ -83,6 +84,10 @@ def turn_endpoint(route: TurnRoute) -> Endpoint:
             if edge.dropped:
                 gw.dropped_tools.note(edge.dropped, sessions[0] if sessions else None, path)
                 hosted.tell(response, edge.dropped)
+            if edge.left_out:
+                gw.dropped_tools.note_items(edge.left_out, sessions[0] if sessions else None, path,
+                                            gw.metrics.dropped_items)
+                hosted.tell(response, edge.left_out, T.HEADER_DROPPED_ITEMS)
             return edge.raise_(response)
         finally:
             _close(gw, route, span, response)

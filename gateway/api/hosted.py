@@ -1,8 +1,10 @@
-"""Hosted tools the gateway left out of an agent-API turn (``hosted_tools = "drop"``): how it says so.
+"""Hosted tools (``hosted_tools = "drop"``) and client bookkeeping items (``bookkeeping_items = "drop"``) the
+gateway left out of an agent-API turn: how it says so.
 
 The translations (``kvtether.protocol``) decide what is dropped and report the types; here the answer carries
-them in a header, the metric counts them by type, and the log says it once per session — a client such as Codex
-sends the same hosted tool on every call of every turn, and one line per call would drown the log.
+them in a header, a metric counts them by type, and the log says it once per session — a client such as Codex
+sends the same hosted tool on every call of every turn (and a stateless client resends the same bookkeeping
+item), and one line per call would drown the log.
 """
 
 from __future__ import annotations
@@ -56,6 +58,18 @@ class DroppedTools:
                     session or "(none)", route, ", ".join(dropped))
         return True
 
+    def note_items(self, left_out: Sequence[str], session: str | None, route: str, counter: Counter) -> bool:
+        """One turn's client bookkeeping items left out: counted on ``counter`` by type; logged if its session
+        was not warned about them yet (True then)."""
+        for kind in left_out:
+            counter.labels(kind if kind in T.DROPPED_ITEM_TYPES else "other").inc()
+        if not left_out or not self._first(f"items\0{session or ''}"):
+            return False
+        log.warning("session %s: %s left client bookkeeping items out of its turns (%s): they carry nothing the "
+                    "model behind the gateway reads. Set bookkeeping_items = \"refuse\" to answer 400 instead; "
+                    "said once per session", session or "(none)", route, ", ".join(left_out))
+        return True
+
     def _first(self, key: str) -> bool:
         if key in self._warned:
             self._warned.move_to_end(key)
@@ -66,8 +80,9 @@ class DroppedTools:
         return True
 
 
-def tell(response: Response, dropped: Sequence[str]) -> Response:
-    """The answer with the dropped-tools header (before anything is sent: the header list is the one sent)."""
+def tell(response: Response, dropped: Sequence[str], header: str = T.HEADER_DROPPED_TOOLS) -> Response:
+    """The answer with the dropped-tools (or dropped-items) header (before anything is sent: the header list is
+    the one sent)."""
     if dropped:
-        response.raw_headers.append((T.HEADER_DROPPED_TOOLS.encode(), header_value(dropped).encode("latin-1")))
+        response.raw_headers.append((header.encode(), header_value(dropped).encode("latin-1")))
     return response

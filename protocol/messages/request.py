@@ -114,6 +114,13 @@ from kvtether.protocol.common import (
 from kvtether.protocol.messages.common import BILLING_HEADER_PREFIX, MessagesError, invalid
 from kvtether.protocol.wire import KV_FIELD
 
+# Request fields: read by the translation, and accepted without effect (vLLM ignores them too, or they are
+# Anthropic's service knobs). ``mcp_servers`` (refused when non-empty) and ``kv_transfer_params`` are checked.
+HONOURED_FIELDS: Final = ("model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p",
+                          "top_k", "stream", "tools", "tool_choice", "thinking", "output_config",
+                          "chat_template_kwargs", "cache_salt", "vllm_xargs", "min_tokens", "watermarking")
+IGNORED_FIELDS: Final = ("metadata", "cache_control", "context_management", "container", "service_tier",
+                         "diagnostics", "inference_geo", "speed", "user_profile_id", "workspace_id")
 # Anthropic's effort levels (vLLM's AnthropicEffort), and what thinking.type=disabled may map to.
 EFFORTS: Final = ("low", "medium", "high", "xhigh", "max")
 DISABLED_THINKING_EFFORTS: Final = ("none", *EFFORTS)
@@ -121,12 +128,38 @@ DISABLED_THINKING_EFFORTS: Final = ("none", *EFFORTS)
 BLOCK_TYPES: Final = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking",
                       "redacted_thinking", "tool_addition", "tool_removal")
 _TOOL_CHANGES: Final = ("tool_addition", "tool_removal")
+_SERVER_RESULT = ("the result of an Anthropic server tool, which the model behind this gateway cannot call (such "
+                  "tools are left out of the turn): send what it found as a text block, or leave the block out")
+# Content block types the Messages spec defines (the installed ``anthropic`` package's ``ContentBlockParam``) that
+# nothing here lowers, and what to send instead (tests/protocol/test_spec_coverage.py keeps the sets whole).
+REFUSED_BLOCKS: Final[dict[str, str]] = {
+    "document": "documents are not served (the model behind this gateway reads text and images): send the "
+                "document's text as a text block",
+    "search_result": "search results are not served as blocks: send their text as a text block",
+    "container_upload": "container uploads serve Anthropic's code execution, which is not served here: leave "
+                        "the block out",
+    "server_tool_use": "a call of an Anthropic server tool, which the model behind this gateway cannot make "
+                       "(such tools are left out of the turn): declare a custom tool and send its calls as "
+                       "tool_use blocks, or leave the block out",
+    **{kind: _SERVER_RESULT for kind in (
+        "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+        "bash_code_execution_tool_result", "text_editor_code_execution_tool_result", "tool_search_tool_result")},
+}
+# Blocks of a tool_result's content: lowered as vLLM lowers them (text, image, tool_reference), or refused.
+TOOL_RESULT_BLOCKS: Final = ("text", "image", "tool_reference")
+REFUSED_TOOL_RESULT_BLOCKS: Final[dict[str, str]] = {
+    "document": REFUSED_BLOCKS["document"],
+    "search_result": REFUSED_BLOCKS["search_result"],
+    "browser_state": "browser state serves Anthropic's browser toolset, which is not served here: send the "
+                     "state the model should see as a text block",
+}
 # Anthropic-defined tools (a versioned type, no input_schema). Anthropic runs the server tools (web search and
 # fetch, code execution, tool search, MCP toolsets); bash, text_editor, computer and memory run in the client,
 # but the model knows their schemas natively, so no chat template can show them to another model. vLLM
 # translates none of them (0.34 refuses every one).
 _ANTHROPIC_DEFINED: Final = re.compile(r"(web_search|web_fetch|code_execution|computer|bash|text_editor|memory"
-                                       r"|tool_search_tool_regex|tool_search_tool_bm25)_[0-9]{8}|mcp_toolset")
+                                       r"|tool_search_tool_regex|tool_search_tool_bm25|browser_toolset"
+                                       r"|computer_toolset)_[0-9]{8}|mcp_toolset|tool_search_tool_(regex|bm25)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -348,6 +381,8 @@ def _check_block(block: Any, where: str, *, role: str, drop_hosted: bool = False
     if not isinstance(block, Mapping):
         raise invalid(f"{where}: must be a content block object with a type")
     kind = block.get("type")
+    if isinstance(kind, str) and kind in REFUSED_BLOCKS:
+        raise invalid(f"{where}.type: {kind} blocks are not served: {REFUSED_BLOCKS[kind]}")
     if kind not in BLOCK_TYPES:
         raise invalid(f"{where}.type: {kind!r} is not a content block type served here "
                       f"(served: {', '.join(BLOCK_TYPES)})")
@@ -381,6 +416,13 @@ def _check_block(block: Any, where: str, *, role: str, drop_hosted: bool = False
             for k, item in enumerate(content):
                 if not isinstance(item, Mapping):
                     raise invalid(f"{where}.content[{k}]: must be a content block object")
+                inner = item.get("type")
+                if isinstance(inner, str) and inner in REFUSED_TOOL_RESULT_BLOCKS:
+                    raise invalid(f"{where}.content[{k}].type: {inner} blocks in a tool result are not served: "
+                                  f"{REFUSED_TOOL_RESULT_BLOCKS[inner]}")
+                if inner not in TOOL_RESULT_BLOCKS:
+                    raise invalid(f"{where}.content[{k}].type: {inner!r} is not a tool result block type served "
+                                  f"here (served: {', '.join(TOOL_RESULT_BLOCKS)})")
         if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
             raise invalid(f"{where}.is_error: must be a boolean")
     elif kind in _TOOL_CHANGES:

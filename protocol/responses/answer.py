@@ -61,7 +61,7 @@ class ToolNames:
     """Which flat chat tool names are custom tools, and which are namespaced (vLLM's name maps)."""
 
     def __init__(self, tools: Any) -> None:
-        self.custom: set[str] = set()
+        self.custom: set[str] = set()  # flat names: a namespace's custom tools are custom tools too
         self.namespaced: dict[str, tuple[str, str]] = {}
         for tool in tools if isinstance(tools, list) else ():
             if not isinstance(tool, Mapping):
@@ -71,13 +71,17 @@ class ToolNames:
             elif tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
                 for member in tool.get("tools") or ():
                     if isinstance(member, Mapping) and isinstance(member.get("name"), str):
-                        self.namespaced[flat_name(tool["name"], member["name"])] = (tool["name"], member["name"])
+                        flat = flat_name(tool["name"], member["name"])
+                        self.namespaced[flat] = (tool["name"], member["name"])
+                        if member.get("type") == "custom":
+                            self.custom.add(flat)
 
     def item(self, call_id: str, name: str, arguments: str, item_id: str) -> dict[str, Any]:
-        if name in self.custom:
-            return {"type": "custom_tool_call", "id": item_id, "call_id": call_id, "name": name,
-                    "input": decode_custom_input(arguments), "status": "completed"}
         namespace, short = self.namespaced.get(name, (None, name))
+        if name in self.custom:
+            call = {"type": "custom_tool_call", "id": item_id, "call_id": call_id, "name": short,
+                    "input": decode_custom_input(arguments), "status": "completed"}
+            return {**call, "namespace": namespace} if namespace is not None else call
         out = {"type": "function_call", "id": item_id, "call_id": call_id, "name": short, "arguments": arguments,
                "status": "completed"}
         if namespace is not None:

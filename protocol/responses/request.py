@@ -55,6 +55,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from kvtether.protocol.common import HostedTools, Translation, leave_out_refused, once, refuse
+from kvtether.protocol.responses import items as I
 from kvtether.protocol.responses.common import (
     CUSTOM_TOOL_INPUT_KEY,
     ReasoningSeal,
@@ -72,18 +73,26 @@ UNSERVED_FIELDS: dict[str, str] = {
 }
 # Fields accepted and echoed, without effect: OpenAI-only service knobs.
 IGNORED_FIELDS = ("service_tier", "safety_identifier", "prompt_cache_retention", "client_metadata",
-                  "max_tool_calls", "store")
+                  "max_tool_calls", "store", "prompt_cache_options", "moderation", "access_programs", "image",
+                  "stream_options", "background_options", "context_management")
 # Sampling fields copied to the chat request as they are (vLLM's Responses request has the same ones).
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "seed", "stop", "logit_bias", "user", "parallel_tool_calls",
              "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "chat_template_kwargs",
              "include_reasoning")
+# Request fields the translation (or the gateway's Responses state) reads.
+HONOURED_FIELDS = ("model", "input", "instructions", "stream", "max_output_tokens", "tools", "tool_choice",
+                   "reasoning", "text", "include", "top_logprobs", "previous_response_id", "conversation",
+                   "prompt_cache_key", "truncation", "metadata", *_SAMPLING)
 FUNCTION_TOOL_TYPES = ("function", "namespace", "custom")
 # Hosted and built-in tools. OpenAI runs web_search, file_search, code_interpreter, image_generation and remote
 # mcp servers; computer_use, local_shell, shell and apply_patch run in the client, but the model calls them
 # natively, with no schema a chat template could show it. None has a form the model behind vLLM can call.
+# tool_search (deferred loading, run by the server or the client) and programmatic_tool_calling (code the API
+# runs to call tools) have no chat form either.
 HOSTED_TOOL_TYPES: Final = frozenset({"file_search", "code_interpreter", "computer_use_preview", "computer_use",
-                                      "computer", "image_generation", "mcp", "local_shell", "shell", "apply_patch"})
+                                      "computer", "image_generation", "mcp", "local_shell", "shell", "apply_patch",
+                                      "tool_search", "programmatic_tool_calling"})
 _WEB_SEARCH: Final = re.compile(r"web_search(_preview)?(_[0-9]{4}_[0-9]{2}_[0-9]{2})?")
 
 
@@ -106,19 +115,21 @@ def to_chat(body: Mapping[str, Any], *, seal: ReasoningSeal | None, history: Seq
 
 def translate(body: Mapping[str, Any], *, seal: ReasoningSeal | None = None,
               history: Sequence[Mapping[str, Any]] = (), hosted_tools: HostedTools = "refuse",
-              lenient: bool = False) -> Translation:
+              bookkeeping: I.BookkeepingItems = "refuse", lenient: bool = False) -> Translation:
     """:func:`to_chat`, with a choice of what becomes of hosted tools: ``"refuse"`` (400) or ``"drop"`` (left
-    out of the turn, their types reported in ``dropped``). Without a ``seal``, no encrypted reasoning verifies.
+    out of the turn, their types reported in ``dropped``); and of bookkeeping input items (``items.py``): the
+    same choice, their types reported in ``left_out``. Without a ``seal``, no encrypted reasoning verifies.
 
     ``lenient``: for a request some server already took, to be written as the chat turn it stands for (the
     SDK's recorder). Nothing is refused: each piece a strict translation refuses (a field, an item, a content
     part, a tool, the tool_choice) is left out, hosted tools are dropped, and reasoning in this gateway's seal
     is read without the key. What is kept becomes exactly what the gateway sends."""
     if lenient:
-        hosted_tools = "drop"
+        hosted_tools = bookkeeping = "drop"
     else:
         _check_served(body)
     messages: list[dict[str, Any]] = []
+    left_out: list[str] = []
     instructions = body.get("instructions")
     if isinstance(instructions, str) and instructions:
         messages.append({"role": "system", "content": instructions})
@@ -127,7 +138,8 @@ def translate(body: Mapping[str, Any], *, seal: ReasoningSeal | None = None,
     if isinstance(raw_input, str):
         messages.append({"role": "user", "content": raw_input})
     elif isinstance(raw_input, list):
-        messages += input_messages(raw_input, seal, lenient=lenient, before=messages)
+        messages += input_messages(raw_input, seal, lenient=lenient, before=messages, bookkeeping=bookkeeping,
+                                   left_out=left_out)
     if not messages:
         refuse(invalid("`input` holds no message", "input"), lenient)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
@@ -162,7 +174,7 @@ def translate(body: Mapping[str, Any], *, seal: ReasoningSeal | None = None,
         chat["stream_options"] = {"include_usage": True}
     elif body.get("stream") not in (None, False):
         refuse(invalid("`stream` must be a boolean", "stream"), lenient)
-    return Translation(chat, dropped)
+    return Translation(chat, dropped, once(left_out))
 
 
 def _check_served(body: Mapping[str, Any]) -> None:
@@ -238,16 +250,32 @@ def check_choice_after_drop(choice: Any, dropped: Sequence[str], *, has_tools: b
 
 
 def input_messages(items: Sequence[Any], seal: ReasoningSeal | None, *, lenient: bool = False,
-                   before: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+                   before: Sequence[Mapping[str, Any]] = (), bookkeeping: I.BookkeepingItems = "refuse",
+                   left_out: list[str] | None = None) -> list[dict[str, Any]]:
     """Chat messages for Responses input (or output) items, merged as vLLM merges them; ``lenient``: an item
     (or a content part) that would be refused is left out. ``before``: the chat messages the items follow (a
-    chain's history), which a tool result without a ``call_id`` may answer (:func:`tool_result_id`)."""
+    chain's history), which a tool result without a ``call_id`` may answer (:func:`tool_result_id`).
+    ``bookkeeping``: what becomes of bookkeeping items (``items.py``); those left out are added to
+    ``left_out``."""
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         try:
             if not isinstance(item, Mapping):
                 raise invalid(f"{where} must be an object", where)
+            kind = _item_type(item)
+            if not isinstance(kind, str | None):
+                raise invalid(f"{where}.type must be a string", f"{where}.type")
+            if kind in I.BOOKKEEPING_ITEMS:
+                if bookkeeping == "drop" or lenient:
+                    if left_out is not None:
+                        left_out.append(kind)
+                    continue
+                raise invalid(f"{where}: `{kind}` items are client bookkeeping ({I.BOOKKEEPING_ITEMS[kind]}); this "
+                              "gateway refuses them (bookkeeping_items = \"refuse\"): leave the item out", where)
+            why = I.refusal(kind) if kind is not None else None
+            if why is not None:
+                raise invalid(f"{where}: input items of type `{kind}` are not served: {why}", where)
             message = _message_for(item, out, before, seal, where, lenient)
         except ResponsesError as e:
             refuse(e, lenient)  # _message_for refuses an item before it merges anything of it
@@ -255,6 +283,14 @@ def input_messages(items: Sequence[Any], seal: ReasoningSeal | None, *, lenient:
         if message is not None:
             out.append(message)
     return out
+
+
+def _item_type(item: Mapping[str, Any]) -> Any:
+    """An item's type; an ``item_reference`` may come without one (just its ``id``)."""
+    kind = item.get("type")
+    if kind is None and item.get("role") is None and isinstance(item.get("id"), str):
+        return "item_reference"
+    return kind
 
 
 def _message_for(item: Mapping[str, Any], out: list[dict[str, Any]], before: Sequence[Mapping[str, Any]],
@@ -286,8 +322,9 @@ def _message_for(item: Mapping[str, Any], out: list[dict[str, Any]], before: Seq
         return {"role": "tool", "content": _tool_output(item.get("output"), where, lenient), "tool_call_id": call_id}
     role = item.get("role")
     if kind not in (None, "message") or role is None:
-        raise invalid(f"{where}: input items of type `{kind}` are not served (the gateway serves messages, "
-                      "reasoning, function and custom tool calls and their outputs)", where)
+        raise invalid(f"{where}: `{kind}` is not a Responses input item type this gateway knows (it serves "
+                      f"{', '.join(sorted(I.LOWERED_ITEMS))}; docs/agent-apis.md lists what becomes of the "
+                      "others)", where)
     if role == "assistant":
         text = _assistant_text(item.get("content"), where)
         if assistant is not None and assistant.get("content") is None:
@@ -340,12 +377,12 @@ def _tool_call_for(item: Mapping[str, Any], where: str) -> dict[str, Any] | None
         arguments = item.get("arguments")
         if not isinstance(arguments, str):
             raise invalid(f"{where}.arguments must be a string", f"{where}.arguments")
-        namespace = item.get("namespace")
-        if isinstance(namespace, str) and namespace:
-            name = flat_name(namespace, name)
     else:
         payload = item.get("input")
         arguments = encode_custom_input(payload if isinstance(payload, str) else "")
+    namespace = item.get("namespace")
+    if isinstance(namespace, str) and namespace:
+        name = flat_name(namespace, name)
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -404,6 +441,11 @@ def _user_content(content: Any, where: str, lenient: bool) -> str | list[dict[st
             if isinstance(part.get("detail"), str) and part["detail"] != "auto":
                 image["detail"] = part["detail"]
             parts.append({"type": "image_url", "image_url": image})
+        elif kind == "input_image":
+            refuse(invalid(f"{where}.content[{j}]: {I.IMAGE_WITHOUT_URL}", f"{where}.content"), lenient)
+        elif isinstance(kind, str) and kind in I.REFUSED_PARTS:
+            refuse(invalid(f"{where}.content[{j}]: parts of type `{kind}` are not served: {I.REFUSED_PARTS[kind]}",
+                           f"{where}.content"), lenient)
         else:
             refuse(invalid(f"{where}.content[{j}]: parts of type `{kind}` are not served (input_text and "
                            "input_image with an image_url are)", f"{where}.content"), lenient)
@@ -454,13 +496,23 @@ def _chat_tools_for(tool: Any, where: str) -> list[dict[str, Any]]:
         namespace, members = tool.get("name"), tool.get("tools")
         if not isinstance(namespace, str) or not isinstance(members, list):
             raise invalid(f"{where}: a namespace needs a name and a list of tools", where)
-        functions = [(j, m) for j, m in enumerate(members) if isinstance(m, Mapping) and m.get("type") == "function"]
-        return [_function_tool(member, flat_name(namespace, member["name"]) if isinstance(member.get("name"), str)
-                               else None, f"{where}.tools[{j}]") for j, member in functions]
-    raise invalid(f"{where}: tools of type `{kind}` are not served: they are hosted or built-in tools "
-                  "the model cannot call through a chat template (only function, custom and namespace "
-                  "tools are). Turn the tool off in the client (e.g. Codex: web_search = "
-                  "\"disabled\")", where)
+        out: list[dict[str, Any]] = []
+        for j, member in enumerate(members):
+            member_kind = member.get("type") if isinstance(member, Mapping) else None
+            if member_kind not in ("function", "custom"):
+                raise invalid(f"{where}.tools[{j}]: a namespace holds function and custom tools, not "
+                              f"`{member_kind}`", f"{where}.tools")
+            name = member.get("name")
+            out += _chat_tools_for({**member, "name": flat_name(namespace, name) if isinstance(name, str) else None},
+                                   f"{where}.tools[{j}]")
+        return out
+    if is_hosted_tool(kind):
+        raise invalid(f"{where}: tools of type `{kind}` are not served: they are hosted or built-in tools "
+                      "the model cannot call through a chat template (only function, custom and namespace "
+                      "tools are). Turn the tool off in the client (e.g. Codex: web_search = "
+                      "\"disabled\")", where)
+    raise invalid(f"{where}: `{kind}` is not a Responses tool type this gateway knows (it serves function, custom "
+                  "and namespace tools, and leaves hosted ones out): declare the tool as a function tool", where)
 
 
 def _function_tool(tool: Mapping[str, Any], name: Any, where: str) -> dict[str, Any]:

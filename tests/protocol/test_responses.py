@@ -230,7 +230,7 @@ def test_required_with_a_function_tool_left_is_kept() -> None:
     assert got.chat["tool_choice"] == "required" and [t["function"]["name"] for t in got.chat["tools"]] == ["run"]
 
 
-@pytest.mark.parametrize("kind", ["function_tool", "tool_search", "web_searching", "web_search_2025", "custom_x",
+@pytest.mark.parametrize("kind", ["function_tool", "tool_searching", "web_searching", "web_search_2025", "custom_x",
                                   "web_search_٢٠٢٥_٠٣_١١"])
 def test_unknown_tool_types_are_refused_in_either_mode(kind: str) -> None:
     body = {"model": "m", "input": "hi", "tools": [{"type": kind}, FUNCTION]}

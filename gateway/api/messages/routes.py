@@ -27,6 +27,7 @@ class MessagesEdge:
         self.hosted_tools = gw.config.hosted_tools
         self.model = ""
         self.dropped: tuple[str, ...] = ()
+        self.left_out: tuple[str, ...] = ()  # Messages has no bookkeeping blocks to leave out
 
     async def lower(self, body: dict[str, Any], headers: dict[str, str],
                     tenant: str | None) -> tuple[dict[str, Any], dict[str, str]]:

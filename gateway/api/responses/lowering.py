@@ -20,6 +20,7 @@ from kvtether.gateway.api.responses.state import Pending, ResponsesState
 from kvtether.gateway.errors import GatewayError
 from kvtether.protocol import responses as R
 from kvtether.protocol.common import HostedTools
+from kvtether.protocol.responses.items import BookkeepingItems
 from kvtether.protocol.wire import openai_error_body
 from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers
 from starlette.responses import Response
@@ -32,9 +33,11 @@ _MAX_SESSION_ID = 256
 
 
 async def lower(state: ResponsesState, body: dict[str, Any], headers: dict[str, str], tenant: str | None,
-                hosted_tools: HostedTools = "drop") -> tuple[dict[str, Any], dict[str, str], Pending]:
+                hosted_tools: HostedTools = "drop", bookkeeping_items: BookkeepingItems = "drop"
+                ) -> tuple[dict[str, Any], dict[str, str], Pending]:
     """The chat body and headers for a Responses request, and what its answer needs (a GatewayError when the
-    request is bad or names a response the gateway does not hold). ``hosted_tools``: the gateway's setting."""
+    request is bad or names a response the gateway does not hold). ``hosted_tools``, ``bookkeeping_items``: the
+    gateway's settings."""
     previous = body.get("previous_response_id")
     conversation = R.conversation_id(body.get("conversation"))
     if previous is not None and (not isinstance(previous, str) or not previous):
@@ -57,7 +60,8 @@ async def lower(state: ResponsesState, body: dict[str, Any], headers: dict[str, 
         history = list(record.get("messages") or []) if record else []
         chain_session = (record or {}).get("session") or f"conv-{conversation}"
     try:
-        lowered = R.translate(body, seal=state.seal, history=history, hosted_tools=hosted_tools)
+        lowered = R.translate(body, seal=state.seal, history=history, hosted_tools=hosted_tools,
+                              bookkeeping=bookkeeping_items)
     except R.ResponsesError as err:
         raise GatewayError(err.status, err.message, param=err.param, code=err.code) from None
     chat = lowered.chat
@@ -71,7 +75,7 @@ async def lower(state: ResponsesState, body: dict[str, Any], headers: dict[str, 
     items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": raw_input}]}] \
         if isinstance(raw_input, str) else list(raw_input or [])
     pending = Pending(body, tenant, state, base, chat["messages"][instructions:], conversation, input_items=items,
-                      dropped=lowered.dropped)
+                      dropped=lowered.dropped, left_out=lowered.left_out)
     return chat, out, pending
 
 

@@ -25,13 +25,16 @@ class ResponsesEdge:
 
     def __init__(self, gw: Serving) -> None:
         self.state, self.hosted_tools = gw.responses, gw.config.hosted_tools
+        self.bookkeeping_items = gw.config.bookkeeping_items
         self.pending: Pending | None = None
         self.dropped: tuple[str, ...] = ()
+        self.left_out: tuple[str, ...] = ()
 
     async def lower(self, body: dict[str, Any], headers: dict[str, str],
                     tenant: str | None) -> tuple[dict[str, Any], dict[str, str]]:
-        chat, out, self.pending = await lowering.lower(self.state, body, headers, tenant, self.hosted_tools)
-        self.dropped = self.pending.dropped
+        chat, out, self.pending = await lowering.lower(self.state, body, headers, tenant, self.hosted_tools,
+                                                       self.bookkeeping_items)
+        self.dropped, self.left_out = self.pending.dropped, self.pending.left_out
         return chat, out
 
     def identified(self, session_id: str) -> None:

@@ -80,6 +80,7 @@ class Pending:
     final: dict[str, Any] | None = None
     input_items: list[Any] = field(default_factory=list)
     dropped: tuple[str, ...] = ()  # hosted tool types left out of the turn (hosted_tools = "drop")
+    left_out: tuple[str, ...] = ()  # client bookkeeping item types left out of it (bookkeeping_items = "drop")
 
     @property
     def seal(self) -> R.ReasoningSeal | None:

@@ -188,6 +188,7 @@ def test_every_type_the_translations_drop_has_its_own_series() -> None:
     kinds = [*R.HOSTED_TOOL_TYPES, "web_search", "web_search_preview", "web_search_2025_08_26",
              "web_fetch_20250910", "code_execution_20250825", "bash_20250124", "text_editor_20250728",
              "computer_20250124", "memory_20250818", "tool_search_tool_regex_20251119",
-             "tool_search_tool_bm25_20251119", "mcp_toolset"]
+             "tool_search_tool_bm25_20251119", "mcp_toolset", "browser_toolset_20260801",
+             "computer_toolset_20260801", "tool_search_tool_bm25"]
     assert all(R.is_hosted_tool(k) or M.is_anthropic_defined({"type": k}) for k in kinds)
     assert {metric_type(k) for k in kinds} == set(T.DROPPED_TOOL_TYPES)
