@@ -1,7 +1,7 @@
 """The gateway's rooms import one way: shell → api → turn → {guard, policy, nodes, stores, transport}.
 
 A module may import from its own room, from any room below it, and from the gateway's root modules (errors,
-tenancy, config, telemetry), which every room may import and which import only the bottom rooms. Read from the
+tenancy, config, telemetry, clock), which every room may import and which import only the bottom rooms. Read from the
 source with ``ast``, so an import inside a function or under ``TYPE_CHECKING`` counts too.
 """
 
@@ -16,7 +16,7 @@ GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
 PACKAGE = "kvtether.gateway"
 # Higher imports lower; equal levels may import each other.
 LEVELS = {"shell": 4, "api": 3, "turn": 2, "guard": 1, "policy": 1, "nodes": 1, "stores": 1, "transport": 1}
-ROOT_MODULES = {"__init__", "errors", "tenancy", "config", "telemetry"}
+ROOT_MODULES = {"__init__", "errors", "tenancy", "config", "telemetry", "clock"}
 ROOT_LEVEL = 1  # what the root modules themselves may import: the bottom rooms, and each other
 
 
