@@ -6,7 +6,14 @@ turns that meet both objectives (TTFT from the client, TPOT from the decoding en
 machine's load does not inflate), late-turn TTFT p50/p95/p99 and engine TPOT p95. Goodput is the highest load
 multiplier at which at least 90 % of turns meet both (DistServe's measure).
 
-Options (one GPU count: 1 prefill + 2 decode nodes, 3 colocated nodes, or a pool of 3 instances):
+Clock. By default every run is on a virtual clock (sim/virtual.py): the cluster, the gateway and the clients in
+one process, time jumping from event to event, the gateway's own CPU modelled (cli/simstack/gateway_cost.py). So
+the figures are the cost model's to the microsecond and the same in every run, and a run costs the CPU its
+Python needs, not the simulated seconds it covers; runs go one per process (--jobs) without changing a figure.
+--realtime runs on the wall clock × --speed instead, where this machine's load is in every TTFT.
+
+Options (one GPU count: P prefill + D decode nodes, P+D colocated nodes, or a pool of P+D instances; 1P 2D by
+default, --prefill/--decode):
 
   no-pull    classic P/D: P recomputes the history
   reference  vLLM's reference proxy: round-robin, the handle attached whenever held
@@ -24,8 +31,9 @@ conversation trace in mooncake_trace format (examples/traces/mooncake-conversati
 workloads get Poisson session arrivals; the trace keeps its own. On request only (--workloads coding-long): the
 coding sessions with file-sized tool results too (12-24k tokens in one turn of ten).
 
-    python benchmarks/goodput.py                       # every workload, 3 loads (about 20-40 min here)
+    python benchmarks/goodput.py                       # every workload, 3 loads, virtual time
     python benchmarks/goodput.py --workloads chat --loads 1,2 --options auto,colocated --sessions 4
+    python benchmarks/goodput.py --prefill 2 --decode 6 --sessions 64 --loads 1,2,4,8,16 --jobs 2
     python benchmarks/goodput.py --seed 2 --out /tmp/s2 ...          # more seeds, then one table of all:
     python benchmarks/goodput.py --pool /tmp/s1/goodput.json /tmp/s2/goodput.json /tmp/s3/goodput.json
 Writes benchmarks/results/goodput.json (or goodput-pooled.json) and goodput.png.
@@ -55,9 +63,13 @@ LATE_TURN = 3  # turns from this index on are "late": their history is what reus
 @dataclass(frozen=True)
 class Settings:
     preset: str = "qwen3-32b-h200-tp8"
-    # Simulated seconds per real second. TTFT is the client's clock × speed, so whatever this machine's load
-    # delays (the event loop, the other core's work) is multiplied too: keep it low, the machine quiet.
+    # On the wall clock (realtime): simulated seconds per real second. TTFT is the client's clock × speed, so
+    # whatever this machine's load delays (the event loop, the other core's work) is multiplied too: keep it low,
+    # the machine quiet. In virtual time (the default) the speed is 1 and the figures exact.
     speed: float = 4.0
+    virtual: bool = True
+    prefill: int = 1
+    decode: int = 2
     ttft_ms: float = 2000.0
     tpot_ms: float = 25.0
     sessions: int = 8
@@ -122,13 +134,15 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
     from kvtether.cli.replay.engine import ReplayOptions, join_engine_tpot, new_session_suffix, run_replay
     from kvtether.cli.replay.report import Objectives, attainment, judge
     from kvtether.cli.simstack.decode_times import DecodeTimes
+    from kvtether.cli.streaming import loop_clock_ns, now_ns
 
     decode_times = DecodeTimes()
-    t0 = time.perf_counter()
-    async with option_gateway(option, shape, st.speed, False, decode_times, st.tpot_ms) as (url, model):
-        opts = ReplayOptions(arrivals="trace", rate=rate, time_scale=st.speed, model=model, history="live",
-                             timeout_s=300.0, session_suffix=new_session_suffix())
-        run = await run_replay(sessions, url, opts)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    speed = 1.0 if st.virtual else st.speed
+    async with option_gateway(option, shape, speed, False, decode_times, st.tpot_ms) as (url, model):
+        opts = ReplayOptions(arrivals="trace", rate=rate, time_scale=speed, model=model, history="live",
+                             timeout_s=300.0, session_suffix="" if st.virtual else new_session_suffix())
+        run = await run_replay(sessions, url, opts, clock_ns=loop_clock_ns() if st.virtual else now_ns)
     join_engine_tpot(run.results, decode_times.tpot_by_request())
     objectives = Objectives(st.ttft_ms, st.tpot_ms)
     a = attainment(run.results, objectives, "engine")
@@ -139,6 +153,8 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
             "errors": sum(1 for r in run.results if not r.ok and not r.skipped),
             "late_ttft_ms": {q: _pct(late, q) for q in ("p50", "p95", "p99")},
             "tpot_p95_ms": _pct(tpots, "p95"), "wall_s": round(time.perf_counter() - t0, 1),
+            "clock": "virtual" if st.virtual else f"real × {st.speed:g}", "cpu_s": round(time.process_time() - cpu0, 1),
+            "simulated_s": None if run.clock_s is None else round(run.clock_s, 3),
             # The samples, so runs of several seeds pool into one table (--pool).
             "late_ttft_samples": [round(x, 1) for x in late], "tpot_samples": [round(x, 2) for x in tpots],
             # Which turns missed, and what the gateway chose for them: where a policy loses its turns.
@@ -161,31 +177,65 @@ def _pct(xs: list[float], q: str) -> float | None:
     return round(xs[min(len(xs) - 1, int(k * len(xs)))], 1)
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+def settings_of(args: argparse.Namespace) -> Settings:
+    return Settings(preset=args.preset, speed=args.speed, ttft_ms=args.ttft, tpot_ms=args.tpot,
+                    sessions=args.sessions, seed=args.seed, virtual=not getattr(args, "realtime", False),
+                    prefill=getattr(args, "prefill", Settings.prefill), decode=getattr(args, "decode", Settings.decode))
+
+
+def run_job(job: tuple[str, str, float, Settings]) -> dict[str, Any]:
+    """One run (workload, option, load) in an event loop of its own: a fresh virtual one in virtual time. A
+    process of a pool runs it as well as this one: the workload is rebuilt from its seed."""
     from kvtether.cli.assess.cluster import build_shape
+
+    w, option, rate, st = job
+    shape = build_shape(st.preset, prefill=st.prefill, decode=st.decode)
+    if st.virtual:
+        from kvtether.sim.virtual import run_virtual
+
+        return run_virtual(run_one, option, workload(w, st), shape, rate, st)
+    return anyio.run(run_one, option, workload(w, st), shape, rate, st)
+
+
+def main_sync(args: argparse.Namespace) -> dict[str, Any]:
+    """Every (workload, option, load) run, `args.jobs` at a time (virtual time only: live runs would share the
+    machine's cores and each other's noise), in the order of the table."""
     from kvtether.cli.replay.report import goodput
 
-    st = Settings(preset=args.preset, speed=args.speed, ttft_ms=args.ttft, tpot_ms=args.tpot, sessions=args.sessions,
-                  seed=args.seed)
-    shape = build_shape(st.preset, prefill=1, decode=2)
+    st = settings_of(args)
     loads = [float(x) for x in args.loads.split(",")]
-    out: dict[str, Any] = {"settings": st.__dict__, "shape": "1P 2D (P/D options) vs 3 colocated nodes vs a pool of 3",
-                           "loads": loads, "workloads": {}}
-    for w in args.workloads.split(","):
-        sessions = workload(w, st)
+    options = args.options.split(",")
+    n = st.prefill + st.decode
+    out: dict[str, Any] = {"settings": st.__dict__, "loads": loads, "workloads": {},
+                           "shape": f"{st.prefill}P {st.decode}D (P/D options) vs {n} colocated nodes vs a pool of {n}"}
+    jobs = [(w, o, rate, st) for w in args.workloads.split(",") for o in options for rate in loads]
+    jobs_at_once = max(1, getattr(args, "jobs", 1)) if st.virtual else 1
+    if jobs_at_once > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(jobs_at_once) as procs:
+            rows = list(procs.imap(run_job, jobs))
+    else:
         rows = []
-        for option in args.options.split(","):
-            for rate in loads:
-                row = await run_one(option, sessions, shape, rate, st)
-                rows.append(row)
-                print(f"{w:9} {option:9} ×{rate:<4g} attainment {_share(row['attainment'])} "
-                      f"late TTFT p95 {row['late_ttft_ms']['p95']} ms, TPOT p95 {row['tpot_p95_ms']} ms, "
-                      f"errors {row['errors']} ({row['wall_s']} s)", flush=True)
-        gp = {o: goodput([(r["rate"], r["attainment"]) for r in rows if r["option"] == o])
-              for o in args.options.split(",")}
+        for job in jobs:
+            rows.append(run_job(job))
+            _say(job[0], rows[-1])
+    for w in args.workloads.split(","):
+        mine = [r for (jw, *_), r in zip(jobs, rows, strict=True) if jw == w]
+        if jobs_at_once > 1:
+            for r in mine:
+                _say(w, r)
+        sessions = workload(w, st)
+        gp = {o: goodput([(r["rate"], r["attainment"]) for r in mine if r["option"] == o]) for o in options}
         out["workloads"][w] = {"sessions": len(sessions), "turns": sum(len(s.turns) for s in sessions),
-                               "runs": rows, "goodput": gp}
+                               "runs": mine, "goodput": gp}
     return out
+
+
+def _say(w: str, row: dict[str, Any]) -> None:
+    print(f"{w:9} {row['option']:9} ×{row['rate']:<4g} attainment {_share(row['attainment'])} "
+          f"late TTFT p95 {row['late_ttft_ms']['p95']} ms, TPOT p95 {row['tpot_p95_ms']} ms, "
+          f"errors {row['errors']} ({row['clock']}: {row['wall_s']} s wall, {row['cpu_s']} s CPU)", flush=True)
 
 
 def pool(outs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -281,7 +331,13 @@ def main() -> int:
     ap.add_argument("--options", default=",".join(OPTIONS))
     ap.add_argument("--loads", default="0.5,1,2")
     ap.add_argument("--preset", default=Settings.preset)
-    ap.add_argument("--speed", type=float, default=Settings.speed)
+    ap.add_argument("--realtime", action="store_true",
+                    help="run on the wall clock × --speed (default: virtual time, exact and repeatable)")
+    ap.add_argument("--speed", type=float, default=Settings.speed, help="--realtime: simulated s per real s")
+    ap.add_argument("--prefill", type=int, default=Settings.prefill, help="P/D options' prefill nodes")
+    ap.add_argument("--decode", type=int, default=Settings.decode,
+                    help="P/D options' decode nodes (colocated and the pool: prefill + decode instances)")
+    ap.add_argument("--jobs", type=int, default=1, help="virtual time: runs in parallel processes")
     ap.add_argument("--ttft", type=float, default=Settings.ttft_ms, help="TTFT objective, ms")
     ap.add_argument("--tpot", type=float, default=Settings.tpot_ms, help="TPOT objective, ms")
     ap.add_argument("--sessions", type=int, default=Settings.sessions)
@@ -301,7 +357,9 @@ def main() -> int:
     unknown = set(args.options.split(",")) - set(OPTIONS)
     if unknown:
         ap.error(f"unknown options {sorted(unknown)}; known: {', '.join(OPTIONS)}")
-    out = anyio.run(main_async, args)
+    if not args.realtime and args.speed != Settings.speed:
+        ap.error("--speed is for --realtime runs: virtual time is exact at speed 1")
+    out = main_sync(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "goodput.json").write_text(json.dumps(out, indent=1))
     plot(out, args.out / "goodput.png")

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import anyio
 from kvtether.cli.assess.analysis import (
     RetentionSetup,
     TurnTiming,
@@ -22,7 +21,7 @@ from kvtether.cli.assess.analysis import (
 from kvtether.cli.assess.cluster import ClusterShape
 from kvtether.cli.assess.inputs import AssessFlags, Inputs
 from kvtether.cli.assess.tokens import Encoder, turn_facts
-from kvtether.cli.assess.topology import DESCRIPTIONS, OptionRun, RunSettings, run_option, timings
+from kvtether.cli.assess.topology import DESCRIPTIONS, OptionRun, RunSettings, run_option_sync, timings
 from kvtether.cli.common.exits import EXIT_FAILED, EXIT_USAGE
 from kvtether.cli.common.failures import fail
 from kvtether.cli.replay.report import Objectives, attainment, goodput_report, parse_rates
@@ -59,7 +58,7 @@ def _run(err: Console, f: AssessFlags, option: str, inputs: Inputs, settings: Ru
          cluster_logs: ClusterLogs) -> OptionRun:
     try:
         with cluster_logs:
-            return anyio.run(run_option, option, inputs.sessions, inputs.shape, settings)
+            return run_option_sync(option, inputs.sessions, inputs.shape, settings)
     except (OSError, ValueError) as e:
         fail(err, EXIT_FAILED, f"the simulated {option} run failed to start: {e}")
 
@@ -84,7 +83,8 @@ def _simulate(err: Console, f: AssessFlags, options: Sequence[str], inputs: Inpu
               concurrency: int) -> dict[str, Any]:
     """Question 4: one run per option, each on a fresh simulated cluster (exit 1 when one cannot start); with
     --goodput, the sweep after."""
-    settings = RunSettings(speed=f.speed, concurrency=concurrency, think_scale=f.think_scale,
+    settings = RunSettings(speed=1.0 if f.virtual else f.speed, virtual=f.virtual, concurrency=concurrency,
+                           think_scale=f.think_scale,
                            max_think_ms=f.max_think_ms, tpot_objective_ms=f.tpot_slo if f.tpot_slo > 0 else None)
     runs: dict[str, list[TurnTiming]] = {}
     tpots: dict[str, list[float]] = {}
@@ -124,9 +124,11 @@ def answer(err: Console, f: AssessFlags, options: Sequence[str], inputs: Inputs)
         return answers, ""
     answers["q4"] = _simulate(err, f, options, inputs, late, concurrency)
     shape = inputs.shape
-    time_note = (f"simulated time = real × {f.speed:g}; {shape.gpus} GPUs in every option "
+    clock = ("virtual time: exact and repeatable, the gateway's CPU modelled" if f.virtual
+             else f"simulated time = real × {f.speed:g}")
+    time_note = (f"{clock}; {shape.gpus} GPUs in every option "
                  f"({shape.prefill}P+{shape.decode}D or {shape.nodes} colocated nodes × {shape.gpus_per_node})")
-    if f.speed > 4:
+    if not f.virtual and f.speed > 4:
         inputs.notes.append(f"--speed {f.speed:g}: the real overheads of the client, gateway and simulator HTTP layer "
                             "are multiplied too; use 1–4 for latency claims")
     return answers, time_note

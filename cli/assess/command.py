@@ -31,6 +31,8 @@ from kvtether.cli.simstack import DEFAULT_PREFILL_PREFIX_CACHING
 from rich.console import Console
 
 KNOWN_OPTIONS = (*OPTIONS, "pull")
+# A live run's clock: 2 × real time (--no-virtual).
+DEFAULT_SPEED = 2.0
 
 # The command's arguments and options, in the order of its help.
 _FILE = typer.Argument(None, metavar="[SESSIONS]", help="Session file (gen, convert, the SDK recorder; or --format's).")
@@ -62,7 +64,11 @@ _CONCURRENCY = typer.Option(None, "--concurrency", "-c", min=1,
 _OPTIONS = typer.Option(",".join(OPTIONS), "--options",
                         help=f"Serving options to simulate, comma-separated ({', '.join(KNOWN_OPTIONS)}).")
 _SIMULATE = typer.Option(True, "--simulate/--no-simulate", metavar=FLAG, help="Run question 4 on the simulator.")
-_SPEED = typer.Option(2.0, "--speed", min=0.01, help="Simulated time = real time × speed.")
+_SPEED = typer.Option(DEFAULT_SPEED, "--speed", min=0.01, help="--no-virtual: simulated time = real time × speed.")
+_VIRTUAL = typer.Option(
+    True, "--virtual/--no-virtual", metavar=FLAG,
+    help="Run the simulations on one virtual clock (default: exact, repeatable figures, as fast as the CPU allows, "
+    "the gateway's CPU modelled); --no-virtual: on the wall clock × --speed (to watch a run live).")
 _THINK_SCALE = typer.Option(1.0, "--think-scale", min=0.0, help="Recorded gaps × this in the runs.")
 _MAX_THINK_MS = typer.Option(None, "--max-think-ms", min=0.0, help="Cap one gap in the runs.")
 _TPOT_SLO = typer.Option(100.0, "--tpot-slo", min=0.0,
@@ -91,7 +97,7 @@ def assess(
     session_ttl: float = _SESSION_TTL, held_kv_budget: float = _HELD_KV_BUDGET,
     prefill_prefix_caching: bool = _PREFILL_PREFIX_CACHING, input_format: str = _FORMAT, model: str | None = _MODEL,
     tokenizer: str | None = _TOKENIZER, concurrency: int | None = _CONCURRENCY, options: str = _OPTIONS,
-    simulate: bool = _SIMULATE, speed: float = _SPEED, think_scale: float = _THINK_SCALE,
+    simulate: bool = _SIMULATE, speed: float = _SPEED, virtual: bool = _VIRTUAL, think_scale: float = _THINK_SCALE,
     max_think_ms: float | None = _MAX_THINK_MS, tpot_slo: float = _TPOT_SLO, ttft_slo: float = _TTFT_SLO,
     goodput: str | None = _GOODPUT, limit: int | None = _LIMIT,
     report: Path | None = _REPORT, as_json: bool = _JSON, quiet: bool = _QUIET, engine_log: str | None = _ENGINE_LOG,
@@ -117,6 +123,8 @@ def check(err: Console, f: AssessFlags) -> list[str]:
         fail(err, EXIT_USAGE, "give a session file, --gateway URL, or both")
     if f.input_format not in (SESSION_FORMAT, *FORMATS):
         fail(err, EXIT_USAGE, f"--format must be one of session, {', '.join(FORMATS)}")
+    if f.virtual and f.speed != DEFAULT_SPEED:
+        fail(err, EXIT_USAGE, "--speed is for --no-virtual runs: a virtual run is exact at any speed")
     run_options = [o.strip() for o in f.options.split(",") if o.strip()]
     bad = [o for o in run_options if o not in KNOWN_OPTIONS]
     if bad or not run_options:

@@ -46,6 +46,7 @@ class AssessFlags:
     options: str
     simulate: bool
     speed: float
+    virtual: bool
     think_scale: float
     max_think_ms: float | None
     tpot_slo: float

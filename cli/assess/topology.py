@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import anyio
 from kvtether.cli.assess.analysis import TurnTiming
 from kvtether.cli.assess.cluster import ClusterShape, register_preset
 from kvtether.cli.replay.engine import (
@@ -44,6 +45,7 @@ from kvtether.cli.replay.engine import (
 )
 from kvtether.cli.simstack import COLOCATED, HYBRID, StackSpec, StackTimes, sim_stack
 from kvtether.cli.simstack.decode_times import DecodeTimes
+from kvtether.cli.streaming import loop_clock_ns, now_ns
 from kvtether.sdk.sessionfile import SessionRecord
 
 PD_POLICIES: tuple[str, ...] = ("no-pull", "reference", "auto")
@@ -73,6 +75,13 @@ class RunSettings:
     # Closed loop (the sessions as recorded together) or open loop: each session at its start offset ÷ rate.
     arrivals: Arrivals = "closed"
     rate: float = 1.0
+    # On one virtual clock (sim/virtual.py): each option's run in a fresh virtual loop at speed 1, its figures
+    # exact and repeatable, the gateway's CPU modelled. Off: the wall clock × `speed`.
+    virtual: bool = False
+
+    def __post_init__(self) -> None:
+        if self.virtual and self.speed != 1.0:
+            raise ValueError("a virtual run is at speed 1")
 
 
 def option_stack_spec(shape: ClusterShape, speed: float) -> StackSpec:
@@ -117,7 +126,8 @@ async def run_option(option: str, sessions: Sequence[SessionRecord], shape: Clus
         max_think_ms=settings.max_think_ms,
         timeout_s=settings.timeout_s,
         time_scale=settings.speed,
-        session_suffix=new_session_suffix(),
+        # A fresh cluster per run needs no suffix; a virtual run keeps the recorded ids, so it repeats exactly.
+        session_suffix="" if settings.virtual else new_session_suffix(),
         arrivals=settings.arrivals,
         rate=settings.rate,
     )
@@ -125,9 +135,20 @@ async def run_option(option: str, sessions: Sequence[SessionRecord], shape: Clus
     async with option_gateway(option, shape, settings.speed, settings.learn_estimates, decode_times,
                               settings.tpot_objective_ms) as (url, model):
         opts.model = model
-        run = await run_replay(sessions, url, opts, on_result)
+        run = await run_replay(sessions, url, opts, on_result,
+                               clock_ns=loop_clock_ns() if settings.virtual else now_ns)
     join_engine_tpot(run.results, decode_times.tpot_by_request())  # each turn judged by its engine TPOT
     return OptionRun(run, decode_times.tpot_ms())
+
+
+def run_option_sync(option: str, sessions: Sequence[SessionRecord], shape: ClusterShape,
+                    settings: RunSettings) -> OptionRun:
+    """`run_option` in an event loop of its own: a fresh virtual loop when `settings.virtual`."""
+    if settings.virtual:
+        from kvtether.sim.virtual import run_virtual
+
+        return run_virtual(run_option, option, sessions, shape, settings)
+    return anyio.run(run_option, option, sessions, shape, settings)
 
 
 def timings(run: ReplayRun) -> list[TurnTiming]:

@@ -48,6 +48,10 @@ _SYSTEM_TOKENS = typer.Option(
     help="System prompt length in tokens (written as that many common words, about one token each).")
 _GEN_MODEL = typer.Option("kvtether-sim", "--model", help="Model name written into the sessions.")
 _SEED = typer.Option(0, "--seed", help="Same seed, same file.")
+_ARRIVAL_RATE = typer.Option(
+    None, "--arrival-rate", min=0.0001, metavar="PER_S",
+    help="Sessions arrive as a Poisson process at this rate (per second): each gets a start offset that `replay "
+    "--arrivals trace` follows (and --rate scales). Default: none (closed-loop replays).")
 _PIN_OUTPUT = typer.Option(
     True, "--pin-output/--no-pin-output", metavar=FLAG, help="Add vLLM's min_tokens + ignore_eos so answers have "
     "max_tokens.")
@@ -69,12 +73,13 @@ def gen(
     out: Path | None = _OUT, sessions: int = _SESSIONS, turns: int = _TURNS, new_tokens: str = _NEW_TOKENS,
     output_tokens: str = _OUTPUT_TOKENS, think_ms: float = _THINK_MS, user_prob: float = _USER_PROB,
     system_tokens: int = _SYSTEM_TOKENS, model: str = _GEN_MODEL, seed: int = _SEED, pin_output: bool = _PIN_OUTPUT,
+    arrival_rate: float | None = _ARRIVAL_RATE,
 ) -> None:
     """Generate synthetic agent sessions: system prompt + tools, tool-call loops with growing history."""
     err = Console(stderr=True)
     params = GenParams(sessions=sessions, turns=turns, new_tokens=new_tokens, output_tokens=output_tokens,
                        think_ms=think_ms, user_message_prob=user_prob, system_tokens=system_tokens, model=model,
-                       seed=seed, pin_output=pin_output)
+                       seed=seed, pin_output=pin_output, arrival_rate=arrival_rate)
     try:
         generated = generate_sessions(params)
     except ValueError as e:

@@ -153,12 +153,17 @@ class GenParams:
     seed: int = 0
     id_prefix: str = "gen"
     pin_output: bool = True  # add vLLM's min_tokens + ignore_eos so every engine emits exactly max_tokens
+    # Sessions per second arriving as a Poisson process (metadata.start_offset_ms, what `replay --arrivals trace`
+    # reads); None: no arrival times (a closed-loop replay starts them as slots free up).
+    arrival_rate: float | None = None
 
     def validate(self) -> None:
         if self.sessions < 1 or self.turns < 1:
             raise ValueError("sessions and turns must be >= 1")
         if self.think_ms < 0:
             raise ValueError("think time must be >= 0")
+        if self.arrival_rate is not None and not self.arrival_rate > 0:
+            raise ValueError("arrival rate must be > 0 sessions per second")
         if not 0.0 <= self.user_message_prob <= 1.0:
             raise ValueError("user message probability must be in [0, 1]")
         parse_mix(self.new_tokens)
@@ -188,6 +193,9 @@ def generate_sessions(p: GenParams) -> list[SessionRecord]:
     # fleets do, so cross-session prefix reuse of the system prompt is part of the workload.
     system = {"role": "system", "content": "You are a coding agent. " + _words(rng, p.system_tokens)}
     sessions: list[SessionRecord] = []
+    # Arrivals from a generator of their own: the sessions' content is the same with or without them.
+    arrivals = random.Random(f"{p.seed}/arrivals")
+    start_ms = 0.0
     for s in range(p.sessions):
         sid = f"{p.id_prefix}-{p.seed}-{s:04d}"
         turns: list[TurnRecord] = []
@@ -223,7 +231,10 @@ def generate_sessions(p: GenParams) -> list[SessionRecord]:
                 model=p.model,
                 turns=turns,
                 tools=TOOLS,
-                metadata={"generator": "kvtether gen", "seed": p.seed, "session": s},
+                metadata={"generator": "kvtether gen", "seed": p.seed, "session": s,
+                          **({"start_offset_ms": round(start_ms, 3)} if p.arrival_rate is not None else {})},
             )
         )
+        if p.arrival_rate is not None:
+            start_ms += arrivals.expovariate(p.arrival_rate) * 1000.0
     return sessions

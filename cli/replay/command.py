@@ -47,9 +47,9 @@ _DECODE = typer.Option(2, "--decode", min=1, help="--sim: decode nodes.")
 _SPEED = typer.Option(
     1.0, "--speed", min=0.001, help="--sim: simulated time = real time × speed; reported numbers are simulated.")
 _VIRTUAL = typer.Option(
-    False, "--virtual/--realtime", metavar=FLAG,
+    False, "--virtual/--no-virtual", metavar=FLAG,
     help="--sim: run the cluster, the gateway and the clients on one virtual clock (exact, repeatable figures, as "
-    "fast as the CPU allows; the gateway's own CPU is modelled). --realtime (default): the wall clock × --speed.")
+    "fast as the CPU allows; the gateway's own CPU is modelled). --no-virtual (default): the wall clock × --speed.")
 _FORMAT = typer.Option(
     SESSION_FORMAT, "--format", help=f"Input format: session, {', '.join(FORMATS)} (imported on the fly).")
 _CONCURRENCY = typer.Option(8, "--concurrency", "-c", min=1, help="Sessions in flight (--arrivals closed).")
@@ -166,7 +166,7 @@ def _check_target(err: Console, f: ReplayFlags) -> None:
     if f.virtual and f.sim is None:
         fail(err, EXIT_USAGE, "--virtual needs --sim: only a simulated cluster runs on a virtual clock")
     if f.virtual and f.speed != 1.0:
-        fail(err, EXIT_USAGE, "--virtual runs at speed 1 (as fast as the CPU allows): --speed is for --realtime runs")
+        fail(err, EXIT_USAGE, "--virtual runs at speed 1 (as fast as the CPU allows): --speed is for --no-virtual runs")
     if f.engine_log is not None and f.sim is None:
         fail(err, EXIT_USAGE, "--engine-log needs --sim: a gateway given by URL logs where it runs")
     if f.policy not in KNOWN_POLICIES:

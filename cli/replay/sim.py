@@ -12,7 +12,7 @@ from typing import Any
 from kvtether.cli.replay.engine import ReplayOptions, ReplayRun, TurnResult, join_engine_tpot, run_replay
 from kvtether.cli.simstack import DEFAULT_PREFILL_PREFIX_CACHING, StackSpec, sim_stack
 from kvtether.cli.simstack.decode_times import DecodeTimes
-from kvtether.cli.streaming import loop_clock_ns
+from kvtether.cli.streaming import loop_clock_ns, now_ns
 from kvtether.sdk.sessionfile import SessionRecord
 
 LEARNING_OFF = {"learn_estimates": False}
@@ -72,7 +72,7 @@ async def replay_sim(
         run_opts = dataclasses.replace(opts, model=opts.model or stack.model, time_scale=target.speed)
         cpu0 = time.process_time()
         run = await run_replay(sessions, stack.url, run_opts, on_result,
-                               **({"clock_ns": loop_clock_ns()} if stack.virtual else {}))
+                               clock_ns=loop_clock_ns() if stack.virtual else now_ns)
         run.counters = stack.counters()
         if stack.virtual:
             run.cpu_s, run.gateway_model = time.process_time() - cpu0, stack.gateway_model()

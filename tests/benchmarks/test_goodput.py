@@ -87,13 +87,12 @@ def test_the_trace_workload_takes_a_different_window_per_seed() -> None:
     assert min(s.metadata["start_offset_ms"] for s in second) == 0.0  # arrivals from the window's first
 
 
-@pytest.mark.anyio
 @pytest.mark.timeout(300)
-async def test_a_tiny_run_gives_attainment_and_goodput_per_option(tmp_path: Path) -> None:
+def test_a_tiny_run_gives_attainment_and_goodput_per_option(tmp_path: Path) -> None:
     g = _bench()
     args = argparse.Namespace(workloads="chat", options="auto,colocated", loads="1,4", preset="toy", speed=10.0,
                               ttft=60_000.0, tpot=1_000.0, sessions=2, seed=3)
-    out = await g.main_async(args)
+    out = g.main_sync(args)  # virtual time, the default
     res = out["workloads"]["chat"]
     assert [(r["option"], r["rate"]) for r in res["runs"]] == [("auto", 1.0), ("auto", 4.0), ("colocated", 1.0),
                                                                ("colocated", 4.0)]
@@ -105,17 +104,15 @@ async def test_a_tiny_run_gives_attainment_and_goodput_per_option(tmp_path: Path
     assert (tmp_path / "goodput.png").stat().st_size > 1000
 
 
-@pytest.mark.anyio
 @pytest.mark.timeout(300)
-async def test_a_run_lists_the_turns_it_missed_with_the_gateways_choice() -> None:
+def test_a_run_lists_the_turns_it_missed_with_the_gateways_choice() -> None:
     """Every turn that misses an objective is listed with what the gateway chose for it (its plan and the
     reason's bucket), so a policy's lost turns can be read, not only counted."""
-    from kvtether.cli.assess.cluster import build_shape
-
     g = _bench()
-    st = g.Settings(preset="toy", speed=10.0, ttft_ms=0.001, tpot_ms=1_000.0, sessions=2, seed=3)
+    st = g.Settings(preset="toy", ttft_ms=0.001, tpot_ms=1_000.0, sessions=2, seed=3)
     sessions = g.workload("chat", st)
-    row = await g.run_one("auto", sessions, build_shape("toy", prefill=1, decode=2), 1.0, st)
+    row = g.run_job(("chat", "auto", 1.0, st))
+    assert row["clock"] == "virtual" and row["simulated_s"] > 0
     assert row["met"] == 0 and len(row["missed"]) == row["turns"] == 16
     first = [m for m in row["missed"] if m["turn"] == 0]
     assert len(first) == 2 and all(m["reason"] == "first_turn" and m["plan"] == "none" for m in first), first

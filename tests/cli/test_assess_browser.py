@@ -29,7 +29,7 @@ def test_report_renders_with_its_plots(tmp_path: Path) -> None:
     browser = chromium()
     report = tmp_path / "report.html"
     result = CliRunner().invoke(app, ["assess", str(ROOT / "examples" / "sessions" / "agent-small.jsonl"),
-                                      "--limit", "2", "--options", "no-pull,colocated", "--speed", "4",
+                                      "--limit", "2", "--options", "no-pull,colocated",
                                       "--report", str(report), "--json", "-q"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)

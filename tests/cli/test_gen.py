@@ -95,3 +95,19 @@ def test_examples_are_regenerable(name: str, params: GenParams) -> None:
     """The checked-in examples are exactly what docs/replay.md says made them (the generator is stable)."""
     on_disk = [s.to_json() for s in read_sessions(EXAMPLES / name)]
     assert on_disk == _dump(params)
+
+
+def test_arrivals_are_a_seeded_poisson_process_that_leaves_the_sessions_as_they_were() -> None:
+    base = GenParams(sessions=400, turns=2, seed=7)
+    plain = generate_sessions(base)
+    timed = generate_sessions(GenParams(sessions=400, turns=2, seed=7, arrival_rate=4.0))
+    assert [s.turns for s in timed] == [s.turns for s in plain]  # the content does not depend on the arrivals
+    assert all("start_offset_ms" not in s.metadata for s in plain)
+    starts = [s.metadata["start_offset_ms"] for s in timed]
+    assert starts[0] == 0.0 and starts == sorted(starts)
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert 200.0 < sum(gaps) / len(gaps) < 300.0  # mean gap 1/rate = 250 ms
+    assert starts == [s.metadata["start_offset_ms"]
+                      for s in generate_sessions(GenParams(sessions=400, turns=2, seed=7, arrival_rate=4.0))]
+    with pytest.raises(ValueError, match="arrival rate"):
+        generate_sessions(GenParams(sessions=1, arrival_rate=0.0))
