@@ -34,6 +34,24 @@ def register(app: typer.Typer) -> None:
         aggregated: list[str] = typer.Option(
             None, "--aggregated", "-a", help="Plain vLLM replica URL, no P/D (repeatable)."
         ),
+        discovery: str | None = typer.Option(
+            None, "--discovery",
+            help="Where further nodes come from: static (the lists above, the default), dns (--dns-*) or kubernetes "
+            "(pods by label selector; pip install 'kvtether[kubernetes]')."),
+        dns_prefill: list[str] = typer.Option(
+            None, "--dns-prefill",
+            help="Headless Service of the prefill nodes: HOST:PORT or an SRV name _http._tcp.HOST (repeatable; "
+            "--discovery dns)."),
+        dns_decode: list[str] = typer.Option(None, "--dns-decode", help="The same for the decode nodes."),
+        dns_pool: list[str] = typer.Option(None, "--dns-pool", help="The same for pool instances (kv_both)."),
+        k8s_namespace: str | None = typer.Option(
+            None, "--k8s-namespace", help="Namespace of the vLLM pods (default: the gateway pod's own)."),
+        k8s_selector: str | None = typer.Option(
+            None, "--k8s-selector",
+            help="Label selector of the vLLM pods (default app.kubernetes.io/part-of=kvtether)."),
+        kubeconfig: str | None = typer.Option(
+            None, "--kubeconfig", help="Kubeconfig file (default: in a pod its service account, else $KUBECONFIG or "
+            "~/.kube/config)."),
         config: str | None = typer.Option(None, "--config", "-c", help="TOML config file."),
         host: str | None = typer.Option(None, "--host", help="Listen address (default 127.0.0.1)."),
         port: int | None = typer.Option(None, "--port", help="Listen port (default 8000)."),
@@ -55,9 +73,12 @@ def register(app: typer.Typer) -> None:
         from kvtether.gateway.config import ConfigError, load_config
 
         log_level = checked_log_level("serve", "--log-level", log_level)
+        found = {k: v for k, v in {"source": discovery, "dns_prefill": dns_prefill, "dns_decode": dns_decode,
+                                   "dns_pool": dns_pool, "namespace": k8s_namespace, "selector": k8s_selector,
+                                   "kubeconfig": kubeconfig}.items() if v}
         try:
             cfg = load_config(config, prefill=prefill or None, decode=decode or None, nodes=node or None,
-                              aggregated=aggregated or None,
+                              aggregated=aggregated or None, discovery=found or None,
                               host=host, port=port, policy=policy, otlp_endpoint=otlp_endpoint, store=store,
                               tokenizer=tokenizer)
         except ConfigError as exc:
@@ -72,8 +93,8 @@ def register(app: typer.Typer) -> None:
             fail_as("serve", EXIT_FAILED, f"cannot listen on {cfg.host}:{cfg.port}: {problem}; {listen_fix(problem)}")
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         mode = "aggregated" if cfg.aggregated else "P/D (" + " ".join(
-            f"{len(urls)}{tag}" for urls, tag in ((cfg.prefill, "P"), (cfg.decode, "D"), (cfg.nodes, " pool"))
-            if urls) + ")"
+            [f"{len(urls)}{tag}" for urls, tag in ((cfg.prefill, "P"), (cfg.decode, "D"), (cfg.nodes, " pool")) if urls]
+            + ([f"nodes by {cfg.discovery.source}"] if cfg.discovery.dynamic else [])) + ")"
         shared = f", {workers} workers" if workers > 1 else ""
         typer.echo(f"kvtether gateway on http://{cfg.host}:{cfg.port} — {mode}, policy {cfg.policy}, store "
                    f"{_redacted(cfg.store)}{shared}", err=True)

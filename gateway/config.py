@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvtether.gateway.nodes.discovery.settings import DiscoveryError, DiscoverySettings, load_discovery
 from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
 from kvtether.gateway.policy.knobs import TUNING_FIELDS, PolicyKnobs
 from kvtether.gateway.policy.peers import DYNAMO_RULES, LLM_D_NON_CACHED_TOKENS, PEER_POLICIES
@@ -47,6 +48,8 @@ class GatewayConfig:
     # as decode nodes that also prefill for other sessions.
     nodes: list[str] = field(default_factory=list)
     aggregated: list[str] = field(default_factory=list)
+    # Where further prefill, decode and pool nodes come from ([gateway.discovery]; nodes/discovery/settings.py).
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
     # "auto" = cost-based per turn (decode-local / pull / cold, docs/placement.md); "pull", "no-pull" and
     # "reference" are fixed behaviours kept for comparison (the replay CLI and benchmarks switch them);
     # "dynamo" and "llm-d" are the rules those gateways ship (policy/peers.py), to compare against.
@@ -288,7 +291,9 @@ class GatewayConfig:
             raise ConfigError("llm_d_non_cached_tokens must be >= 0")
         if self.aggregated and (self.prefill or self.decode or self.nodes):
             raise ConfigError("give either aggregated nodes or prefill + decode (or pool) nodes, not both")
-        if not self.aggregated and not (self.prefill and self.decode) and not self.nodes:
+        if self.aggregated and self.discovery.dynamic:
+            raise ConfigError("discovery finds prefill, decode and pool nodes: aggregated nodes are listed only")
+        if not self.aggregated and not (self.prefill and self.decode) and not self.nodes and not self.discovery.dynamic:
             raise ConfigError("P/D mode needs at least one prefill and one decode URL (--prefill URL --decode URL) "
                               "or pool instances (--node URL), or give aggregated nodes instead (--aggregated URL)")
         roles = [u for name in ("prefill", "decode", "nodes") for u in getattr(self, name)]
@@ -419,11 +424,16 @@ def _norm(url: str) -> str:
 _LIST_FIELDS = {"prefill", "decode", "nodes", "aggregated", "unidirectional_prefill"}
 
 
-def _coerce(name: str, value: Any) -> Any:
+def _coerce(name: str, value: Any, base: Any = None) -> Any:
     if name == "api_keys":
         if not isinstance(value, dict):
             raise ConfigError("api_keys must be a table of key = tenant")
         return {str(k): v for k, v in value.items()}
+    if name == "discovery":
+        try:
+            return load_discovery(value, base)
+        except DiscoveryError as exc:
+            raise ConfigError(str(exc)) from None
     if name == "tuning":
         if not isinstance(value, dict):
             raise ConfigError("tuning must be a table of constant = value")
@@ -467,7 +477,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
             raise ConfigError(f"unknown setting {key!r}")
         if value is None or (key in _LIST_FIELDS and not value):
             continue
-        values[key] = _coerce(key, value)
+        values[key] = _coerce(key, value, values.get(key))
     try:
         cfg = replace(GatewayConfig(), **values)
     except TypeError as exc:  # pragma: no cover - replace only fails on unknown names, checked above

@@ -23,6 +23,8 @@ TRACER_NAME = "kvtether.gateway"
 SPAN_PLAN = "kvtether.plan"
 SPAN_GUARD = "kvtether.guard"
 SPAN_TOKENIZE = "kvtether.tokenize"
+# A discovered node's change of state (joined, ready, draining, removed): a short span of its own, off any turn.
+SPAN_NODE_CHANGE = "kvtether.node.change"
 KIND_SERVER = SpanKind.SERVER
 KIND_INTERNAL = SpanKind.INTERNAL
 KIND_CLIENT = SpanKind.CLIENT
@@ -69,6 +71,14 @@ ATTR_PLAN_REASON_BUCKET = "kvtether.plan.reason_bucket"  # the reason label of k
 ATTR_PREFILL = "kvtether.prefill.node"
 ATTR_DECODE = "kvtether.decode.node"
 ATTR_RE_PLACED = "kvtether.plan.re_placed"
+# Why a re-placed turn's session left its node (kvtether_session_moves_total's reason).
+ATTR_MOVE_REASON = "kvtether.plan.move_reason"
+# A node's change of state (SPAN_NODE_CHANGE): its URL, role, the discovery source, the state before and after.
+ATTR_NODE_URL = "kvtether.node.url"
+ATTR_NODE_ROLE = "kvtether.node.role"
+ATTR_NODE_SOURCE = "kvtether.node.source"
+ATTR_NODE_STATE_BEFORE = "kvtether.node.state_before"  # none: it was not known
+ATTR_NODE_STATE_AFTER = "kvtether.node.state_after"  # removed: it left the view
 # Seconds the turn waited for a limit to clear before this placement (policy/deferral.py); on a placement that
 # decides to wait instead, the wait it asks for.
 ATTR_PLAN_DEFERRED_S = "kvtether.plan.deferred_s"
@@ -151,6 +161,13 @@ M_HELD_KV_SHARE = "kvtether_held_kv_share"
 M_HELD_KV_BUDGET = "kvtether_held_kv_budget"  # the configured held_kv_budget (alerts and dashboards compare with it)
 # 1 while the gateway places turns on a node, 0 while it has taken it out of service (read at each scrape).
 M_NODE_HEALTHY = "kvtether_node_healthy"
+# The nodes the gateway knows, by role and state (joining, ready, draining; out: ready but taken out of service
+# by the health rules), read at each scrape; and the sessions that left their node at a turn, by why
+# (cluster.Cluster.move_reason): draining, gone, unhealthy, rebalance.
+M_NODES = "kvtether_nodes"
+NODE_STATES = ("joining", "ready", "draining", "out")
+M_SESSION_MOVES = "kvtether_session_moves_total"
+MOVE_REASONS = ("draining", "gone", "unhealthy", "rebalance")
 # P/D plans by option (the plan's action) and reason (a bucket of its reason text: policy/reasons.py BUCKETS).
 M_PLACEMENT_DECISIONS = "kvtether_placement_decisions_total"
 M_DEFERRED_TURNS = "kvtether_deferred_turns_total"
@@ -252,6 +269,12 @@ class Metrics:
                                     registry=r, multiprocess_mode="livemax")  # one setting, the same in every worker
         self.node_healthy = Gauge(M_NODE_HEALTHY, "1 while the gateway places turns on the node, 0 while it is out",
                                   ["node", "role"], registry=r, multiprocess_mode="livemostrecent")
+        self.nodes = Gauge(M_NODES, "Nodes the gateway knows, by role and state", ["role", "state"], registry=r,
+                           multiprocess_mode="livemostrecent")
+        self.session_moves = Counter(M_SESSION_MOVES, "Sessions that left their node at a turn, by why", ["reason"],
+                                     registry=r)
+        for reason in MOVE_REASONS:
+            self.session_moves.labels(reason)
         for route in ROUTES:  # every series from the start, so a rate() sees the first error
             for status in STATUS_CLASSES:
                 self.requests.labels(route, status)

@@ -4,6 +4,12 @@ Load comes from each node's Prometheus ``/metrics`` (running + waiting requests,
 size from ``vllm:cache_config_info``, the engine version from ``/version`` (streamed responses carry
 D's handle only from vLLM 0.33). A node that fails a request is marked unhealthy at once, so the next
 turn is re-placed without waiting for the next poll.
+
+Nodes come and go under a discovery source (nodes/discovery/): ``apply_members`` reconciles the view with the
+source's desired set. A new node joins (``joining``: polled at once, routable once a poll succeeds and it names
+its models); a node that leaves drains (``draining``: no turn is placed on it, so no new session starts there and
+each of its sessions moves at its next turn, while the turns already running on it finish) and is removed once
+none of this gateway's requests is open on it. Static nodes are ``ready`` from the start and never leave.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import contextlib
 import itertools
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from urllib.parse import urlparse
@@ -21,6 +27,7 @@ import anyio
 import httpx
 from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 from kvtether.gateway.config import GatewayConfig
+from kvtether.gateway.nodes.discovery.members import DRAINING, JOINING, READY, Change, Member, reconcile
 from kvtether.gateway.nodes.health import next_backoff
 from kvtether.gateway.policy.placement import ClusterView, NodeLoad
 from prometheus_client.parser import text_string_to_metric_families
@@ -101,6 +108,14 @@ class Node:
     # Decode only: KV tokens the session store's handles hold on this node (whole blocks), as of the last
     # retention review (gateway/nodes/retention.py).
     held_kv_tokens: int = 0
+    # joining | ready | draining (discovery/members.py); a static node is ready from the start.
+    state: str = READY
+    discovered: bool = False  # from a discovery source (else from the configured lists: never leaves)
+
+    @property
+    def routable(self) -> bool:
+        """Turns may be placed here: in service and neither joining nor draining."""
+        return self.healthy and self.state == READY
 
     @property
     def host(self) -> str:
@@ -118,7 +133,7 @@ class Node:
         running = max(self.running, float(self.inflight))
         arrivals = () if now is None else tuple(
             (at - now, read) for at, read in self.arrivals.values() if at + read >= now)
-        return NodeLoad(self.url, self.healthy, running, self.waiting, self.kv_usage, self.bidirectional,
+        return NodeLoad(self.url, self.routable, running, self.waiting, self.kv_usage, self.bidirectional,
                         prefix_caching=self.prefix_caching is True, arriving=float(self.arriving),
                         arrivals=arrivals, holding_back=float(self.holding_back), both=self.role == "both",
                         prefilling=float(min(self.prefilling, running)))
@@ -196,6 +211,8 @@ class Cluster:
         # Set when a node is taken out, so the health prober (health.py) probes it without waiting.
         self.wake: anyio.Event | None = None
         self.nodes: dict[str, Node] = {}
+        # Told every change of a discovered node's state (a join, a drain, a removal): metrics, spans, logs.
+        self.on_change: Callable[[Change], None] | None = None
         for url in config.prefill:
             self.nodes[url] = Node(url, "prefill", bidirectional=config.is_bidirectional(url))
         for url in config.decode:
@@ -204,6 +221,54 @@ class Cluster:
             self.nodes.setdefault(url, Node(url, "both"))
         for url in config.aggregated:
             self.nodes.setdefault(url, Node(url, "aggregated"))
+
+    def pool_urls(self) -> tuple[str, ...]:
+        """The pool instances (kv_both) the cluster knows, configured or discovered."""
+        return tuple(n.url for n in self.nodes.values() if n.role == "both")
+
+    def apply_members(self, desired: Mapping[str, Member]) -> list[Change]:
+        """Reconcile the discovered nodes with a discovery source's desired set (members.reconcile): new ones
+        join, leaving ones drain (or go, if idle or never joined). A configured node is never touched. Returns the
+        changes, each also told to ``on_change``."""
+        known = {u: (n.role, n.state) for u, n in self.nodes.items() if n.discovered}
+        changes = reconcile(known, {u: m for u, m in desired.items() if u in known or u not in self.nodes})
+        for c in changes:
+            node = self.nodes.get(c.url)
+            if c.after is None:
+                self.nodes.pop(c.url, None)
+            elif node is None:
+                bidirectional = c.role == "both" or self.config.is_bidirectional(c.url)
+                self.nodes[c.url] = Node(c.url, c.role, bidirectional=bidirectional, state=c.after, discovered=True)
+            else:
+                if c.after == JOINING:  # joins again: polled afresh (a new pod at the address, or a new role)
+                    node.version, node.models, node.polls = None, [], 0
+                node.state, node.role = c.after, c.role
+            self._changed(c)
+        for node in [n for n in self.nodes.values() if n.state == DRAINING]:
+            self.drop_if_drained(node)
+        return changes
+
+    def _changed(self, change: Change) -> None:
+        log.info("node %s (%s): %s -> %s", change.url, change.role, change.before or "unknown",
+                 change.after or "removed")
+        if self.on_change is not None:
+            self.on_change(change)
+
+    def drop_if_drained(self, node: Node) -> None:
+        """A draining node leaves the view once no request of this gateway is open or headed there."""
+        if node.state == DRAINING and node.inflight == 0 and node.arriving == 0 and node.url in self.nodes:
+            del self.nodes[node.url]
+            self._changed(Change(node.url, node.role, DRAINING, None))
+
+    def move_reason(self, pinned: str | None) -> str:
+        """Why a session leaves its node `pinned`: draining, gone (no longer in the view), unhealthy, or
+        rebalance (the node serves, the policy moved the pin to a lighter one)."""
+        node = self.nodes.get(pinned or "")
+        if node is None:
+            return "gone"
+        if node.state == DRAINING:
+            return "draining"
+        return "rebalance" if node.healthy else "unhealthy"
 
     def role(self, role: str) -> list[Node]:
         """The nodes that serve `role`: a pool instance ("both") serves prefill and decode."""
@@ -285,6 +350,8 @@ class Cluster:
         node = self.nodes.get(url)
         if node is not None:
             node.inflight = max(0, node.inflight - 1)
+            if node.state == DRAINING:
+                self.drop_if_drained(node)
             if prefill:
                 node.prefilling = max(0, node.prefilling - 1)
             if node.inflight_at_poll > 0:
@@ -381,6 +448,10 @@ class Cluster:
                         node.models = [str(x["id"]) for x in cards]
                         node.max_model_len = {str(x["id"]): int(x["max_model_len"]) for x in cards
                                               if isinstance(x.get("max_model_len"), int)}
+            if node.state == JOINING and node.models and self.nodes.get(node.url) is node:
+                # Joined: it answers its polls and names its models. From now on turns may be placed on it.
+                node.state = READY
+                self._changed(Change(node.url, node.role, JOINING, READY))
             if not node.healthy and node.consecutive_errors < SOFT_ERRORS_TO_UNHEALTHY:
                 # Out after a failed poll or an unreachable request: answering polls again is proof enough.
                 # Out after a run of failed requests: only its /health probe (with backoff) brings it back.
@@ -404,6 +475,8 @@ class Cluster:
         return resp.status_code == 200
 
     async def refresh_all(self) -> None:
+        for node in [n for n in self.nodes.values() if n.state == DRAINING]:
+            self.drop_if_drained(node)
         async with anyio.create_task_group() as tg:
             for node in list(self.nodes.values()):
                 tg.start_soon(self.refresh, node)

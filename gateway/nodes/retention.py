@@ -165,7 +165,7 @@ class Retention:
     async def _send_release(self, job: _Job) -> None:
         # Any bidirectional P but the holder itself (a pool instance is both): the release is a read from it.
         prefills = [n for n in self.cluster.role("prefill")
-                    if n.healthy and n.url != job.node and self.config.is_bidirectional(n.url)]
+                    if n.routable and n.url != job.node and n.bidirectional]
         models = self.cluster.served_models() or ([self.config.model] if self.config.model else [])
         if not prefills or not models:
             self.metrics.release_failures.labels("no_prefill").inc()

@@ -27,6 +27,8 @@ from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.nodes.cluster import Cluster
+from kvtether.gateway.nodes.discovery import Change, Discovery, open_discovery
+from kvtether.gateway.nodes.discovery.runner import discover_forever
 from kvtether.gateway.nodes.health import probe_forever
 from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.retention import ReleaseReason
@@ -56,7 +58,8 @@ class Gateway:
     """Everything one app instance owns; reachable as ``app.state.gateway`` (tests, admin)."""
 
     def __init__(self, config: GatewayConfig, store: SessionStore | None = None,
-                 tracer_provider: trace.TracerProvider | None = None, clock: Clock = DEFAULT_CLOCK) -> None:
+                 tracer_provider: trace.TracerProvider | None = None, clock: Clock = DEFAULT_CLOCK,
+                 discovery: Discovery | None = None) -> None:
         self.config = config
         # The one clock every part below reads (gateway/clock.py): passed down, never read beside it.
         self.clock = clock
@@ -93,6 +96,10 @@ class Gateway:
         for node in self.cluster.nodes.values():  # every series from the start, so a rate() sees the first error
             for phase in T.PHASES:
                 self.metrics.upstream_errors.labels(node.url, phase)
+        # Where the nodes are (nodes/discovery/): the configured lists, DNS or the Kubernetes API.
+        self.discovery = discovery or open_discovery(config.discovery)
+        self.cluster.on_change = self.node_changed
+        self.count_nodes()
         # Releases go out on the polls' client: a one-token prefill each, off the request path.
         self.retention = Retention(config, self.cluster, self.store, self.metrics, self.client, clock=clock)
         self.responses = ResponsesState(self.store, config.responses_ttl_s, seal_for(config.reasoning_key))
@@ -100,6 +107,35 @@ class Gateway:
         self.orchestrator = Orchestrator(config, self.cluster, self.store, self.metrics, self.upstream,
                                          self.tokenize_client, clock=clock, tracer=self.tracer,
                                          retention=self.retention)
+
+    def node_changed(self, change: Change) -> None:
+        """A discovered node joined, became ready, started draining or left: counted, and a span of its own."""
+        after = change.after or "removed"
+        with self.tracer.start_as_current_span(T.SPAN_NODE_CHANGE, kind=T.KIND_INTERNAL) as span:
+            T.set_attrs(span, {T.ATTR_NODE_URL: change.url, T.ATTR_NODE_ROLE: change.role,
+                               T.ATTR_NODE_SOURCE: self.discovery.source,
+                               T.ATTR_NODE_STATE_BEFORE: change.before or "none", T.ATTR_NODE_STATE_AFTER: after})
+        if change.before is None:
+            for phase in T.PHASES:
+                self.metrics.upstream_errors.labels(change.url, phase)
+        if change.after is None:
+            for gauge, labels in ((self.metrics.node_healthy, (change.url, change.role)),
+                                  (self.metrics.held_kv_tokens, (change.url,)),
+                                  (self.metrics.held_kv_share, (change.url,))):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
+        self.count_nodes()
+
+    def count_nodes(self) -> None:
+        """kvtether_nodes{role,state}: every role this mode has, every state, zero where none."""
+        counts: dict[tuple[str, str], int] = {}
+        for n in self.cluster.nodes.values():
+            state = "out" if n.state == "ready" and not n.healthy else n.state
+            counts[n.role, state] = counts.get((n.role, state), 0) + 1
+        roles = ("aggregated",) if self.config.mode == "aggregated" else ("prefill", "decode", "both")
+        for role in roles:
+            for state in T.NODE_STATES:
+                self.metrics.nodes.labels(role, state).set(counts.get((role, state), 0))
 
     async def sweep_forever(self) -> None:
         while True:
@@ -137,10 +173,11 @@ async def ready(request: Request) -> Response:
     gw = _gateway(request)
     c = gw.cluster
     if gw.config.mode == "aggregated":
-        ok = any(n.healthy for n in c.role("aggregated"))
+        ok = any(n.routable for n in c.role("aggregated"))
     else:
-        ok = any(n.healthy for n in c.role("prefill")) and any(n.healthy for n in c.role("decode"))
-    nodes = [{"url": n.url, "role": n.role, "healthy": n.healthy, "version": n.version, "block_size": n.block_size,
+        ok = any(n.routable for n in c.role("prefill")) and any(n.routable for n in c.role("decode"))
+    nodes = [{"url": n.url, "role": n.role, "healthy": n.healthy, "state": n.state, "version": n.version,
+              "block_size": n.block_size,
               "running": n.running, "waiting": n.waiting, "kv_usage": n.kv_usage, "last_error": n.last_error,
               "prefix_caching": n.prefix_caching, "kv_capacity_tokens": n.kv_capacity_tokens,
               **({"local_handles": n.local_handles, "held_kv_tokens": n.held_kv_tokens}
@@ -154,7 +191,8 @@ async def ready(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     gw = _gateway(request)
     for node in gw.cluster.nodes.values():
-        gw.metrics.node_healthy.labels(node.url, node.role).set(1 if node.healthy else 0)
+        gw.metrics.node_healthy.labels(node.url, node.role).set(1 if node.routable else 0)
+    gw.count_nodes()
     text = merged_metrics(gw.worker_metrics) if gw.worker_metrics else generate_latest(gw.metrics.registry)
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
@@ -206,11 +244,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
                tracer_provider: trace.TracerProvider | None = None, worker_metrics: str | None = None,
-               clock: Clock = DEFAULT_CLOCK) -> GatewayApp:
+               clock: Clock = DEFAULT_CLOCK, discovery: Discovery | None = None) -> GatewayApp:
     """``worker_metrics``: this app is one of several workers, which write their metrics in that directory.
     ``clock``: the one clock the gateway reads (gateway/clock.py); the simulated stack's virtual time passes its
-    event loop's."""
-    gw = Gateway(config, store, tracer_provider, clock)
+    event loop's. ``discovery``: where the nodes are; None: the source ``config.discovery`` names."""
+    gw = Gateway(config, store, tracer_provider, clock, discovery)
     gw.worker_metrics = worker_metrics
 
     @contextlib.asynccontextmanager
@@ -220,6 +258,7 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
         await gw.cluster.refresh_all()
         async with anyio.create_task_group() as tg:
             tg.start_soon(gw.cluster.poll_forever)
+            tg.start_soon(discover_forever, gw.cluster, gw.discovery)
             tg.start_soon(probe_forever, gw.cluster)
             tg.start_soon(gw.sweep_forever)
             tg.start_soon(start_local_tokenizer, gw.orchestrator.sv)  # in the background: it imports transformers

@@ -57,7 +57,7 @@ async def gather(sv: Services, ctx: TurnContext, round_robin: int, progress: Pro
         prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx, progress)
         if prompt_ids is not None:
             reuse, decode_cached = _guard(sv, ctx, taken if has_handle else None, prompt_ids)
-    elif policy == "auto" and sv.config.nodes:
+    elif policy == "auto" and sv.cluster.pool_urls():
         # On a pool even a first turn (or one gone cold) is weighed: which instance starts it, by itself or with a
         # prefill leg beside whose decodes, only its length can tell. Unweighed, its prefill would stall an
         # instance's answers past their objective unchecked.

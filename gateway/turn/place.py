@@ -59,7 +59,7 @@ class Placer:
         now = sv.clock()
         quotas = sv.learning.quota_credit(turn.pinned_decode)
         # A pool instance's decoding requests take the stall of a prefill leg run there for another session.
-        pool = tuple((url, q.credit_s, q.quota_s) for url in sv.config.nodes
+        pool = tuple((url, q.credit_s, q.quota_s) for url in sv.cluster.pool_urls()
                      if url != turn.pinned_decode and (q := sv.learning.quota_credit(url)).credit_s != float("inf"))
         turn = replace(turn, exclude=frozenset(exclude), ttft_tail_s=sv.learning.tail_threshold(),
                        request_stall_credit_s=quotas.credit_s, request_stall_quota_s=quotas.quota_s,
@@ -95,6 +95,11 @@ class Placer:
             self._deferred(p, waited_s)
             span.set_attribute(T.ATTR_PLAN_DEFERRED_S, waited_s)
         bucket = self._count(p, now)
+        if p.re_placed:
+            # The session leaves its node: counted by why (a draining or vanished node, a failed one, rebalancing).
+            moved = self.sv.cluster.move_reason(turn.pinned_decode)
+            self.sv.metrics.session_moves.labels(moved).inc()
+            span.set_attribute(T.ATTR_MOVE_REASON, moved)
         if p.decision is not None:
             T.set_attrs(span, T.cost_attributes(p.decision.trace_attributes()))
         T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_ACTION: p.action.value,
