@@ -4,10 +4,8 @@ A ``Call`` is fed every parsed payload of its response (each SSE event of a stre
 non-streamed answer) and keeps the metrics current: TTFC, TTFT, usage, finish reason and the answer. What a
 payload means depends on the API, so each API has a reader:
 
-- chat completions: TTFT is the first chunk with a content, tool-call, refusal or reasoning delta;
-- OpenAI Responses: TTFT is the first ``response.*.delta`` event with a non-empty delta (output text,
-  reasoning, function-call arguments, refusal …);
-- Anthropic Messages: TTFT is the first ``content_block_delta`` with text, tool input JSON or thinking.
+TTFT is the first event that carries a token of the answer, of any kind, by ``kvtether.protocol.tokens``'s rule
+(the CLI and the gateway read the same): text, reasoning, a refusal, or a tool call from the event that names it.
 
 TTFC is the first SSE event of any kind. This module knows no client library and no session: the call reports
 its end through the ``Owner`` it was made by.
@@ -22,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvtether.protocol import messages, responses
+from kvtether.protocol import messages, responses, tokens
 from kvtether.protocol.common import int_or_none
 
 CHAT = "chat"
@@ -138,16 +136,6 @@ class Call:
 # --- chat completions -------------------------------------------------------------------------
 
 
-def _has_token(delta: Mapping[str, Any]) -> bool:
-    return bool(
-        delta.get("content")
-        or delta.get("tool_calls")
-        or delta.get("refusal")
-        or delta.get("reasoning_content")
-        or delta.get("reasoning")
-    )
-
-
 class _ChatAnswer:
     """Assembles the assistant message of choice 0 from stream deltas."""
 
@@ -240,7 +228,7 @@ class ChatReader:
 
     def _choice(self, call: Call, choice: Mapping[str, Any], now_ns: int) -> None:
         delta = choice.get("delta") or {}
-        if isinstance(delta, Mapping) and _has_token(delta):
+        if isinstance(delta, Mapping) and tokens.chat_delta_has_token(delta):
             call.first_token(now_ns)
         if choice.get("index", 0) == 0:
             if isinstance(delta, Mapping):
@@ -286,9 +274,9 @@ class ResponsesReader:
         if not isinstance(kind, str):
             return False
         call.first_event(now_ns)
-        if kind.endswith(".delta") and data.get("delta"):
+        if tokens.responses_event_has_token(data):
             call.first_token(now_ns)
-        elif kind == "response.output_item.done" and isinstance(data.get("item"), Mapping):
+        if kind == "response.output_item.done" and isinstance(data.get("item"), Mapping):
             self.items.append(data["item"])
         elif kind in _RESPONSE_ENDS and isinstance(data.get("response"), Mapping):
             self._final(call.metrics, data["response"])
@@ -309,7 +297,7 @@ class ResponsesReader:
 
 # --- Anthropic Messages -----------------------------------------------------------------------
 
-_DELTA_FIELDS = {"text_delta": "text", "input_json_delta": "partial_json", "thinking_delta": "thinking"}
+_DELTA_FIELDS = tokens.MESSAGES_DELTA_FIELDS
 
 
 class MessagesReader:
@@ -340,6 +328,8 @@ class MessagesReader:
         if not isinstance(kind, str):
             return False
         call.first_event(now_ns)
+        if tokens.messages_event_has_token(data):
+            call.first_token(now_ns)
         if kind == "message_start" and isinstance(data.get("message"), Mapping):
             self._usage(call.metrics, data["message"].get("usage"))
         elif kind == "content_block_start" and isinstance(data.get("content_block"), Mapping):
@@ -364,7 +354,6 @@ class MessagesReader:
         value = delta.get(field_name)
         if not isinstance(value, str) or not value:
             return
-        call.first_token(now_ns)
         block = self.blocks.setdefault(index, {"type": "text", "text": ""})
         if field_name == "partial_json":
             self.json_parts.setdefault(index, []).append(value)

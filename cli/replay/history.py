@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from kvtether.protocol.tokens import REASONING_FIELDS
 from kvtether.sdk.contract import canonical_json, canonical_message
 from kvtether.sdk.sessionfile import History, SessionRecord, TurnRecord
 
@@ -18,7 +19,6 @@ HISTORY_NOTES: dict[History, str] = {
     "(--history live resends the answers received)",
 }
 
-_REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
 def _message_key(message: dict[str, Any], *, keep_reasoning: bool) -> bytes:
@@ -30,7 +30,7 @@ def _message_key(message: dict[str, Any], *, keep_reasoning: bool) -> bytes:
 
 
 def _has_reasoning(message: dict[str, Any] | None) -> bool:
-    return message is not None and any(message.get(k) for k in _REASONING_FIELDS)
+    return message is not None and any(message.get(k) for k in REASONING_FIELDS)
 
 
 def _complete_call(call: Any) -> bool:
@@ -129,7 +129,7 @@ class SessionHistory:
             return recorded
         out = _resendable(live)
         if not _has_reasoning(recorded):
-            for k in _REASONING_FIELDS:
+            for k in REASONING_FIELDS:
                 out.pop(k, None)
         for old, new in zip(_call_ids(recorded), _call_ids(out), strict=False):
             if old and new:

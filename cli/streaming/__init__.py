@@ -17,7 +17,8 @@ zero is taken just before it is sent.
   stream's TPOT is the engine's step time. An answer of one token has no TPOT.
 - **E2E**: request sent → the end of the stream.
 
-``answers.py`` says per API which events carry a token. A 200 stream that ends without one is an answer
+Which events carry a token and which ends the generation is ``kvtether.protocol.tokens``'s rule, the one the
+SDK and the gateway read too. A 200 stream that ends without one is an answer
 without a TTFT (an empty answer), never a failure; an error event inside it is one.
 
 ``stream_answer`` sends a request with httpx and reads its answer; a caller that reads a stream some other way
@@ -31,7 +32,6 @@ from kvtether.cli.streaming.answers import (
     MESSAGES,
     RESPONSES,
     AnswerReader,
-    has_token,
     reader_for,
 )
 from kvtether.cli.streaming.client import PATHS, StreamedAnswer, StreamFailure, stream_answer
@@ -49,7 +49,6 @@ __all__ = [
     "StreamFailure",
     "StreamedAnswer",
     "TokenClock",
-    "has_token",
     "loop_clock_ns",
     "now_ns",
     "reader_for",

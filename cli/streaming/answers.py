@@ -2,15 +2,8 @@
 arrival), tells the clock which of them carried a token, and keeps the answer in chat-completions terms (what a
 next turn resends), its usage, finish reason and response id, and an error event if one came.
 
-What carries a token (the package docstring has the definitions):
-
-- chat completions: a choice delta with ``content``, ``reasoning_content`` or ``reasoning``, ``refusal``, or
-  ``tool_calls`` (a call's name or its arguments); a role-only delta does not;
-- completions: a choice with ``text``;
-- Responses: any ``response.*.delta`` event with a non-empty delta (output text, reasoning, reasoning summary,
-  refusal, function-call arguments), and ``response.output_item.added`` of a function call (its name);
-- Messages: a ``content_block_delta`` with text, thinking or tool input JSON, and ``content_block_start`` of a
-  ``tool_use`` block (its name).
+What carries a token, and which event ends the generation, is ``kvtether.protocol.tokens``'s rule, the one the
+SDK and the gateway read too (the package docstring has the definitions).
 """
 
 from __future__ import annotations
@@ -21,20 +14,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtether.cli.streaming.clock import TokenClock
+from kvtether.protocol import tokens
 from kvtether.protocol.common import int_or_none
 from kvtether.protocol.responses import read_usage
+from kvtether.protocol.tokens import CHAT, COMPLETIONS, MESSAGES, MESSAGES_DELTA_FIELDS, REASONING_FIELDS, RESPONSES
 
-CHAT = "chat"
-COMPLETIONS = "completions"
-RESPONSES = "responses"
-MESSAGES = "messages"
 APIS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES)
-# A server may send the reasoning under either name, even both for the same text (vLLM has used both).
-REASONING_FIELDS = ("reasoning_content", "reasoning")
 
 
 class AnswerReader(ABC):
-    """What every reader keeps; ``read`` is the API's."""
+    """What every reader keeps; ``keep`` is the API's."""
+
+    api = CHAT
 
     def __init__(self, clock: TokenClock) -> None:
         self.clock = clock
@@ -49,9 +40,18 @@ class AnswerReader(ABC):
         self.reasoning_key = REASONING_FIELDS[0]  # the server's name for it
         self.calls: dict[int, dict[str, Any]] = {}
 
-    @abstractmethod
     def read(self, data: Mapping[str, Any], now: int) -> None:
-        """Take one event of the stream, received at `now` (the clock's ns)."""
+        """Take one event of the stream, received at `now` (the clock's ns): the clock is told whether it carries
+        a token or ends the generation (protocol/tokens.py), and the answer keeps what it says."""
+        if tokens.has_token(self.api, data):
+            self.clock.token(now)
+        if tokens.ends_generation(self.api, data):
+            self.clock.finished(now)
+        self.keep(data)
+
+    @abstractmethod
+    def keep(self, data: Mapping[str, Any]) -> None:
+        """What one event says of the answer (its text, calls, usage, finish reason, an error)."""
 
     def _call(self, index: int) -> dict[str, Any]:
         return self.calls.setdefault(index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
@@ -79,14 +79,11 @@ class AnswerReader(ABC):
 class ChatReader(AnswerReader):
     """``chat.completion.chunk`` events; the answer is choice 0's."""
 
-    def read(self, data: Mapping[str, Any], now: int) -> None:
+    def keep(self, data: Mapping[str, Any]) -> None:
         choice = self._choice(data)
         delta = choice.get("delta") if choice is not None else None
-        if isinstance(delta, Mapping) and has_token(delta):
-            self.clock.token(now)
+        if isinstance(delta, Mapping) and tokens.chat_delta_has_token(delta):
             self.add(delta)
-        if choice is not None and choice.get("finish_reason"):
-            self.clock.finished(now)
 
     def _choice(self, data: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """Choice 0 of an event (None: an error, or no choice), once what any event may carry is read: an
@@ -134,47 +131,37 @@ class ChatReader(AnswerReader):
             self.cached_tokens = details["cached_tokens"]
 
 
-def has_token(delta: Mapping[str, Any]) -> bool:
-    """Whether a chat delta carries a token of the answer: content, reasoning, a refusal or a tool call."""
-    return bool(delta.get("content") or delta.get("tool_calls") or delta.get("refusal")
-                or any(delta.get(k) for k in REASONING_FIELDS))
-
-
 class CompletionsReader(ChatReader):
     """``text_completion`` events (``/v1/completions``): choice 0's ``text``."""
 
-    def read(self, data: Mapping[str, Any], now: int) -> None:
+    api = COMPLETIONS
+
+    def keep(self, data: Mapping[str, Any]) -> None:
         choice = self._choice(data)
         if choice is not None and choice.get("text"):
-            self.clock.token(now)
             self.content.append(str(choice["text"]))
-        if choice is not None and choice.get("finish_reason"):
-            self.clock.finished(now)
 
 
 class ResponsesReader(AnswerReader):
     """OpenAI Responses events (``response.*``)."""
 
-    _ENDS = ("response.completed", "response.incomplete", "response.failed")
+    api = RESPONSES
 
-    def read(self, data: Mapping[str, Any], now: int) -> None:
+    def keep(self, data: Mapping[str, Any]) -> None:
         kind = str(data.get("type") or "")
         if kind == "error":
             self.error = _error_text(data.get("error") or data.get("message") or data)
         elif kind.endswith(".delta") and isinstance(data.get("delta"), str) and data["delta"]:
-            self.clock.token(now)
             self._delta(kind, int_or_none(data.get("output_index")) or 0, data["delta"])
         elif kind == "response.output_item.added" and isinstance(data.get("item"), Mapping):
             item = data["item"]
             if item.get("type") == "function_call" and item.get("name"):
-                self.clock.token(now)
                 call = self._call(int_or_none(data.get("output_index")) or 0)
                 call["id"] = str(item.get("call_id") or item.get("id") or "")
                 call["function"]["name"] = str(item["name"])
         elif kind == "response.created" and isinstance(data.get("response"), Mapping):
             self.response_id = data["response"].get("id") or self.response_id
-        elif kind in self._ENDS and isinstance(data.get("response"), Mapping):
-            self.clock.finished(now)
+        elif kind in tokens.RESPONSES_ENDS and isinstance(data.get("response"), Mapping):
             self._final(data["response"])
 
     def _delta(self, kind: str, index: int, delta: str) -> None:
@@ -196,14 +183,12 @@ class ResponsesReader(AnswerReader):
             self.cached_tokens = u.cached_tokens
 
 
-# The Messages deltas that carry a token, and the field that holds it.
-_MESSAGES_DELTAS = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
-
-
 class MessagesReader(AnswerReader):
     """Anthropic Messages events; the prompt is the input tokens and the cached ones together."""
 
-    def read(self, data: Mapping[str, Any], now: int) -> None:
+    api = MESSAGES
+
+    def keep(self, data: Mapping[str, Any]) -> None:
         kind = data.get("type")
         if kind == "error":
             self.error = _error_text(data.get("error") or data)
@@ -213,25 +198,22 @@ class MessagesReader(AnswerReader):
         elif kind == "content_block_start" and isinstance(data.get("content_block"), Mapping):
             block = data["content_block"]
             if block.get("type") == "tool_use" and block.get("name"):
-                self.clock.token(now)
                 call = self._call(int_or_none(data.get("index")) or 0)
                 call["id"] = str(block.get("id") or "")
                 call["function"]["name"] = str(block["name"])
         elif kind == "content_block_delta" and isinstance(data.get("delta"), Mapping):
-            self._delta(int_or_none(data.get("index")) or 0, data["delta"], now)
+            self._delta(int_or_none(data.get("index")) or 0, data["delta"])
         elif kind == "message_delta":
             delta = data.get("delta")
             if isinstance(delta, Mapping) and delta.get("stop_reason"):
-                self.clock.finished(now)
                 self.finish_reason = str(delta["stop_reason"])
             self._usage(data.get("usage"))
 
-    def _delta(self, index: int, delta: Mapping[str, Any], now: int) -> None:
-        field = _MESSAGES_DELTAS.get(str(delta.get("type")))
+    def _delta(self, index: int, delta: Mapping[str, Any]) -> None:
+        field = MESSAGES_DELTA_FIELDS.get(str(delta.get("type")))
         value = delta.get(field) if field is not None else None
         if not isinstance(value, str) or not value:
             return
-        self.clock.token(now)
         if field == "text":
             self.content.append(value)
         elif field == "thinking":

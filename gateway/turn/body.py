@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from kvtether.gateway.guard.readback import reported_cached_tokens
 from kvtether.protocol.common import effort_in_template_kwargs
+from kvtether.protocol.tokens import chat_chunk_has_token
 from kvtether.protocol.wire import COLD_PREFILL_PARAMS, KV_FIELD
 from kvtether.sdk.contract import Chain, rendering_fields
 
@@ -107,22 +108,8 @@ def output_ids_of(choice: Mapping[str, Any]) -> list[int] | None:
     return None
 
 
-def has_first_token(chunk: Mapping[str, Any]) -> bool:
-    """TTFT per the notes §0.4: the first chunk with content, reasoning, tool-call or refusal deltas."""
-    choices = chunk.get("choices")
-    if not isinstance(choices, list):
-        return False
-    for choice in choices:
-        if not isinstance(choice, Mapping):
-            continue
-        if choice.get("text"):
-            return True
-        delta = choice.get("delta")
-        if isinstance(delta, Mapping) and any(
-            delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls", "refusal")
-        ):
-            return True
-    return False
+# TTFT: the first chunk that carries a token of any kind (protocol/tokens.py, the rule the SDK and the CLI read).
+has_first_token = chat_chunk_has_token
 
 
 def _normal_message(message: Any) -> Any:
