@@ -18,6 +18,7 @@ from array import array
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from kvtether.protocol.wire import KV_FIELD, openai_error_body
 from kvtether.sim.agent_apis import agent_api_routes
 from kvtether.sim.engine import EngineRequest, ErrorEvent, Event, FinishEvent, TokenEvent
@@ -261,7 +262,8 @@ def _full_body(c: Completion, events: list[Event]) -> Response:
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+    # Compact JSON, as vLLM's pydantic chunks are (model_dump_json), and UTF-8 as it is.
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 async def _stream(c: Completion) -> AsyncIterator[bytes]:

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -102,6 +102,33 @@ def kv_blocks(cfg: NodeConfig, preset: Preset) -> int:
     return cfg.num_gpu_blocks_override or preset.kv_capacity_tokens // preset.block_size
 
 
+class TokenView(Sequence[int]):
+    """A request's prompt and output read as one sequence of token ids, without joining them."""
+
+    __slots__ = ("_output", "_prompt")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self._prompt, self._output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    def __getitem__(self, index: Any) -> Any:
+        if not isinstance(index, slice):
+            p = len(self._prompt)
+            i = index + len(self) if index < 0 else index
+            return self._prompt[i] if i < p else self._output[i - p]
+        start, stop, step = index.indices(len(self))
+        if step != 1:
+            return [self[i] for i in range(start, stop, step)]
+        p = len(self._prompt)
+        if stop <= p:
+            return self._prompt[start:stop]
+        if start >= p:
+            return self._output[start - p:stop - p]
+        return self._prompt[start:] + self._output[:stop - p]
+
+
 @dataclass(eq=False)
 class EngineRequest:
     request_id: str
@@ -130,6 +157,11 @@ class EngineRequest:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def tokens(self) -> TokenView:
+        """The prompt and the output as one sequence, without copying them (a step reads a few of its tokens)."""
+        return TokenView(self.prompt_ids, self.output_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -665,6 +697,7 @@ class Engine:
 
     def _write_loaded(self, r: EngineRequest, load: Load, data: list[BlockData]) -> None:
         first = load.start // self.bs
+        tokens = r.tokens
         for j, remote in enumerate(data):
             bi = first + j
             lo = bi * self.bs
@@ -677,7 +710,7 @@ class Engine:
             blk.content = content
             blk.parent = remote.parent
             if k == self.bs:
-                r.hashes = self._hashes(r, r.token_ids)
+                r.hashes = self._hashes(r, tokens)
                 self.pool.register(blk, r.hashes[bi])
         r.num_computed = load.end
 
@@ -706,7 +739,7 @@ class Engine:
 
     def _compute(self, r: EngineRequest, start: int, n: int) -> None:
         """Write the KV of positions [start, start+n): content = these tokens, after the block before."""
-        tokens = r.token_ids
+        tokens = r.tokens
         pos = start
         while pos < start + n:
             bi = pos // self.bs
@@ -720,7 +753,7 @@ class Engine:
                 r.hashes = self._hashes(r, tokens)
                 self.pool.register(blk, r.hashes[bi])
 
-    def _hashes(self, r: EngineRequest, tokens: list[int]) -> list[bytes]:
+    def _hashes(self, r: EngineRequest, tokens: Sequence[int]) -> list[bytes]:
         return block_hashes(tokens, self.bs, r.hashes, salted_root(r.cache_salt))
 
     def _state(self, r: EngineRequest) -> bytes:

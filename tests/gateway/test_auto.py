@@ -588,12 +588,12 @@ async def test_clients_that_leave_mid_answer_free_their_decode_slots() -> None:
 async def test_a_pd_turn_goes_back_to_the_prefill_node_whose_cache_holds_the_history(p_caching: bool) -> None:
     """P prefix caching on: the P that prefilled the session's first turn keeps its prompt's blocks, the
     gateway learns that P caches (cache_config_info) and remembers the copy, and the next P/D turn goes there
-    (the other P is as idle and has the lower URL, which wins a tie), hits P's cache and reads from D only
-    what it lacks. Prefix caching off on P: nothing is remembered and the tie goes to the lower URL."""
+    (the other P is as idle and comes first in the configuration, which wins a tie), hits P's cache and reads from
+    D only what it lacks. Prefix caching off on P: nothing is remembered and the tie goes to the first."""
     async with rig(policy="auto", prefill=2, min_reuse_tokens=4, max_local_suffix_tokens=16, learn_estimates=False,
                    metrics_poll_interval_s=600.0, sim={"prefill_prefix_caching": p_caching}) as r:
         orch = r.gw.orchestrator
-        lo, hi = sorted(r.cluster.prefill_urls)
+        lo, hi = r.cluster.prefill_urls  # the configuration's order, whatever ports the OS gave them
         for u in (lo, hi):
             await orch.sv.cluster.refresh(orch.sv.cluster.nodes[u])  # a poll tells whether P caches, and its size
         assert orch.sv.cluster.nodes[hi].prefix_caching is p_caching

@@ -521,7 +521,7 @@ def test_a_pull_goes_to_the_prefill_node_that_holds_the_history_and_reads_only_t
     same pull on the equally idle P0, which would read all 27k, by about that transfer."""
     turn = history_turn(30000, 3000)  # over max_local_suffix_tokens: a P/D turn
     plain = choose(turn, D0, (p(P0), p(P1)), (d(D0),), MOE, STAY)
-    assert plain.option == "pull" and plain.prefill_url == P0, plain.reason  # tie: the lowest URL
+    assert plain.option == "pull" and plain.prefill_url == P0, plain.reason  # tie: the first configured
     held = choose(replace(turn, prefill_cached=((P1, 24000),)), D0, (p(P0), p(P1)), (d(D0),), MOE, STAY)
     assert held.option == "pull" and held.prefill_url == P1, held.reason
     assert held.reuse_tokens == 27000  # the whole verified handle is still sent; P reads what it lacks
