@@ -105,7 +105,10 @@ async def test_against_a_real_dns_server_a_aaaa_and_srv() -> None:
         settings = load_discovery({"source": "dns", "dns_prefill": ["p.kv.svc.cluster.local:8000"],
                                    "dns_decode": ["d.kv.svc.cluster.local:8001"],
                                    "dns_pool": ["_http._tcp.pool.kv.svc.cluster.local", "gone.kv.svc.cluster.local"]})
-        disc = DnsDiscovery(settings, DnsPythonResolver(["127.0.0.1"], port=port, lifetime_s=2.0))
+        resolver = DnsPythonResolver(["127.0.0.1"], port=port, lifetime_s=5.0)
+        # Straight from the resolver first: a failure here names its cause (resolve_once would log and keep []).
+        assert await resolver.addresses("p.kv.svc.cluster.local") == ["127.0.0.11"]
+        disc = DnsDiscovery(settings, resolver)
         assert await disc.resolve_once() == {
             "prefill": ["http://127.0.0.11:8000"],
             "decode": ["http://127.0.0.21:8001", "http://127.0.0.22:8001", "http://[fd00::23]:8001"],

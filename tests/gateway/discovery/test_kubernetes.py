@@ -169,3 +169,51 @@ async def test_an_api_server_that_is_away_is_retried(tmp_path: Path) -> None:
     with anyio.move_on_after(0.5):
         await disc.run(seen)
     assert seen.sets == [] and disc.lists == 0
+
+
+async def test_a_gateway_serves_the_pods_it_finds_and_moves_a_session_off_a_deleted_one(
+        api: tuple[FakeApiServer, Path]) -> None:
+    """The gateway as `kvtether serve` builds it (discovery from its settings) on a simulated cluster whose nodes
+    the scripted API server lists as pods: it serves once the pods are polled, and a session whose decode pod is
+    being deleted moves at its next turn, answered as the oracle answers."""
+    import httpx
+    from kvtether.gateway.config import load_config
+    from kvtether.gateway.shell.app import create_app
+    from kvtether.gateway.shell.server import serve_gateway
+    from kvtether.sim.cluster import ClusterSpec, SimCluster
+
+    from tests.support.gateway_agent import chat, comparable, first_messages, next_messages, request_body
+    from tests.support.sim_rig import LIMITS, SPEED
+
+    server, path = api
+    spec = ClusterSpec(prefill=1, decode=2, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0)
+    async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
+                                                                    speed=SPEED)) as oracle:
+        urls = {"p0": cluster.prefill_urls[0], "d0": cluster.decode_urls[0], "d1": cluster.decode_urls[1]}
+        for name, url in urls.items():
+            port = int(url.rsplit(":", 1)[1])
+            server.put(pod(name, "127.0.0.1", "prefill" if name == "p0" else "decode", port=port))
+        cfg = load_config(None, policy="pull", metrics_poll_interval_s=0.2,
+                          discovery={"source": "kubernetes", "kubeconfig": str(path), "namespace": "kv"})
+        app = create_app(cfg)
+        gw = app.state.gateway
+        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+            await until(lambda: sum(n.routable for n in gw.cluster.nodes.values()) == 3)
+            messages, headers = first_messages(7), {"x-session-id": "k8s-7"}
+            for turn in range(3):
+                if turn == 2:
+                    pinned = (await client.get(f"{url}/admin/sessions")).json()[0]["decode"]
+                    name = next(n for n, u in urls.items() if u == pinned)
+                    port = int(pinned.rsplit(":", 1)[1])
+                    server.put(pod(name, "127.0.0.1", "decode", port=port, deleting=True))
+                    # Draining, or already gone (nothing of this gateway runs there between turns).
+                    await until(lambda left=pinned: left not in gw.cluster.nodes or not gw.cluster.nodes[left].routable)
+                body = request_body(messages, stream=turn == 1)
+                got = await chat(client, url, body, headers)
+                want = await chat(client, oracle.aggregated_urls[0], {**body, "stream": False}, clean=False)
+                assert comparable(got) == comparable(want), turn
+                messages = next_messages(messages, got, 7, turn)
+            moved = (await client.get(f"{url}/admin/sessions")).json()[0]["decode"]
+            assert moved != pinned and moved in cluster.decode_urls
+            server.delete(name)
+            await until(lambda: pinned not in gw.cluster.nodes)
