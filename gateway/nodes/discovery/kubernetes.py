@@ -88,7 +88,15 @@ class KubernetesDiscovery:
                            field_manager="kvtether")
 
     async def run(self, publish: Publish) -> None:
-        client = self._client()
+        from lightkube import ConfigError
+
+        while True:
+            try:
+                client = self._client()
+                break
+            except ConfigError as exc:  # no kubeconfig, no service account: say so once per try, in one line
+                log.error("discovery: no Kubernetes credentials (%s); again in %.0f s", exc, self.settings.retry_max_s)
+                await anyio.sleep(self.settings.retry_max_s)
         wait = self.settings.retry_s
         try:
             while True:

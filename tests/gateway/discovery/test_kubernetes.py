@@ -217,3 +217,10 @@ async def test_a_gateway_serves_the_pods_it_finds_and_moves_a_session_off_a_dele
             assert moved != pinned and moved in cluster.decode_urls
             server.delete(name)
             await until(lambda: pinned not in gw.cluster.nodes)
+
+
+async def test_missing_credentials_are_waited_out_not_raised(tmp_path: Path) -> None:
+    seen, disc = Seen(), _discovery(tmp_path / "no-such-kubeconfig")
+    with anyio.move_on_after(0.3):
+        await disc.run(seen)  # logs and waits for credentials to appear; the gateway keeps serving its static nodes
+    assert seen.sets == [] and disc.lists == 0
