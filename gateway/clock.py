@@ -11,9 +11,22 @@ working in virtual time.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
 Clock = Callable[[], float]
 
 DEFAULT_CLOCK: Clock = time.perf_counter
+
+
+def running_clock() -> Clock:
+    """The clock for an app made now: the running event loop's own time when that loop runs on virtual time (it
+    says so with a true ``virtual_time`` attribute, as sim/virtual.py's loop does), else ``DEFAULT_CLOCK``. So a
+    gateway started inside a virtual run follows its clock without being told, and one started anywhere else
+    reads the OS's."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return DEFAULT_CLOCK
+    return loop.time if getattr(loop, "virtual_time", False) else DEFAULT_CLOCK

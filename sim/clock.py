@@ -7,6 +7,7 @@ sleeps are exact and the speed is 1. Nothing else in the simulator reads the tim
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -16,11 +17,22 @@ import anyio.lowlevel
 Source = Callable[[], float]
 
 
+def running_source() -> Source | None:
+    """The running event loop's time when that loop runs on virtual time (sim/virtual.py), else None."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    return loop.time if getattr(loop, "virtual_time", False) else None
+
+
 class SimClock:
     def __init__(self, speed: float = 1.0, source: Source | None = None) -> None:
+        """`source`: the clock to read; None: the running loop's on virtual time, else the OS's monotonic one."""
         if speed <= 0:
             raise ValueError("speed must be > 0")
         self.speed = speed
+        source = source or running_source()
         # A clock handed in is the event loop's own (virtual time): its sleeps end exactly when asked.
         self.exact = source is not None
         self.source: Source = source or time.monotonic

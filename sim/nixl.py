@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
+import orjson
 
 
 class KVLoadError(Exception):
@@ -66,6 +67,7 @@ SERVER_KEEPALIVE_S = 65
 # Failures where the request most likely never reached the handler (stale pooled connection, reset,
 # refused): worth one retry on a fresh connection. Timeouts are not retried (the holder is slow, and a
 # second wait would double it).
+_JSON = {"content-type": "application/json"}
 _CONNECTION_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 
 
@@ -100,11 +102,12 @@ class HttpKVTransport:
         """POST, retried once on a connection-level error. All three endpoints tolerate a repeat: a read
         whose first attempt was served after all is declined (409, single use) rather than served twice,
         and notify/heartbeat are idempotent."""
+        content = orjson.dumps(body)
         try:
-            return await self._client.post(url, json=body)
+            return await self._client.post(url, content=content, headers=_JSON)
         except _CONNECTION_ERRORS:
             self.retries += 1
-            return await self._client.post(url, json=body)
+            return await self._client.post(url, content=content, headers=_JSON)
 
     def _body(self, ref: RemoteRef, **extra: object) -> dict[str, object]:
         body: dict[str, object] = {"engine_id": ref.engine_id, "request_id": ref.request_id, **extra}
@@ -120,7 +123,8 @@ class HttpKVTransport:
             raise KVLoadError(f"read from {ref.host}:{ref.port} failed: {e!r}") from e
         if resp.status_code != 200:
             raise KVLoadError(f"read declined by {ref.host}:{ref.port}: {resp.status_code} {resp.text[:200]}")
-        return [BlockData(content=list(b["content"]), parent=bytes.fromhex(b["parent"])) for b in resp.json()["blocks"]]
+        return [BlockData(content=b["content"], parent=bytes.fromhex(b["parent"]))
+                for b in orjson.loads(resp.content)["blocks"]]
 
     async def notify(self, ref: RemoteRef) -> None:
         body = self._body(ref)

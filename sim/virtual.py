@@ -67,6 +67,10 @@ class VirtualLoop(asyncio.SelectorEventLoop):
     """An event loop on virtual time (module docstring). ``network``: the in-memory network its servers and clients
     meet on (a new one by default); ``horizon_s``: virtual seconds after which the run is stopped as stuck."""
 
+    # What a gateway or a simulated node made on this loop reads to follow its clock without being told
+    # (gateway/clock.py, sim/clock.py).
+    virtual_time = True
+
     def __init__(self, network: MemoryNetwork | None = None, *, horizon_s: float | None = None) -> None:
         selector = _Selector()
         selector.loop = self

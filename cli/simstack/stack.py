@@ -272,7 +272,6 @@ async def sim_stack(spec: StackSpec, option: str, *, gateway: Mapping[str, Any] 
     keeps its sessions in memory (a Redis store would wait on real I/O: refused).
     A stop signal (Ctrl-C, SIGTERM) stops the gateway as after a normal run before it goes on: handed the
     cancellation, the server would be cancelled mid-shutdown and uvicorn would log its lifespan's traceback."""
-    from kvtether.gateway.clock import DEFAULT_CLOCK
     from kvtether.gateway.shell.app import create_app
     from kvtether.gateway.shell.server import serve_gateway
 
@@ -286,7 +285,7 @@ async def sim_stack(spec: StackSpec, option: str, *, gateway: Mapping[str, Any] 
         if clock is not None and config.store != "memory":
             raise ValueError("a stack on a virtual clock keeps its sessions in memory: a Redis or Valkey store "
                              "answers on the wall clock (leave `store` unset)")
-        app = create_app(config, tracer_provider=tracer_provider, clock=clock or DEFAULT_CLOCK)
+        app = create_app(config, tracer_provider=tracer_provider, clock=clock)
         costed = None if clock is None else CostedGateway(
             app, gateway_cost or default_cost(aggregated=option == COLOCATED, workers=1), clock)
         stopped: BaseException | None = None

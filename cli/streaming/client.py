@@ -90,7 +90,10 @@ async def stream_answer(client: httpx.AsyncClient, url: str, body: Mapping[str, 
     timeout = httpx.USE_CLIENT_DEFAULT if request_timeout_s is None else request_timeout_s
     started = False  # whether the response's head came: a failure after it broke the stream
     try:
-        async with client.stream("POST", url, json=dict(body), headers=dict(headers or {}), timeout=timeout) as resp:
+        # orjson: the same compact UTF-8 JSON httpx's `json=` sends, several times faster on a long history.
+        request_headers = {"content-type": "application/json", **dict(headers or {})}
+        async with client.stream("POST", url, content=orjson.dumps(dict(body)), headers=request_headers,
+                                 timeout=timeout) as resp:
             started = True
             if resp.status_code != 200:
                 text = (await resp.aread()).decode("utf-8", "replace")

@@ -23,7 +23,7 @@ from kvtether.gateway.api.endpoint import turn_endpoint
 from kvtether.gateway.api.hosted import DroppedTools
 from kvtether.gateway.api.responses.state import ResponsesState, seal_for
 from kvtether.gateway.api.serving import Serving, request_headers
-from kvtether.gateway.clock import DEFAULT_CLOCK, Clock
+from kvtether.gateway.clock import Clock, running_clock
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.nodes.cluster import Cluster
@@ -58,11 +58,11 @@ class Gateway:
     """Everything one app instance owns; reachable as ``app.state.gateway`` (tests, admin)."""
 
     def __init__(self, config: GatewayConfig, store: SessionStore | None = None,
-                 tracer_provider: trace.TracerProvider | None = None, clock: Clock = DEFAULT_CLOCK,
+                 tracer_provider: trace.TracerProvider | None = None, clock: Clock | None = None,
                  discovery: Discovery | None = None) -> None:
         self.config = config
         # The one clock every part below reads (gateway/clock.py): passed down, never read beside it.
-        self.clock = clock
+        self.clock = clock = clock or running_clock()
         self.tracer = T.tracer(tracer_provider)
         self.metrics = T.Metrics()
         self.metrics.set_policy(config.policy)
@@ -244,10 +244,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
                tracer_provider: trace.TracerProvider | None = None, worker_metrics: str | None = None,
-               clock: Clock = DEFAULT_CLOCK, discovery: Discovery | None = None) -> GatewayApp:
+               clock: Clock | None = None, discovery: Discovery | None = None) -> GatewayApp:
     """``worker_metrics``: this app is one of several workers, which write their metrics in that directory.
-    ``clock``: the one clock the gateway reads (gateway/clock.py); the simulated stack's virtual time passes its
-    event loop's. ``discovery``: where the nodes are; None: the source ``config.discovery`` names."""
+    ``clock``: the one clock the gateway reads (gateway/clock.py); None: the running loop's when it runs on
+    virtual time, else the OS's. ``discovery``: where the nodes are; None: the source ``config.discovery`` names."""
     gw = Gateway(config, store, tracer_provider, clock, discovery)
     gw.worker_metrics = worker_metrics
 
