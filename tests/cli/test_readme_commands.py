@@ -36,6 +36,11 @@ EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 EXTERNAL: dict[str, str] = {
     "pip": "installs the project; pip's own arguments",
     "docker": "starts a third-party container (Jaeger); docker's own arguments",
+    "kubectl": "Kubernetes' client, against the user's cluster; kubectl's own arguments",
+    "kubernetes-validate": "checks manifests against the Kubernetes schemas (PyPI kubernetes-validate); its own "
+                           "arguments (tests/deploy/test_kubernetes.py runs it on the manifests)",
+    "curl": "an HTTP request to a running gateway; curl's own arguments",
+    "jq": "reads curl's JSON; jq's own arguments",
 }
 # Whole lines (as written, comments stripped) that show a form rather than a command to paste, with the reason.
 # None at present: placeholders such as `--model M` or `http://p0:8000` parse as the values they stand for, and a
@@ -257,7 +262,7 @@ def test_the_checker_catches_what_does_not_run() -> None:
         "./scripts/demo --fast",
         "python examples/nope.py",
         ".venv/bin/python benchmarks/sim_pull_sweep.py --no-such-option",
-        "curl http://127.0.0.1:8000/metrics",
+        "wget http://127.0.0.1:8000/metrics",  # a program nobody listed
     ]
     for line in bad:
         (words,) = _simple_commands(line)
