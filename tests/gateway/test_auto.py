@@ -341,6 +341,7 @@ async def test_a_local_prefill_is_learned_from_ds_first_token_not_from_the_first
         assert from_first_chunk <= from_first_delta
 
 
+@pytest.mark.wall_clock  # reads the engine's steps on the OS clock
 async def test_a_local_prefill_on_a_busy_decode_node_is_learned_from_its_mixed_step() -> None:
     """While another answer decodes on D, a local turn's cost is the engine step that prefilled its suffix
     (what the running answer waited for its next token), read off that answer's chunk arrivals: not the

@@ -85,6 +85,7 @@ async def test_hostile_requests_get_a_4xx_and_never_take_a_node_out() -> None:
         assert comparable(got) == comparable(want)
 
 
+@pytest.mark.wall_clock  # times the breaker on the OS clock
 async def test_a_5xx_storm_opens_the_breaker_with_retry_after_and_the_node_comes_back_by_itself() -> None:
     """The only decode node fails every request: after a few, the gateway stops sending it work and answers
     503 with Retry-After at once; when the storm is over its /health probe (polls are minutes apart here)
@@ -118,6 +119,7 @@ async def test_a_5xx_storm_opens_the_breaker_with_retry_after_and_the_node_comes
         assert (await r.client.get(f"{r.url}/ready")).json()["ready"] is True
 
 
+@pytest.mark.wall_clock  # times the retry on the OS clock
 async def test_a_prefill_that_accepts_and_never_answers_is_retried_on_another_within_the_bound() -> None:
     async with rig(prefill=2, decode=1, prefill_timeout_s=1.0) as r:
         first = r.cluster.prefill_urls[0]  # a new session's cold prefill: least loaded, first configured

@@ -291,6 +291,7 @@ async def test_concurrent_turns_of_one_session_leave_one_hold() -> None:
         assert s["has_handle"] and left["num_tokens"] == s["held_tokens"]
 
 
+@pytest.mark.wall_clock  # the synchronous SDK client runs in a worker thread
 async def test_the_sdk_ends_its_session_on_close() -> None:
     async with rig(sim=_NO_TTL) as r:
         base = openai.OpenAI(base_url=f"{r.url}/v1", api_key="none", max_retries=0)
@@ -335,6 +336,7 @@ async def test_local_turn_handles_leak_on_the_decode_node_and_are_off_by_default
                 assert left == []
 
 
+@pytest.mark.wall_clock  # runs `kvtether sessions` in a worker thread
 async def test_held_kv_per_decode_node_in_ready_and_kvtether_sessions() -> None:
     from kvtether.cli.main import app as cli_app
     from typer.testing import CliRunner

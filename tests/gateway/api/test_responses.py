@@ -194,6 +194,7 @@ async def test_errors_come_in_openais_shape_and_tenants_do_not_share_state() -> 
         assert len((await r.client.get(f"{r.url}/admin/sessions", headers=a)).json()) <= 1
 
 
+@pytest.mark.wall_clock  # the openai client looks up its platform in a worker thread
 async def test_the_openai_sdk_and_the_incomplete_status() -> None:
     import openai
 

@@ -100,6 +100,7 @@ n1.pool.kv.svc.cluster.local.           5 IN A     127.0.0.32
 """
 
 
+@pytest.mark.wall_clock  # a real DNS server on a real socket
 async def test_against_a_real_dns_server_a_aaaa_and_srv() -> None:
     with dns_server(ZONE) as port:
         settings = load_discovery({"source": "dns", "dns_prefill": ["p.kv.svc.cluster.local:8000"],

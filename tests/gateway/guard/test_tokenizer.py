@@ -177,6 +177,7 @@ def test_cached_pieces_equal_whole_text_encoding(local: LocalTokenizer) -> None:
         assert local.encode_sync(payload) == _whole(local, payload)
 
 
+@pytest.mark.wall_clock  # the guard's tokenizer encodes in worker threads
 async def test_long_prompts_encode_in_a_worker_thread(local: LocalTokenizer) -> None:
     payload = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000 + "end"}]}
     assert await local.encode(payload) == _whole(local, payload)
@@ -245,6 +246,7 @@ async def test_turns_use_local_ids_once_they_match_and_switch_back_on_a_mismatch
     await client.aclose()
 
 
+@pytest.mark.wall_clock  # the guard's tokenizer loads in a worker thread
 async def test_a_tokenizer_that_differs_from_the_engine_falls_back_to_tokenize(hf_dir: Path) -> None:
     """Against the simulator (its tokenizer is its own): the start-up check finds the difference, counts it,
     and every guarded turn asks /tokenize; the turns still pull and equal the oracle."""
@@ -266,6 +268,7 @@ async def test_a_tokenizer_that_differs_from_the_engine_falls_back_to_tokenize(h
         assert await outcome(r, "attached") >= 3
 
 
+@pytest.mark.wall_clock  # the guard's tokenizer encodes in worker threads
 async def test_a_turn_the_guard_does_not_check_warms_the_cache_for_the_next_one(local: LocalTokenizer) -> None:
     """A session's first turn is not checked, but its prompt is the next turn's history: gather encodes it in the
     background, so the first checked turn finds its pieces cached."""

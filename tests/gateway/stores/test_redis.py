@@ -260,6 +260,7 @@ def failsafe(url: str, metrics: T.Metrics, timeout_s: float = 0.1, cooldown_s: f
                          max_cooldown_s=max(0.2, cooldown_s))
 
 
+@pytest.mark.wall_clock  # a real socket to a Redis that is down
 @pytest.mark.anyio
 async def test_a_store_that_is_down_answers_cold_at_once_and_never_raises() -> None:
     metrics = T.Metrics()

@@ -126,6 +126,7 @@ async def test_a_stream_is_handed_over_as_it_arrives_and_what_queued_up_comes_in
         assert up.busy == 0
 
 
+@pytest.mark.wall_clock  # a real listen backlog
 async def test_refused_is_a_connect_error_and_a_full_accept_queue_a_connect_timeout() -> None:
     up = Upstream(UpstreamLimits(connect_timeout_s=0.3))
     with socket.socket() as closed:
@@ -288,6 +289,7 @@ async def test_a_header_that_could_split_the_request_is_refused_before_anything_
         assert await (await up.send("POST", s.url + "/a", b"1")).read() == b"echo:1:1"
 
 
+@pytest.mark.wall_clock  # a real socket's buffers
 async def test_a_slow_reader_stops_the_socket_being_read_instead_of_buffering_it_all() -> None:
     big = b"x" * (8 * _HIGH_WATER)
 
@@ -317,6 +319,7 @@ async def test_a_body_delimited_by_the_end_of_the_connection() -> None:
         assert s.connections == 2
 
 
+@pytest.mark.wall_clock  # a real server closing an idle socket
 async def test_an_idle_connection_past_its_keep_alive_expiry_is_not_reused() -> None:
     async with echo_server() as s:
         up = Upstream(UpstreamLimits(keepalive_expiry_s=0.2))
