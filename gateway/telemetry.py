@@ -180,10 +180,12 @@ DROPPED_TOOL_TYPES = ("web_search", "file_search", "code_interpreter", "computer
                       "local_shell", "shell", "apply_patch", "computer", "web_fetch", "code_execution", "bash",
                       "text_editor", "memory", "tool_search_tool_regex", "tool_search_tool_bm25", "mcp_toolset",
                       "tool_search", "programmatic_tool_calling", "browser_toolset", "computer_toolset")
-# Client bookkeeping items left out of /v1/responses turns, by type (the closed set of
-# kvtether.protocol.responses.items.BOOKKEEPING_ITEMS).
+# Items left out of agent-API turns, by type (bookkeeping_items = "drop"): client bookkeeping items of
+# /v1/responses (kvtether.protocol.responses.items.BOOKKEEPING_ITEMS) and the blocks of a /v1/messages tool
+# result no model behind vLLM reads (kvtether.protocol.messages.request.REFUSED_TOOL_RESULT_BLOCKS).
 M_DROPPED_ITEMS = "kvtether_dropped_items_total"
-DROPPED_ITEM_TYPES = ("mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "web_search_call")
+DROPPED_ITEM_TYPES = ("mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "web_search_call",
+                      "document", "search_result", "browser_state")
 ROUTES = ("chat", "completions", "messages")
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
 # The guard's local tokenizer: ids that differed from the engine's /tokenize (check = startup | turn; each

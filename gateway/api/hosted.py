@@ -65,9 +65,9 @@ class DroppedTools:
             counter.labels(kind if kind in T.DROPPED_ITEM_TYPES else "other").inc()
         if not left_out or not self._first(f"items\0{session or ''}"):
             return False
-        log.warning("session %s: %s left client bookkeeping items out of its turns (%s): they carry nothing the "
-                    "model behind the gateway reads. Set bookkeeping_items = \"refuse\" to answer 400 instead; "
-                    "said once per session", session or "(none)", route, ", ".join(left_out))
+        log.warning("session %s: %s left items out of its turns (%s): client bookkeeping, or tool results' blocks "
+                    "the model behind the gateway cannot read. Set bookkeeping_items = \"refuse\" to answer 400 "
+                    "instead; said once per session", session or "(none)", route, ", ".join(left_out))
         return True
 
     def _first(self, key: str) -> bool:

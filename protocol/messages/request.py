@@ -184,17 +184,56 @@ def to_chat(body: Mapping[str, Any], *, merge_inline_system: bool = False,
 
 
 def translate(body: Mapping[str, Any], *, hosted_tools: HostedTools = "refuse", merge_inline_system: bool = False,
-              disabled_thinking_effort: str = "none", lenient: bool = False) -> Translation:
+              disabled_thinking_effort: str = "none", lenient: bool = False,
+              unreadable_results: HostedTools = "refuse") -> Translation:
     """:func:`to_chat`, with a choice of what becomes of Anthropic-defined tools: ``"refuse"`` (400) or
     ``"drop"`` (left out of the turn, their types reported in ``dropped``).
+
+    ``unreadable_results``: what becomes of a tool result's blocks that no model behind vLLM reads (a document, a
+    search result, browser state: Claude Code's read of a PDF, say): ``"refuse"`` (400, naming the block and what
+    to send instead) or ``"drop"`` (left out, as vLLM's own translation leaves them out, their types reported in
+    ``left_out``). A client resends its history every turn, so a refusal there would end the session.
 
     ``lenient``: for a request some server already took, to be written as the chat turn it stands for (the
     SDK's recorder). Nothing is refused: each piece a strict translation refuses (a message, a block, a tool,
     a field, the tool_choice) is left out and Anthropic-defined tools are dropped. What is kept becomes exactly
     what the gateway sends."""
-    return _translate(body, count=False, merge_inline_system=merge_inline_system,
-                      disabled_thinking_effort=disabled_thinking_effort,
-                      hosted_tools="drop" if lenient else hosted_tools, lenient=lenient)
+    left_out: tuple[str, ...] = ()
+    if unreadable_results == "drop" or lenient:
+        body, left_out = _without_unreadable_results(body)
+    translation = _translate(body, count=False, merge_inline_system=merge_inline_system,
+                             disabled_thinking_effort=disabled_thinking_effort,
+                             hosted_tools="drop" if lenient else hosted_tools, lenient=lenient)
+    return Translation(translation.chat, translation.dropped, left_out)
+
+
+def _without_unreadable_results(body: Mapping[str, Any]) -> tuple[Mapping[str, Any], tuple[str, ...]]:
+    """`body` without the blocks of its tool results that no model behind vLLM reads, and their types (each once,
+    in order). A malformed body is left as it is, for the checks to refuse."""
+    messages = body.get("messages") if isinstance(body, Mapping) else None
+    if not isinstance(messages, list):
+        return body, ()
+    seen: list[str] = []
+    kept_messages: list[Any] = []
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        if not isinstance(content, list):
+            kept_messages.append(msg)
+            continue
+        blocks: list[Any] = []
+        for block in content:
+            inner = block.get("content") if isinstance(block, Mapping) and block.get("type") == "tool_result" \
+                else None
+            if isinstance(inner, list):
+                gone = [b for b in inner if isinstance(b, Mapping) and b.get("type") in REFUSED_TOOL_RESULT_BLOCKS]
+                seen += [str(b["type"]) for b in gone]
+                if gone:
+                    block = {**block, "content": [b for b in inner if not any(b is g for g in gone)]}
+            blocks.append(block)
+        kept_messages.append({**msg, "content": blocks})
+    if not seen:
+        return body, ()
+    return {**body, "messages": kept_messages}, tuple(dict.fromkeys(seen))
 
 
 def count_tokens_body(body: Mapping[str, Any], *, merge_inline_system: bool = False,

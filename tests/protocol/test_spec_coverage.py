@@ -226,3 +226,20 @@ def test_a_tool_result_block_nothing_lowers_is_refused_by_name(kind: str) -> Non
     with pytest.raises(M.MessagesError) as err:
         M.translate({"model": "m", "max_tokens": 10, "messages": messages})
     assert kind in err.value.message and "messages[2].content[0].content[0]" in err.value.message
+
+
+@pytest.mark.parametrize("kind", sorted(MR.REFUSED_TOOL_RESULT_BLOCKS))
+def test_a_tool_result_block_no_model_reads_is_left_out_when_asked_and_the_rest_kept(kind: str) -> None:
+    """Claude Code's read of a PDF comes back as a document block in a tool result, and the client resends it on
+    every later turn: left out (as vLLM's own translation leaves it out), the turn and the session go on."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                              "content": [{"type": "text", "text": "page one"}, {"type": kind}]}]}]
+    body = {"model": "m", "max_tokens": 10, "messages": messages}
+    got = M.translate(body, unreadable_results="drop")
+    assert got.left_out == (kind,)
+    assert {"role": "tool", "tool_call_id": "t", "content": "page one"} in got.chat["messages"]
+    # The same turn resent lowers the same way (its tokens stay stable, so reuse survives).
+    assert M.translate(body, unreadable_results="drop") == got
+    assert messages[2]["content"][0]["content"][1] == {"type": kind}  # the client's body is not changed

@@ -26,19 +26,22 @@ CLAUDE_AGENT_HEADER = "x-claude-code-agent-id"
 _MAX_SESSION_ID = 256
 
 
-def lower(body: dict[str, Any], headers: dict[str, str], hosted_tools: HostedTools = "drop"
-          ) -> tuple[dict[str, Any], dict[str, str], tuple[str, ...]]:
-    """The chat body and headers for a Messages request (a 400 in the gateway's error type when it is bad), and
-    the Anthropic-defined tool types left out of it (``hosted_tools``: the gateway's setting)."""
+def lower(body: dict[str, Any], headers: dict[str, str], hosted_tools: HostedTools = "drop",
+          unreadable_results: HostedTools = "drop") -> tuple[dict[str, Any], dict[str, str], tuple[str, ...],
+                                                              tuple[str, ...]]:
+    """The chat body and headers for a Messages request (a 400 in the gateway's error type when it is bad), the
+    Anthropic-defined tool types left out of it (``hosted_tools``: the gateway's setting), and the tool results'
+    block types no model behind vLLM reads that were left out of it (``unreadable_results``: the gateway's
+    ``bookkeeping_items`` setting: they carry nothing the served model can use)."""
     try:
-        lowered = M.translate(body, hosted_tools=hosted_tools)
+        lowered = M.translate(body, hosted_tools=hosted_tools, unreadable_results=unreadable_results)
     except M.MessagesError as err:
         raise GatewayError(err.status, str(err)) from None
     out = dict(headers)
     named = session_for(body, headers)
     if named is not None:
         out[SESSION_HEADER] = named
-    return lowered.chat, out, lowered.dropped
+    return lowered.chat, out, lowered.dropped, lowered.left_out
 
 
 def session_for(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:

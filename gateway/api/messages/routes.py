@@ -25,14 +25,17 @@ class MessagesEdge:
 
     def __init__(self, gw: Serving) -> None:
         self.hosted_tools = gw.config.hosted_tools
+        self.unreadable_results = gw.config.bookkeeping_items
         self.model = ""
         self.dropped: tuple[str, ...] = ()
-        self.left_out: tuple[str, ...] = ()  # Messages has no bookkeeping blocks to leave out
+        # Tool results' blocks no model behind vLLM reads (a document, …), left out (bookkeeping_items = "drop").
+        self.left_out: tuple[str, ...] = ()
 
     async def lower(self, body: dict[str, Any], headers: dict[str, str],
                     tenant: str | None) -> tuple[dict[str, Any], dict[str, str]]:
         self.model = str(body.get("model") or "")
-        chat, out, self.dropped = lowering.lower(body, headers, self.hosted_tools)
+        chat, out, self.dropped, self.left_out = lowering.lower(body, headers, self.hosted_tools,
+                                                                self.unreadable_results)
         return chat, out
 
     def identified(self, session_id: str) -> None:

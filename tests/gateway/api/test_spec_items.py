@@ -118,4 +118,31 @@ def test_the_setting_takes_drop_or_refuse_and_the_metric_knows_every_bookkeeping
     assert load_config(None, bookkeeping_items="refuse", **nodes).bookkeeping_items == "refuse"
     with pytest.raises(ConfigError, match="bookkeeping_items"):
         load_config(None, bookkeeping_items="ignore", **nodes)
-    assert set(T.DROPPED_ITEM_TYPES) == set(I.BOOKKEEPING_ITEMS)
+    assert set(T.DROPPED_ITEM_TYPES) == set(I.BOOKKEEPING_ITEMS) | set(MR.REFUSED_TOOL_RESULT_BLOCKS)
+
+
+async def test_a_pdf_in_a_claude_code_tool_result_is_left_out_and_the_session_goes_on() -> None:
+    """Claude Code's read of a PDF is a document block in a tool result, resent on every later turn: left out
+    (bookkeeping_items = "drop", the default), said in the header and the metric, and the turns keep answering;
+    "refuse" answers 400 naming it."""
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0x"}}
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "read the report"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Read",
+                                           "input": {"file_path": "report.pdf"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "PDF file read"}, pdf]}]}]
+    async with rig() as r:
+        for turn in range(2):
+            resp = await r.client.post(f"{r.url}/v1/messages", json={"model": MODEL, "max_tokens": 8,
+                                                                      "messages": messages},
+                                       headers={"x-session-id": "claude-pdf"})
+            assert resp.status_code == 200, resp.text
+            assert resp.headers[T.HEADER_DROPPED_ITEMS] == "document"
+            messages = [*messages, {"role": "assistant", "content": resp.json()["content"]},
+                        {"role": "user", "content": f"and then {turn}"}]
+        assert await metric(r.client, r.url, T.M_DROPPED_ITEMS, type="document") == 2
+    async with rig(bookkeeping_items="refuse") as r:
+        resp = await r.client.post(f"{r.url}/v1/messages", json={"model": MODEL, "max_tokens": 8,
+                                                                  "messages": messages[:3]})
+        assert resp.status_code == 400 and "document" in resp.json()["error"]["message"]
