@@ -2,8 +2,9 @@
 
 ``kvtether assess SESSIONS.jsonl [cluster]`` analyses a session file (the SDK's recording, ``gen``'s or an
 imported one) against a cluster described by a simulator preset or its parts, and runs the sessions on the
-simulator once per serving option; ``--gateway URL`` adds what a running gateway has counted. The console gets
-the answers, ``--report`` one self-contained HTML page with the plots, ``--json`` the whole document on stdout.
+simulator once per serving option; ``--gateway URL`` adds what a running gateway has counted. stdout gets the
+answers (stderr with ``--json``, whose document stdout then carries alone), ``--report`` one self-contained HTML page
+with the plots; stderr what runs and the errors.
 
 The command checks its flags, loads what it works from (``inputs.py``), answers (``answers.py``) and hands the
 document back (``output.py``). Exit codes (common/exits.py): 0 ok; 1 the gateway is unreachable or a simulated
@@ -81,8 +82,10 @@ _GOODPUT = typer.Option(None, "--goodput", metavar="RATES",
                         "its goodput (the highest rate at which 90 % of turns meet both objectives).")
 _LIMIT = typer.Option(None, "--limit", min=1, help="Only the first N sessions.")
 _REPORT = typer.Option(None, "--report", metavar="HTML", help="HTML report path (default: SESSIONS.assess.html).")
-_JSON = typer.Option(False, "--json/--no-json", metavar=FLAG, help="The whole document to stdout.")
-_QUIET = typer.Option(False, "--quiet/--no-quiet", "-q", metavar=FLAG, help="No console summary.")
+_JSON = typer.Option(False, "--json/--no-json", metavar=FLAG,
+                     help="The whole document to stdout; the summary then goes to stderr.")
+_QUIET = typer.Option(False, "--quiet/--no-quiet", "-q", metavar=FLAG,
+                      help="No summary and no progress notes (errors only).")
 _ENGINE_LOG = typer.Option(
     None, "--engine-log", metavar="FILE",
     help="Write the simulated clusters' logs (vLLM nodes, in-process gateway) to FILE, - for stderr (default: "

@@ -1,5 +1,5 @@
 """What `kvtether assess` hands back: the assessment document, written as an HTML report (always), summarized on
-the console (unless --quiet) and whole on stdout (--json)."""
+stdout (unless --quiet; on stderr with --json) and whole on stdout (--json)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 from kvtether.cli.assess.inputs import AssessFlags, Inputs
 from kvtether.cli.assess.report import render_console, render_html
 from kvtether.cli.assess.verdict import decide
-from kvtether.cli.common.document import document, dumps
+from kvtether.cli.common.document import document, dumps, report_console
 from kvtether.cli.common.exits import EXIT_FAILED
 from kvtether.cli.common.failures import fail
 from rich.console import Console
@@ -47,7 +47,8 @@ def report_path(f: AssessFlags) -> Path:
 
 
 def hand_back(err: Console, f: AssessFlags, doc: dict[str, Any]) -> None:
-    """The HTML report (exit 1 when it cannot be written), the console summary, the JSON document."""
+    """The HTML report (exit 1 when it cannot be written), the summary, where the HTML went (a note, on stderr),
+    the JSON document."""
     path = report_path(f)
     try:
         path.write_text(render_html(doc), encoding="utf-8")
@@ -55,7 +56,7 @@ def hand_back(err: Console, f: AssessFlags, doc: dict[str, Any]) -> None:
         fail(err, EXIT_FAILED, f"cannot write the report {path}: {e}")
     doc["report"] = str(path)
     if not f.quiet:
-        render_console(err, doc)
-        err.print(f"report: {escape(str(path))}", highlight=False)
+        render_console(report_console(err, f.as_json), doc)
+        err.print(f"report: {escape(str(path))}", highlight=False, soft_wrap=True)
     if f.as_json:
         typer.echo(dumps(doc))

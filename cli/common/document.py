@@ -10,6 +10,14 @@ import sys
 from typing import Any
 
 from kvtether.cli.common.options import kvtether_version
+from rich.console import Console
+
+
+def report_console(err: Console, as_json: bool) -> Console:
+    """Where a command's human report (its tables, verdicts, summaries) goes: stdout, so that `> report.txt` keeps
+    it; with `--json` stdout carries the document alone, and the report goes to `err` (stderr), beside the
+    progress and the notes, so that `--json > result.json` still shows it."""
+    return err if as_json else Console()
 
 
 def started_at() -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
+from kvtether.cli.common.document import report_console
 from kvtether.cli.common.exits import EXIT_USAGE
 from kvtether.cli.common.failures import fail
 from kvtether.cli.common.options import FLAG
@@ -86,10 +87,13 @@ _KEEP_SESSION_IDS = typer.Option(
     False, "--keep-session-ids/--no-keep-session-ids", metavar=FLAG,
     help="Send the recorded session ids (default: add a per-run suffix).")
 _JSON = typer.Option(
-    False, "--json/--no-json", metavar=FLAG, help="Write the full result (incl. every request) to stdout.")
+    False, "--json/--no-json", metavar=FLAG,
+    help="Write the full result (incl. every request) to stdout; the report then goes to stderr.")
 _PROGRESS = typer.Option(
     True, "--progress/--no-progress", metavar=FLAG, help="A progress bar on stderr (only when stderr is a terminal).")
-_QUIET = typer.Option(False, "--quiet/--no-quiet", "-q", metavar=FLAG, help="No tables on stderr (errors only).")
+_QUIET = typer.Option(
+    False, "--quiet/--no-quiet", "-q", metavar=FLAG,
+    help="No report and no notes (errors only). The report goes to stdout, or to stderr with --json.")
 _ENGINE_LOG = typer.Option(
     None, "--engine-log", metavar="FILE",
     help="--sim: write the simulated cluster's logs (vLLM nodes, in-process gateway) to FILE, - for stderr (default: "
@@ -115,7 +119,7 @@ def replay(
     sessions = load_sessions_or_fail(err, plan.path, flags.input_format, flags.model, flags.limit)
     runs, started = run_jobs(err, plan, sessions)
     outcome = judge(plan, runs, len(sessions))
-    render(err, plan, runs, outcome)
+    render(err, report_console(err, flags.as_json), plan, runs, outcome)
     if flags.as_json:
         write_document(plan, sessions, runs, outcome, started)
     raise typer.Exit(outcome.code)

@@ -1,5 +1,6 @@
 """What `kvtether replay`'s runs come to: each run summarized and judged (objectives, goodput, SLOs, the error
-rate allowed), the exit code, the tables on stderr, and the result document (``--json``)."""
+rate allowed), the exit code, the report (tables on stdout, on stderr with ``--json``), why the command fails (on
+stderr), and the result document (``--json``, on stdout)."""
 
 from __future__ import annotations
 
@@ -79,30 +80,30 @@ def render_counters(console: Console, label: str, counters: dict[str, Any]) -> N
     )
 
 
-def _render_tables(err: Console, plan: ReplayPlan, runs: Sequence[tuple[str, ReplayRun]], o: Outcome) -> None:
+def _render_tables(out: Console, plan: ReplayPlan, runs: Sequence[tuple[str, ReplayRun]], o: Outcome) -> None:
     if o.goodput is not None:
-        render_goodput(err, o.goodput, plan.time_note)
+        render_goodput(out, o.goodput, plan.time_note)
         for s in o.summaries:
-            err.print(f"  {escape(s['label'])}: {s['requests']} requests, {s['errors']} errors, "
+            out.print(f"  {escape(s['label'])}: {s['requests']} requests, {s['errors']} errors, "
                       f"{s['skipped']} skipped", highlight=False, soft_wrap=True)
     elif len(o.summaries) == 1:
-        render_run(err, o.summaries[0], plan.time_note)
+        render_run(out, o.summaries[0], plan.time_note)
     else:
-        render_compare(err, o.summaries, plan.time_note)
+        render_compare(out, o.summaries, plan.time_note)
     for label, run in runs:
         if run.counters is not None and o.goodput is None:
-            render_counters(err, label, run.counters)
-    err.print(f"history: {HISTORY_NOTES[plan.opts.history]}", highlight=False, soft_wrap=True)
+            render_counters(out, label, run.counters)
+    out.print(f"history: {HISTORY_NOTES[plan.opts.history]}", highlight=False, soft_wrap=True)
     if plan.target is not None:
-        err.print(f"cluster: {plan.target.describe()}", highlight=False, soft_wrap=True)
+        out.print(f"cluster: {plan.target.describe()}", highlight=False, soft_wrap=True)
     for label, checks in o.slo_checks.items():
-        render_slos(err, label, checks)
+        render_slos(out, label, checks)
 
 
-def render(err: Console, plan: ReplayPlan, runs: Sequence[tuple[str, ReplayRun]], o: Outcome) -> None:
-    """The tables (unless --quiet), then why the command fails, if it does."""
+def render(err: Console, out: Console, plan: ReplayPlan, runs: Sequence[tuple[str, ReplayRun]], o: Outcome) -> None:
+    """The report on `out` (unless --quiet), then why the command fails, if it does, on `err`."""
     if not plan.flags.quiet:
-        _render_tables(err, plan, runs, o)
+        _render_tables(out, plan, runs, o)
     if o.failed_runs:
         err.print(f"[red]run failed:[/] error rate above --max-error-rate {plan.flags.max_error_rate:g} in: "
                   f"{', '.join(o.failed_runs)}")

@@ -179,3 +179,19 @@ def test_goodput_needs_rates_and_an_objective(tmp_path: Path) -> None:
     for args in (["--goodput", "0,2"], ["--goodput", "1", "--ttft-slo", "0", "--tpot-slo", "0"]):
         result = CliRunner().invoke(app, ["assess", str(SMALL), *args, "-q"])
         assert result.exit_code == 2, result.output
+
+
+def test_the_summary_goes_to_stdout_and_with_json_to_stderr(tmp_path: Path) -> None:
+    """`assess … > summary.txt`: stdout gets the answers and verdicts; stderr what runs and where the HTML went.
+    With --json stdout is the document alone and the summary goes to stderr."""
+    argv = ["assess", str(SMALL), "--limit", "1", "--preset", "toy", "--options", "no-pull",
+            "--report", str(tmp_path / "r.html")]
+    plain = CliRunner().invoke(app, argv)
+    assert plain.exit_code == 0, plain.stderr
+    assert "verdict:" in plain.stdout and "verdict:" not in plain.stderr
+    assert "simulating no-pull" in plain.stderr and f"report: {tmp_path / 'r.html'}" in plain.stderr
+    assert "simulating" not in plain.stdout
+    as_json = CliRunner().invoke(app, [*argv, "--json"])
+    assert as_json.exit_code == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["schema"] == "kvtether.assess/1"
+    assert "verdict:" in as_json.stderr

@@ -19,7 +19,7 @@ from kvtether.cli.gen import command as cmd_gen
 from kvtether.cli.gen.generate import GenParams, generate_sessions
 from kvtether.cli.replay import ReplayOptions, ThinkTime, parse_think_time, run_replay
 from kvtether.cli.replay import command as cmd_replay
-from kvtether.sdk.contract import PREFIX_HEADER, SESSION_HEADER, TURN_HEADER
+from kvtether.protocol.contract import PREFIX_HEADER, SESSION_HEADER, TURN_HEADER
 from kvtether.sdk.sessionfile import write_sessions
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -164,8 +164,8 @@ def test_replay_json_result(fake: tuple[FakeOpenAI, str], session_file: Path) ->
     assert run["reuse"]["headers"]["x-kvtether-reuse-tokens"] == {"sum": 120, "n": 12}
     assert run["reuse"]["headers"]["x-kvtether-reuse-source"] == {"decode_pull": 12}
     assert run["reuse"]["cached_tokens"] > 0
-    # Human tables go to stderr only; stdout is pure JSON.
-    assert "TTFT by turn index" in r.stderr
+    # With --json, stdout is the document alone and the report goes to stderr.
+    assert "TTFT by turn index" in r.stderr and "TTFT by turn index" not in r.stdout
     # Every request carried the session and contract stamps; the session id got a run suffix.
     assert len(server.requests) == 12
     for req in server.requests:
@@ -184,7 +184,8 @@ def test_recorded_vs_live_history(fake: tuple[FakeOpenAI, str], session_file: Pa
     # Live history is the default against a gateway too.
     r = runner.invoke(app, ["replay", str(session_file), "--gateway", url, "--limit", "1", "--keep-session-ids"])
     assert r.exit_code == 0, r.stderr
-    assert "history: live" in r.stderr
+    assert "history: live" in r.stderr  # the note before the runs
+    assert "history: live" in r.stdout  # and again under the report
     last = next(q for q in server.requests if q["headers"][TURN_HEADER] == "3")["body"]["messages"]
     answers = [m["content"] for m in last if m["role"] == "assistant"]
     assert answers == ["w0_0 w0_1 w0_2 ", "w1_0 w1_1 w1_2 ", "w2_0 w2_1 w2_2 "]  # what the server streamed
@@ -236,7 +237,8 @@ def test_slo_exit_code(fake: tuple[FakeOpenAI, str], session_file: Path) -> None
     app = make_app()
     r = runner.invoke(app, ["replay", str(session_file), "--gateway", url, "--slo", "ttft_p95=0.000001"])
     assert r.exit_code == 3, r.stderr
-    assert "MISSED" in r.stderr
+    assert "MISSED" in r.stdout  # the SLO lines are the report's
+    assert "SLO missed" in r.stderr and "SLO missed" not in r.stdout  # why the command fails: an error
     r = runner.invoke(app, ["replay", str(session_file), "--gateway", url, "--slo", "ttft_p95<=600000", "--json"])
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["slo"]["auto"][0] == {
