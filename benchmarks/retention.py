@@ -84,7 +84,7 @@ from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import PolicyKnobs
 from kvtether.gateway.policy.retention import RELEASE_REASONS, RetentionKnobs
 from kvtether.gateway.telemetry import HANDLE_OUTCOMES, RELEASE_FAILURES
-from kvtether.sdk.contract import FINAL_HEADER
+from kvtether.protocol.contract import FINAL_HEADER
 from kvtether.sim.cluster import SimCluster
 from kvtether.sim.presets import get_preset
 from placement_policies import (  # benchmarks/ is on sys.path when run as a script

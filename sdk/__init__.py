@@ -1,4 +1,4 @@
-"""kvtether SDK: session stamping for openai and anthropic clients, the wire contract, client-side TTFT, recording.
+"""kvtether SDK: session stamping for openai and anthropic clients, client-side TTFT, recording.
 
     from kvtether.sdk import AgentSession, StampedAsyncOpenAI
 
@@ -12,8 +12,12 @@ Chat completions and Responses calls are stamped alike (so an OpenAI Agents SDK 
 ``StampedAsyncOpenAI`` is stamped on every call); ``StampedAsyncAnthropic``/``StampedAnthropic`` (the
 ``anthropic`` extra) stamp Anthropic Messages calls.
 
-The names below are imported lazily: the gateway imports ``kvtether.sdk.contract`` and must not
-pay for (or depend on) importing openai, and the anthropic names need the optional ``anthropic`` package.
+The wire contract the clients stamp (headers, prefix-hash chain) is ``kvtether.protocol.contract``, re-exported as
+``kvtether.sdk.contract``.
+
+The names below are imported lazily: ``kvtether.sdk.contract`` and ``kvtether.sdk.sessionfile`` (the CLI reads
+session files with it) must not pay for (or depend on) importing openai, and the anthropic names need the optional
+``anthropic`` package.
 """
 
 from __future__ import annotations

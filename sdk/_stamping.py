@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote, urlsplit
 
-from . import contract, tracing
+from kvtether.protocol import contract
+
+from . import tracing
 from .session import AgentSession
 from .turns import Call
 

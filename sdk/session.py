@@ -26,7 +26,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-from . import contract, tracing
+from kvtether.protocol import contract
+
+from . import tracing
 from .sessionfile import Recorded, TurnRecord, turn_line
 from .turns import CHAT, MESSAGES, RESPONSES, Call, TurnMetrics, chat_request, reader_for
 

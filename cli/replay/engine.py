@@ -31,7 +31,7 @@ import anyio
 import httpx
 from kvtether.cli.replay.history import DEFAULT_HISTORY, SessionHistory
 from kvtether.cli.streaming import CHAT, PATHS, StreamedAnswer, StreamFailure, now_ns, stream_answer
-from kvtether.sdk.contract import SESSION_HEADER, stamps_for_body
+from kvtether.protocol.contract import SESSION_HEADER, stamps_for_body
 from kvtether.sdk.sessionfile import History, SessionRecord
 
 # Request fields the engine owns; a recorded value would break streaming or the measurement.

@@ -6,8 +6,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from kvtether.protocol.contract import canonical_json, canonical_message
 from kvtether.protocol.tokens import REASONING_FIELDS
-from kvtether.sdk.contract import canonical_json, canonical_message
 from kvtether.sdk.sessionfile import History, SessionRecord, TurnRecord
 
 HISTORY_MODES: tuple[History, ...] = ("live", "recorded")

@@ -31,8 +31,8 @@ from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
 from agents.models.openai_provider import OpenAIProvider
 from common import gateway_summary, print_turns, simulated_gateway, traced_turns
 from kvtether.gateway import telemetry as T
+from kvtether.protocol.contract import SESSION_HEADER
 from kvtether.sdk import AgentSession, StampedAsyncOpenAI
-from kvtether.sdk.contract import SESSION_HEADER
 
 MODEL = "kvtether-sim"
 PROMPTS = (

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from kvtether.gateway.errors import GatewayError
 from kvtether.gateway.turn.body import KV_FIELD
-from kvtether.sdk.contract import (
+from kvtether.protocol.contract import (
     FOREIGN_SESSION_HEADERS,
     PREFIX_HEADER,
     PREFIX_PARENT_HEADER,

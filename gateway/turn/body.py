@@ -14,9 +14,9 @@ from typing import Any
 import orjson
 from kvtether.gateway.guard.readback import reported_cached_tokens
 from kvtether.protocol.common import effort_in_template_kwargs
+from kvtether.protocol.contract import Chain, rendering_fields
 from kvtether.protocol.tokens import chat_chunk_has_token
 from kvtether.protocol.wire import COLD_PREFILL_PARAMS, KV_FIELD
-from kvtether.sdk.contract import Chain, rendering_fields
 
 # Fields the gateway adds for its own use and must never show a client who did not ask.
 TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")

@@ -19,7 +19,7 @@ from kvtether.gateway.stores.sessions import SessionStore
 from kvtether.gateway.tenancy import scoped
 from kvtether.gateway.turn import body as B
 from kvtether.gateway.turn.context import TurnContext
-from kvtether.sdk.contract import session_final_from_headers, session_id_from_headers
+from kvtether.protocol.contract import session_final_from_headers, session_id_from_headers
 from opentelemetry import trace
 
 

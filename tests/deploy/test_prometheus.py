@@ -37,7 +37,7 @@ from kvtether.gateway import telemetry as T
 from kvtether.gateway.config import load_config
 from kvtether.gateway.shell.app import create_app
 from kvtether.gateway.shell.server import serve_gateway
-from kvtether.sdk.contract import FINAL_HEADER
+from kvtether.protocol.contract import FINAL_HEADER
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 
 from tests.support.gateway_agent import chat, first_messages, next_messages, request_body

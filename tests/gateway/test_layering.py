@@ -3,6 +3,9 @@
 A module may import from its own room, from any room below it, and from the gateway's root modules (errors,
 tenancy, config, telemetry, clock), which every room may import and which import only the bottom rooms. Read from the
 source with ``ast``, so an import inside a function or under ``TYPE_CHECKING`` counts too.
+
+Outside its own rooms the gateway imports nothing of the client SDK (``kvtether.sdk``): what both sides speak, the
+session headers and the prefix-hash chain included, lives in ``kvtether.protocol``.
 """
 
 from __future__ import annotations
@@ -106,3 +109,32 @@ def test_no_gateway_module_imports_from_a_room_above_it() -> None:
 ])
 def test_the_check_tells_an_upward_import_from_a_downward_one(module: str, source: str, bad: bool) -> None:
     assert bool(upward_imports(source, module)) is bad
+
+
+SDK = "kvtether.sdk"
+
+
+def sdk_imports(source: str, module: str) -> list[str]:
+    """The imports in `source` (the text of `module`) that reach the client SDK."""
+    return [f"{module}:{line} imports {name}" for line, name in _imported(ast.parse(source), module)
+            if name == SDK or name.startswith(SDK + ".")]
+
+
+def test_the_gateway_imports_nothing_from_the_sdk() -> None:
+    problems = []
+    for path in _sources():
+        problems += sdk_imports(path.read_text(encoding="utf-8"), _module_name(path))
+    assert not problems, "import these from kvtether.protocol:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(("module", "source", "bad"), [
+    ("kvtether.gateway.turn.body", "from kvtether.sdk.contract import Chain", True),
+    ("kvtether.gateway.turn.body", "import kvtether.sdk.contract", True),
+    ("kvtether.gateway.turn.body", "from kvtether.sdk import contract", True),
+    ("kvtether.gateway.turn.body", "from kvtether import sdk", True),
+    ("kvtether.gateway.turn.body", "def f():\n    from ...sdk import contract", True),
+    ("kvtether.gateway.turn.body", "from kvtether.protocol.contract import Chain", False),
+    ("kvtether.gateway.turn.body", "from kvtether.sdkish import x", False),
+])
+def test_the_check_tells_an_sdk_import(module: str, source: str, bad: bool) -> None:
+    assert bool(sdk_imports(source, module)) is bad

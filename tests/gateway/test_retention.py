@@ -20,8 +20,8 @@ import pytest
 from kvtether.gateway.config import load_config
 from kvtether.gateway.shell.app import create_app
 from kvtether.gateway.shell.server import serve_gateway
+from kvtether.protocol.contract import FINAL_HEADER
 from kvtether.sdk import AgentSession
-from kvtether.sdk.contract import FINAL_HEADER
 from kvtether.sim.cluster import ClusterSpec, SimCluster
 
 from tests.support.gateway_agent import chat, comparable, first_messages, next_messages, request_body, tool_result

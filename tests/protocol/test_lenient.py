@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvtether.protocol import messages as M
 from kvtether.protocol import responses as R
-from kvtether.sdk.contract import canonical_message
+from kvtether.protocol.contract import canonical_message
 
 from tests.support.messages_bodies import READ_SCHEMA, WEB_SEARCH, claude_code_request
 from tests.support.responses_bodies import SCHEMA, SEAL, chat_answers, chat_chunk, codex_like_request

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvtether.sdk import AgentSession, contract
+from kvtether.protocol import contract
+from kvtether.sdk import AgentSession
 from kvtether.sdk.sessionfile import read_sessions
 from starlette.applications import Starlette
 from starlette.requests import Request

@@ -9,7 +9,8 @@ from typing import Any
 
 import openai
 import pytest
-from kvtether.sdk import AgentSession, StampedAsyncOpenAI, StampedOpenAI, contract
+from kvtether.protocol import contract
+from kvtether.sdk import AgentSession, StampedAsyncOpenAI, StampedOpenAI
 
 from tests.support.fake_openai import FakeOpenAI, Reply
 

@@ -14,7 +14,8 @@ from typing import Any
 import anyio.lowlevel
 import openai
 import pytest
-from kvtether.sdk import AgentSession, StampedAsyncOpenAI, StampedOpenAI, contract
+from kvtether.protocol import contract
+from kvtether.sdk import AgentSession, StampedAsyncOpenAI, StampedOpenAI
 from kvtether.sdk.sessionfile import read_sessions
 
 from tests.support.fake_openai import FakeOpenAI, Reply

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kvtether.sdk import AgentSession, StampedAsyncOpenAI, contract
+from kvtether.protocol import contract
+from kvtether.sdk import AgentSession, StampedAsyncOpenAI
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

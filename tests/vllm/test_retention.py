@@ -59,7 +59,7 @@ M_UNRECOGNIZED = "vllm:nixl_num_notifications_after_expiry"
 # What kvtether's gateway once sent with a decode-local turn to have D keep it: neither flag set.
 NEITHER_FLAG: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False}
 
-# The gateway's retention interface (gateway/telemetry.py, gateway/shell/app.py, sdk/contract.py).
+# The gateway's retention interface (gateway/telemetry.py, gateway/shell/app.py, protocol/contract.py).
 FINAL_HEADER = "x-kvtether-session-final"
 M_RELEASES = "kvtether_handle_releases_total"
 M_HELD_KV = "kvtether_held_kv_tokens"

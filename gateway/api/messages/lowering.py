@@ -18,7 +18,7 @@ from kvtether.gateway.api.edge import EdgeResponse
 from kvtether.gateway.errors import GatewayError
 from kvtether.protocol import messages as M
 from kvtether.protocol.common import HostedTools
-from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers
+from kvtether.protocol.contract import SESSION_HEADER, session_id_from_headers
 from starlette.responses import Response
 
 CLAUDE_SESSION_HEADER = "x-claude-code-session-id"

@@ -20,9 +20,9 @@ from kvtether.gateway.api.responses.state import Pending, ResponsesState
 from kvtether.gateway.errors import GatewayError
 from kvtether.protocol import responses as R
 from kvtether.protocol.common import HostedTools
+from kvtether.protocol.contract import SESSION_HEADER, session_id_from_headers
 from kvtether.protocol.responses.items import BookkeepingItems
 from kvtether.protocol.wire import openai_error_body
-from kvtether.sdk.contract import SESSION_HEADER, session_id_from_headers
 from starlette.responses import Response
 
 # Codex's session headers, newest first: the thread (a conversation; a sub-agent's is its own) before the
