@@ -100,7 +100,7 @@ async def test_a_decode_node_joins_drains_and_leaves_without_a_failed_turn() -> 
             await until(lambda: gw.cluster.nodes.get(d1) is not None and gw.cluster.nodes[d1].state == "ready")
             assert await metric("kvtether_nodes", role="decode", state="ready") == 2
 
-            # A turn of session 1 runs on d0, slowly; while it runs, d0 leaves DNS and drains.
+            # A turn of the first session runs on d0, slowly; while it runs, d0 leaves DNS and drains.
             await client.post(f"{d0}/admin/fault", json={"slow_factor": 2000})
             async with anyio.create_task_group() as tg:
                 tg.start_soon(one.next)
@@ -110,14 +110,14 @@ async def test_a_decode_node_joins_drains_and_leaves_without_a_failed_turn() -> 
                 assert await metric("kvtether_nodes", role="decode", state="draining") == 1
                 # Not ready-for-new-turns, but still in the view: its turn is running.
                 assert gw.cluster.nodes[d0].inflight >= 1
-                # Session 2's next turn, placed while d0 drains, moves to d1; a new session starts on d1.
+                # The second session's next turn, placed while d0 drains, moves to d1; a new session starts on d1.
                 await two.next()
                 three = Agent(client, url, oracle, 3)
                 await three.next()
                 assert (await pins())["drain-2"] == d1 and (await pins())["drain-3"] == d1
                 assert await metric("kvtether_session_moves_total", reason="draining") == 1
                 await client.post(f"{d0}/admin/fault", json={"slow_factor": 1})
-            # Session 1's turn on d0 finished (and matched the oracle); d0 then left the view.
+            # The first session's turn on d0 finished (and matched the oracle); d0 then left the view.
             await until(lambda: d0 not in gw.cluster.nodes)
             assert await metric("kvtether_nodes", role="decode", state="draining") == 0
             assert (await pins())["drain-1"] == d0  # its last turn ran there; the next one moves
