@@ -39,7 +39,8 @@ from tests.support.gateway_agent import chat, comparable, first_messages, next_m
 from tests.support.processes import descendants, kill_tree
 from tests.support.redis_server import RedisServer, free_port, running_redis
 
-pytestmark = pytest.mark.anyio
+# A real redis-server and gateway workers in processes of their own: the wall clock (tests/gateway/conftest.py).
+pytestmark = [pytest.mark.anyio, pytest.mark.wall_clock]
 
 SPEED = 50.0
 LIMITS = httpx.Limits(keepalive_expiry=2.0)

@@ -28,6 +28,9 @@ from kvtether.gateway.stores.sessions import SessionState
 
 from tests.support.redis_server import RedisServer, free_port, running_redis
 
+# A real redis-server over real sockets: the wall clock (tests/gateway/conftest.py).
+pytestmark = pytest.mark.wall_clock
+
 HANDLE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [[1, 2, 3]],
           "remote_engine_id": "d-engine", "remote_request_id": "req-1", "remote_host": "10.0.0.2",
           "remote_port": 5600, "remote_num_tokens": 41, "transfer_mode": "pull"}
