@@ -486,9 +486,12 @@ async def test_replicas_release_each_expiring_handle_once(tmp_path: Path) -> Non
     (conditionally) by one of them and released once, never twice (counted on the decode nodes by request id)."""
     with running_redis(tmp_path / "redis") as redis:
         async with sim_and_oracle() as (cluster, _oracle, uses), contextlib.AsyncExitStack() as stack:
+            # A handle is released when a review falls within two review intervals of its expiry, before the store
+            # forgets it: at 0.05 s that window was 0.1 s, which a review cycle on a loaded machine (two replicas
+            # scanning Redis beside the simulated nodes) could miss, leaving the handle to the engine's TTL.
             settings = {"prefill": cluster.prefill_urls, "decode": cluster.decode_urls, "policy": "pull",
                         "store": redis.url, "store_timeout_s": 2.0, "metrics_poll_interval_s": 0.5,
-                        "session_ttl_s": 3.0, "engine_kv_ttl_s": 4.0, "retention_interval_s": 0.05}
+                        "session_ttl_s": 3.0, "engine_kv_ttl_s": 4.0, "retention_interval_s": 0.25}
             urls = [await stack.enter_async_context(serve_gateway(load_config(None, **settings)))
                     for _ in range(2)]
             client = await stack.enter_async_context(httpx.AsyncClient(timeout=60, limits=LIMITS))
