@@ -11,7 +11,7 @@ import httpx
 from kvtether.protocol import responses as R
 
 from tests.support.gateway_agent import MODEL, tool_result
-from tests.support.sim_rig import Rig
+from tests.support.sim_rig import Rig, metric
 
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
 TOOLS = [
@@ -99,3 +99,17 @@ def follow_up(items: list[dict[str, Any]], answer: dict[str, Any], turn: int) ->
         out.append({"type": "message", "role": "user",
                     "content": [{"type": "input_text", "text": f"Go on ({turn}). " + tool_result(f"u{turn}", 20)}]})
     return out
+
+
+async def check_codex_session(r: Rig, reused: list[int], prompts: list[int], called: list[bool],
+                              sources: list[str | None]) -> None:
+    """What six Codex-shaped turns of the session ``codex-thread-1`` must show: every turn after a tool call reuses
+    at least the previous turn's prompt, pulled from D; every later turn reuses something, pulled or from P's own
+    cache; the gateway counts one session of six turns, all answered."""
+    after_calls = [t for t in range(1, 6) if called[t - 1]]
+    assert after_calls and all(reused[t] >= prompts[t - 1] for t in after_calls), (reused, prompts, called)
+    assert all(sources[t] == "decode_pull" for t in after_calls), (sources, called)
+    assert all(s in ("decode_pull", "prefill_cache") for s in sources[1:]) and min(reused[1:]) > 0, sources
+    [s] = (await r.client.get(f"{r.url}/admin/sessions")).json()
+    assert s["session_id"] == "codex-thread-1" and s["turns"] == 6
+    assert await metric(r.client, r.url, "kvtether_requests_total", route="responses", status="2xx") == 6

@@ -11,7 +11,16 @@ from typing import Any
 import pytest
 
 from tests.support.gateway_agent import tool_result
-from tests.support.gateway_responses import CODEX_HEADERS, TOOLS, codex_body, comparable, follow_up, oracle, send
+from tests.support.gateway_responses import (
+    CODEX_HEADERS,
+    TOOLS,
+    check_codex_session,
+    codex_body,
+    comparable,
+    follow_up,
+    oracle,
+    send,
+)
 from tests.support.sim_rig import metric, rig
 
 pytestmark = pytest.mark.anyio
@@ -54,11 +63,5 @@ async def test_a_codex_session_with_call_id_less_tool_results_keeps_working_and_
         assert sum(1 for i in items if i["type"] == "function_call_output" and "call_id" not in i) == 7
         # Every later turn resends them all and reuses the history: at least the previous turn's prompt after a
         # tool call (P pulls the answer from D), and never nothing.
-        after_calls = [t for t in range(1, 6) if called[t - 1]]
-        assert after_calls and all(reused[t] >= prompts[t - 1] for t in after_calls), (reused, prompts, called)
-        assert all(sources[t] == "decode_pull" for t in after_calls), (sources, called)
-        assert all(s in ("decode_pull", "prefill_cache") for s in sources[1:]) and min(reused[1:]) > 0, sources
-        [s] = (await r.client.get(f"{r.url}/admin/sessions")).json()
-        assert s["session_id"] == "codex-thread-1" and s["turns"] == 6
-        assert await metric(r.client, r.url, "kvtether_requests_total", route="responses", status="2xx") == 6
+        await check_codex_session(r, reused, prompts, called, sources)
         assert await metric(r.client, r.url, "kvtether_requests_total", route="responses", status="4xx") == 0

@@ -12,7 +12,16 @@ import pytest
 from kvtether.protocol import responses as R
 
 from tests.support.gateway_agent import MODEL, tool_result
-from tests.support.gateway_responses import CODEX_HEADERS, TOOLS, codex_body, comparable, follow_up, oracle, send
+from tests.support.gateway_responses import (
+    CODEX_HEADERS,
+    TOOLS,
+    check_codex_session,
+    codex_body,
+    comparable,
+    follow_up,
+    oracle,
+    send,
+)
 from tests.support.sim_rig import metric, rig
 
 pytestmark = pytest.mark.anyio
@@ -45,13 +54,7 @@ async def test_a_codex_like_stateless_loop_answers_as_the_oracle_and_later_turns
         # prompt and answer are reused: P reads what its own cache lacks (the answer) from D. (A new user
         # message makes this Qwen3-style template drop earlier reasoning: reuse then stops where that reasoning
         # was, inside the prompt P itself prefilled last turn, so P may need nothing from D: its own cache.)
-        after_calls = [t for t in range(1, 6) if called[t - 1]]
-        assert after_calls and all(reused[t] >= prompts[t - 1] for t in after_calls), (reused, prompts, called)
-        assert all(sources[t] == "decode_pull" for t in after_calls), (sources, called)
-        assert all(s in ("decode_pull", "prefill_cache") for s in sources[1:]) and min(reused[1:]) > 0, sources
-        [s] = (await r.client.get(f"{r.url}/admin/sessions")).json()
-        assert s["session_id"] == "codex-thread-1" and s["turns"] == 6
-        assert await metric(r.client, r.url, "kvtether_requests_total", route="responses", status="2xx") == 6
+        await check_codex_session(r, reused, prompts, called, sources)
         # store false: nothing kept.
         assert (await r.client.get(f"{r.url}/v1/responses/{got['id']}")).status_code == 404
 
