@@ -35,10 +35,10 @@ from kvtether.gateway.nodes.cluster import Cluster, Node
 from kvtether.gateway.policy.retention import (
     DecodeMemory,
     HeldHandle,
+    HeldLedger,
     Release,
     ReleaseReason,
     RetentionKnobs,
-    held_by_node,
     review,
 )
 from kvtether.gateway.stores.failsafe import StoreUnavailable
@@ -106,6 +106,7 @@ class Retention:
         # and how many polls in a row had shown requests waiting for capacity with none running. A poll's
         # waiting requests and preemptions ask for releases once.
         self._seen: dict[str, tuple[int, float, int]] = {}
+        self._ledger = HeldLedger()  # the held handles' blocks as of the last review, counted once each
 
     # ---- the request path's releases ---------------------------------------------------------------
 
@@ -216,14 +217,17 @@ class Retention:
         for n in decodes:
             if self._seen.get(n.url, (0,))[0] != n.polls:  # a poll read now: its facts are spent
                 self._seen[n.url] = (n.polls, n.preemptions, view.memory[n.url].blocked_polls)
-        releases = review(handles, view.memory, now, self.knobs) if self.enabled else []
+        self._ledger.sync(handles, view.sizes)
+        releases = review(handles, view.memory, now, self.knobs, self._ledger) if self.enabled else []
         gone: set[str] = set()
         for r in releases:
             taken = await self.store.take_handle(r.session_id, r.request_id)
             if taken is not None:
                 self.release(taken.handle, r.node, r.reason)
                 gone.add(r.session_id)
-        held = held_by_node((h for h in handles if h.session_id not in gone), view.sizes)
+        if gone:
+            self._ledger.sync((h for h in handles if h.session_id not in gone), view.sizes)
+        held = self._ledger.held_by_node()
         for n in decodes:
             n.held_kv_tokens = held.get(n.url, 0)
             self.metrics.held_kv_tokens.labels(n.url).set(n.held_kv_tokens)

@@ -185,10 +185,9 @@ class NodeBlocks:
 
     def add(self, fp: Footprint) -> None:
         refs = self._refs.setdefault(fp.scope, Counter())
-        for b in fp.shared:
-            refs[b] += 1
-            if refs[b] == 1:
-                self._distinct += 1
+        before = len(refs)
+        refs.update(fp.shared)  # counted in C: a long history is thousands of blocks, reviewed every interval
+        self._distinct += len(refs) - before
         self._own += fp.own
 
     def freed_by(self, fp: Footprint) -> int:
@@ -246,35 +245,99 @@ def held_by_node(handles: Iterable[HeldHandle], block_size: Mapping[str, int] | 
     """Tokens held per decode node, in whole blocks where the node's block size is known, each block once: the
     full blocks the handles share (same scope and hash) once, each handle's partial last block on its own, a
     handle without block hashes whole. Never more than the handles' whole sizes added up."""
-    out: dict[str, int] = {}
-    for node, hs in _by_node(handles).items():
-        bs = (block_size or {}).get(node, 0)
-        held = NodeBlocks(bs)
-        for h in hs:
-            held.add(footprint(h, bs))
-        out[node] = held.tokens
-    return out
+    ledger = HeldLedger()
+    ledger.sync(handles, block_size or {})
+    return ledger.held_by_node()
+
+
+HandleKey = tuple[str, str, str | None, int, str, bool]
+
+
+def handle_key(h: HeldHandle) -> HandleKey:
+    """What names one hold and its footprint: a session's next turn brings another request id (another hold)."""
+    return (h.session_id, h.node, h.request_id, h.tokens, h.scope, h.blocks is not None)
+
+
+class HeldLedger:
+    """The blocks every held handle holds, per decode node, kept from one review to the next.
+
+    A review sees nearly the same handles as the one before (a few turns ended, a few handles went), but a
+    long history is thousands of blocks: counting every handle's blocks anew each interval costs as much as
+    the handles hold, every second, for as long as they are held. The ledger counts each handle once, when it
+    first appears, and forgets it when it is gone (:meth:`sync`); a node whose block size changed (its first
+    poll) is counted anew. No I/O, no clock: plain data the shell keeps between reviews."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, NodeBlocks] = {}
+        self._sizes: dict[str, int] = {}
+        self._held: dict[str, dict[HandleKey, Footprint]] = {}
+
+    def sync(self, handles: Iterable[HeldHandle], block_size: Mapping[str, int]) -> None:
+        """Make the ledger hold exactly ``handles``, each node counted in its block size (below 1: tokens)."""
+        wanted: dict[str, dict[HandleKey, HeldHandle]] = {}
+        for h in handles:
+            wanted.setdefault(h.node, {})[handle_key(h)] = h
+        for node in list(self._nodes):
+            if node not in wanted:
+                del self._nodes[node], self._sizes[node], self._held[node]
+        for node, hs in wanted.items():
+            bs = block_size.get(node, 0)
+            if self._sizes.get(node) != bs:
+                self._nodes[node], self._sizes[node], self._held[node] = NodeBlocks(bs), bs, {}
+            blocks, held = self._nodes[node], self._held[node]
+            for key in [k for k in held if k not in hs]:
+                blocks.remove(held.pop(key))
+            for key, h in hs.items():
+                if key not in held:
+                    held[key] = fp = footprint(h, bs)
+                    blocks.add(fp)
+
+    def blocks(self, node: str) -> NodeBlocks:
+        """The node's count (an empty one for a node that holds nothing)."""
+        return self._nodes.get(node) or NodeBlocks(0)
+
+    def footprint(self, h: HeldHandle) -> Footprint:
+        """``h``'s footprint as counted (``h`` must be held: :meth:`sync` saw it)."""
+        return self._held[h.node][handle_key(h)]
+
+    def held_by_node(self) -> dict[str, int]:
+        return {node: blocks.tokens for node, blocks in self._nodes.items()}
 
 
 def review(handles: Sequence[HeldHandle], nodes: Mapping[str, DecodeMemory], now: float,
-           knobs: RetentionKnobs) -> list[Release]:
+           knobs: RetentionKnobs, ledger: HeldLedger | None = None) -> list[Release]:
     """The handles to release now: those at their expiry, then per decode node whose memory is wanted (held KV
     over its budget, or its requests short of KV: :func:`make_room`) the least likely to be pulled, until it
-    is not. A node ``nodes`` does not know is never short of memory."""
+    is not. A node ``nodes`` does not know is never short of memory.
+
+    ``ledger``: the blocks of exactly ``handles`` (synced by the caller with the block sizes of ``nodes``), so
+    that a review need not count them anew; it is left as it was found. None: counted here."""
+    if ledger is None:
+        ledger = HeldLedger()
+        ledger.sync(handles, {node: m.block_size for node, m in nodes.items()})
     out: list[Release] = []
     kept: list[HeldHandle] = []
+    expired: list[tuple[NodeBlocks, Footprint]] = []
     for h in handles:
         if expiring(h, now, knobs):
             out.append(_release(h, ReleaseReason.EXPIRED))
+            expired.append((ledger.blocks(h.node), ledger.footprint(h)))
         else:
             kept.append(h)
-    for node, hs in sorted(_by_node(kept).items()):
-        out.extend(make_room(hs, nodes.get(node, DecodeMemory()), now, knobs))
+    for blocks, fp in expired:  # the memory left: what the kept handles hold
+        blocks.remove(fp)
+    try:
+        for node, hs in sorted(_by_node(kept).items()):
+            memory = nodes.get(node, DecodeMemory())
+            out.extend(make_room(hs, memory, now, knobs, ledger.blocks(node), [ledger.footprint(h) for h in hs]))
+    finally:
+        for blocks, fp in expired:
+            blocks.add(fp)
     return out
 
 
-def make_room(handles: Sequence[HeldHandle], memory: DecodeMemory, now: float,
-              knobs: RetentionKnobs) -> list[Release]:
+def make_room(handles: Sequence[HeldHandle], memory: DecodeMemory, now: float, knobs: RetentionKnobs,
+              held: NodeBlocks | None = None, fps: Sequence[Footprint] | None = None) -> list[Release]:
     """The handles of one decode node to release so that its memory is no longer wanted; none while it is not.
 
     Over its budget (held KV above ``budget_share`` of its capacity): released (``budget``) until held KV is at
@@ -287,30 +350,42 @@ def make_room(handles: Sequence[HeldHandle], memory: DecodeMemory, now: float,
     among those whose release frees something (a handle whose blocks all other handles hold would cost its
     session its reuse for no memory). When none frees anything alone (every block held twice), the least
     likely goes anyway: that makes its partners' blocks theirs alone. The handles are few per node and nearly
-    every one frees its own partial block, so the scan from the front rarely looks past the first."""
+    every one frees its own partial block, so the scan from the front rarely looks past the first.
+
+    ``held`` and ``fps``: the count of exactly ``handles`` in the node's block size and their footprints, in
+    order (counted here when None); ``held`` is left as it was found."""
     capacity = memory.capacity
     if not capacity:
         return []
-    fps = [footprint(h, memory.block_size) for h in handles]
-    held = NodeBlocks(memory.block_size)
-    for fp in fps:
-        held.add(fp)
+    if held is None or fps is None:
+        fps = [footprint(h, memory.block_size) for h in handles]
+        held = NodeBlocks(memory.block_size)
+        for fp in fps:
+            held.add(fp)
     high = knobs.budget_share * capacity if knobs.budget_share is not None else math.inf
-    budget_target = knobs.low_water * high if held.tokens > high else math.inf
     wanted = memory_wanted(memory, knobs)
+    if held.tokens <= high and not wanted:
+        return []  # the usual case: nothing to release, and no need to order the handles
+    budget_target = knobs.low_water * high if held.tokens > high else math.inf
     usage_target = knobs.low_water * min(memory.usage, knobs.pressure_usage) if wanted else math.inf
     usage = memory.usage
     out: list[Release] = []
+    taken: list[Footprint] = []
     queue = sorted(range(len(handles)), key=lambda i: pull_unlikeliness(handles[i], now, knobs))
-    while queue:
-        over_budget = held.tokens > budget_target
-        if not over_budget and usage <= usage_target:
-            break
-        at = next((at for at, i in enumerate(queue) if held.freed_by(fps[i]) > 0), 0)
-        i = queue.pop(at)
-        usage -= held.freed_by(fps[i]) * held.unit / capacity
-        held.remove(fps[i])
-        out.append(_release(handles[i], ReleaseReason.BUDGET if over_budget else ReleaseReason.PRESSURE))
+    try:
+        while queue:
+            over_budget = held.tokens > budget_target
+            if not over_budget and usage <= usage_target:
+                break
+            at = next((at for at, i in enumerate(queue) if held.freed_by(fps[i]) > 0), 0)
+            i = queue.pop(at)
+            usage -= held.freed_by(fps[i]) * held.unit / capacity
+            held.remove(fps[i])
+            taken.append(fps[i])
+            out.append(_release(handles[i], ReleaseReason.BUDGET if over_budget else ReleaseReason.PRESSURE))
+    finally:
+        for fp in taken:
+            held.add(fp)
     return out
 
 

@@ -19,6 +19,7 @@ from kvtether.gateway.nodes.retention import Retention, retention_knobs
 from kvtether.gateway.policy.retention import (
     DecodeMemory,
     HeldHandle,
+    HeldLedger,
     ReleaseReason,
     RetentionKnobs,
     block_scope,
@@ -469,3 +470,43 @@ def test_the_budget_on_shared_blocks_ends_under_low_water_and_each_release_was_n
             kept.remove(h)
             assert held(kept) < before or not could_free
         assert held(kept) <= target
+
+
+@given(_PREFIXES, _HANDLES, st.integers(1, 5), st.lists(st.lists(st.booleans(), min_size=14, max_size=14),
+                                                         min_size=1, max_size=5),
+       st.integers(1, 60), st.floats(0.1, 1.0))
+@settings(max_examples=200, deadline=None)
+def test_the_ledger_kept_between_reviews_counts_and_reviews_what_a_fresh_count_does(
+        prefixes: list[list[int]], specs: list[tuple[int, list[int], str, str, bool, float, float | None]],
+        bs: int, rounds: list[list[bool]], capacity_blocks: int, share: float) -> None:
+    # Review after review, handles come and go (each round holds a subset of them, as sessions return and their
+    # handles are replaced or released). The ledger, synced each round, must count what counting anew counts,
+    # and a review given it must release what a review counting anew releases, leaving the ledger unchanged.
+    handles, _ = _handles(prefixes, specs, bs)
+    knobs = RetentionKnobs(budget_share=share, low_water=0.9, expiry_lead_s=2.0)
+    nodes = {D1: mem(capacity_blocks * bs, block_size=bs, usage=0.95, waiting=1),
+             D2: mem(capacity_blocks * bs, block_size=bs)}
+    ledger = HeldLedger()
+    for round_ in rounds:
+        now = 100.0 + 300.0 * round_[-1]  # some rounds late enough for the earliest handles to expire
+        hs = [h for h, keep in zip(handles, round_, strict=False) if keep]
+        ledger.sync(hs, {D1: bs, D2: bs})
+        fresh = held_by_node(hs, {D1: bs, D2: bs})
+        assert {n: t for n, t in ledger.held_by_node().items() if t or n in fresh} == fresh
+        assert review(hs, nodes, now, knobs, ledger) == review(hs, nodes, now, knobs)
+        assert {n: t for n, t in ledger.held_by_node().items() if t or n in fresh} == fresh
+
+
+def test_the_ledger_counts_a_node_anew_when_its_block_size_changes() -> None:
+    # Before D's first poll its block size is unknown (0: tokens are counted); once polled, blocks are.
+    seq = SYSTEM + [7] * 20  # 180 tokens: 11 full blocks of 16 and a partial one
+    a, b = holding("a", seq, 16), holding("b", SYSTEM + [8] * 20, 16)
+    ledger = HeldLedger()
+    ledger.sync([a, b], {})
+    assert ledger.held_by_node() == {D1: 360}
+    ledger.sync([a, b], {D1: 16})
+    assert ledger.held_by_node() == held_by_node([a, b], {D1: 16}) == {D1: (10 + 2 + 2) * 16}
+    ledger.sync([a], {D1: 16})
+    assert ledger.held_by_node() == {D1: 12 * 16}
+    ledger.sync([], {D1: 16})
+    assert ledger.held_by_node() == {}
