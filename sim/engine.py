@@ -437,7 +437,7 @@ class Engine:
             "They may have expired.",
             request_id,
         )
-        self.metrics.notify_after_expiry.labels(*self.metrics.base).inc()
+        self.metrics.series.notify_after_expiry.inc()
 
     def _compatible(self, peer_version: str | None) -> bool:
         """vLLM's NIXL handshake: the compatibility hash includes the vLLM version string, so a node of
@@ -550,7 +550,7 @@ class Engine:
         r.state = State.WAITING
         if r not in self.waiting:
             self.waiting.appendleft(r)
-        self.metrics.preemptions.labels(*self.metrics.base).inc()
+        self.metrics.series.preemptions.inc()
         log.debug("preempted %s: out of KV blocks (%d holds)", r.request_id, len(self.holds))
 
     def _admit(self, r: EngineRequest, budget: int) -> int | None:
@@ -582,13 +582,14 @@ class Engine:
             # Counted once per request, like vLLM's stats (a preempted request is re-admitted later).
             r.counted = True
             r.cached_device = r.num_computed
-            self.metrics.prefix_queries.labels(*self.metrics.base).inc(len(prompt))
-            self.metrics.prefix_hits.labels(*self.metrics.base).inc(r.num_computed)
-            self.metrics.cached_by_source.labels(*self.metrics.base, "device").inc(r.num_computed)
-            self.metrics.prompt_by_source.labels(*self.metrics.base, "local_cache_hit").inc(r.num_computed)
-            self.metrics.cached_tokens.labels(*self.metrics.base).inc(r.num_computed)
+            s = self.metrics.series
+            s.prefix_queries.inc(len(prompt))
+            s.prefix_hits.inc(r.num_computed)
+            s.cached_by_source["device"].inc(r.num_computed)
+            s.prompt_by_source["local_cache_hit"].inc(r.num_computed)
+            s.cached_tokens.inc(r.num_computed)
             # vLLM records the connector's lookup for every request (queries = the whole prompt).
-            self.metrics.external_queries.labels(*self.metrics.base).inc(len(prompt))
+            s.external_queries.inc(len(prompt))
         if plan.notify is not None:
             r.remote_done = True
             self._spawn(self.transport.notify(plan.notify))  # lets the holder free early
@@ -610,10 +611,11 @@ class Engine:
         "recompute") still shows as read, in usage and in the node's counters."""
         n = load.end - load.start
         r.cached_p2p = n
-        self.metrics.cached_by_source.labels(*self.metrics.base, "p2p").inc(n)
-        self.metrics.cached_tokens.labels(*self.metrics.base).inc(n)
-        self.metrics.external_hits.labels(*self.metrics.base).inc(n)
-        self.metrics.prompt_by_source.labels(*self.metrics.base, "external_kv_transfer").inc(n)
+        s = self.metrics.series
+        s.cached_by_source["p2p"].inc(n)
+        s.cached_tokens.inc(n)
+        s.external_hits.inc(n)
+        s.prompt_by_source["external_kv_transfer"].inc(n)
 
     def _plan_load(self, r: EngineRequest, num_computed: int) -> ConnectorPlan:
         """What the NIXL connector does for this request once admitted with `num_computed` tokens from the
@@ -667,7 +669,7 @@ class Engine:
                                           seconds=self.clock.now() - began, tokens=load.end - load.start))
         except KVLoadError as e:
             log.info("KV load failed for %s: %s", r.request_id, e)
-            self.metrics.xfer_failed.labels(*self.metrics.base).inc()
+            self.metrics.series.xfer_failed.inc()
             ok = False
         if r.state is State.FINISHED:
             return  # aborted while reading
@@ -686,14 +688,14 @@ class Engine:
     def _observe_transfer(self, n_tokens: int, seconds: float) -> None:
         """vLLM's per-transfer NIXL histograms, from the cost model: bytes and descriptors of the read, and the
         descriptor-posting share of its time (0 where the preset has no per-descriptor cost)."""
-        m, cost = self.metrics, self.preset.cost
+        s, cost = self.metrics.series, self.preset.cost
         descriptors = cost.transfer_descriptors(n_tokens)
         hw = cost.hardware
         post = descriptors * hw.n_gpus / hw.link_message_rate * self.slow_factor
-        m.xfer_time.labels(*m.base).observe(seconds)
-        m.post_time.labels(*m.base).observe(post)
-        m.xfer_bytes.labels(*m.base).observe(n_tokens * cost.model.kv_bytes_per_token)
-        m.xfer_descriptors.labels(*m.base).observe(descriptors)
+        s.xfer_time.observe(seconds)
+        s.post_time.observe(post)
+        s.xfer_bytes.observe(n_tokens * cost.model.kv_bytes_per_token)
+        s.xfer_descriptors.observe(descriptors)
 
     def _write_loaded(self, r: EngineRequest, load: Load, data: list[BlockData]) -> None:
         first = load.start // self.bs
@@ -731,8 +733,8 @@ class Engine:
             self._compute(r, r.num_computed, n)
             r.num_computed += n
             if in_prompt:
-                self.metrics.prompt_tokens.labels(*self.metrics.base).inc(in_prompt)
-                self.metrics.prompt_by_source.labels(*self.metrics.base, "local_compute").inc(in_prompt)
+                self.metrics.series.prompt_tokens.inc(in_prompt)
+                self.metrics.series.prompt_by_source["local_compute"].inc(in_prompt)
             if r.num_computed == r.num_tokens:
                 self._sample(r)
         self._update_gauges()
@@ -766,7 +768,7 @@ class Engine:
             r.plan = self.model.plan(self._state(r), r.spec)
         tok = r.plan.token(len(r.output_ids))
         r.output_ids.append(tok)
-        self.metrics.generation_tokens.labels(*self.metrics.base).inc()
+        self.metrics.series.generation_tokens.inc()
         r.events.put_nowait(TokenEvent(tok))
         n_out = len(r.output_ids)
         stop_reason: str | int | None = None
@@ -797,7 +799,7 @@ class Engine:
         elif r.retained_on_finish and self.cfg.bidirectional:
             params = self._retain_for_next_turn(r)
         self._free(r)
-        self.metrics.request_success.labels(*self.metrics.base, reason).inc()
+        self.metrics.series.request_success(reason).inc()
         r.events.put_nowait(FinishEvent(reason, params, stop_reason))
 
     def _hold_for_decode(self, r: EngineRequest) -> dict[str, Any]:
@@ -886,7 +888,7 @@ class Engine:
         gone = self.holds.expired(self.clock.now())
         for hold in gone:
             self.pool.release(hold.blocks)
-            self.metrics.kv_expired.labels(*self.metrics.base).inc()
+            self.metrics.series.kv_expired.inc()
             log.warning(
                 "Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) "
                 "before lease expired.",
@@ -903,9 +905,10 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
 
     def _update_gauges(self) -> None:
-        m = self.metrics
-        m.running.labels(*m.base).set(len(self.running))
-        m.waiting.labels(*m.base).set(len(self.waiting) + len(self.loading))
-        m.waiting_by_reason.labels(*m.base, "capacity").set(len(self.waiting))
-        m.waiting_by_reason.labels(*m.base, "deferred").set(len(self.loading))
-        m.kv_usage.labels(*m.base).set(self.pool.usage())
+        s = self.metrics.series
+        s.running.set(len(self.running))
+        s.waiting.set(len(self.waiting) + len(self.loading))
+        capacity, deferred = s.waiting_by_reason()
+        capacity.set(len(self.waiting))
+        deferred.set(len(self.loading))
+        s.kv_usage.set(self.pool.usage())
