@@ -153,50 +153,85 @@ def sample_sum(text: str, sample: str, **labels: str) -> float:
 _PLACEMENT_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                      "vllm:gpu_cache_usage_perc", "vllm:cache_config_info", "vllm:num_preemptions_total",
                      "vllm:num_requests_waiting_by_reason")
+# After a sample's name: its labels (``name="value"`` pairs, values that may hold braces, commas and escaped
+# quotes), its value and an optional timestamp: the text exposition format, as prometheus_client writes it.
+_NAME, _VALUE = r"[a-zA-Z_][a-zA-Z0-9_]*", r'"(?:[^"\\\n]|\\.)*"'
+_PAIR = rf"[ \t]*{_NAME}[ \t]*=[ \t]*{_VALUE}[ \t]*"
+_SAMPLE_REST = re.compile(rf"[ \t]*(\{{(?:{_PAIR}(?:,{_PAIR})*,?)?[ \t]*\}})?[ \t]*([^ \t]+)(?:[ \t]+([^ \t]+))?[ \t]*")
+_LABEL = re.compile(rf'({_NAME})[ \t]*=[ \t]*"((?:[^"\\\n]|\\.)*)"')
+_ESCAPE = re.compile(r'\\[\\n"]')
+_UNESCAPED = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
+# A line that starts with one of the names and a separator (not a longer name that starts with it).
+_GAUGE_NAMES = "|".join(map(re.escape, _PLACEMENT_GAUGES))
+_GAUGE_LINE = re.compile(rf"\n({_GAUGE_NAMES})(?=[{{ \t\r\n]|\Z)([^\n]*)")
 
 
-def _gauge_lines(text: str) -> str:
-    """Only the sample lines of the gauges placement reads. A node's /metrics is mostly histograms, and the
-    parser runs on the event loop every stream the gateway relays shares: on the simulator's idle 16 kB text
-    a full parse takes ~3 ms, the filter and the parse of what it keeps 0.15 ms (vLLM's text is larger)."""
-    keep = []
-    for line in text.splitlines():
-        if line.startswith(_PLACEMENT_GAUGES):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in _PLACEMENT_GAUGES:
-                keep.append(line)
-    return "\n".join(keep) + "\n"
+def _number(text: str) -> float:
+    """A sample's value as the text format writes it (``1.0``, ``3.5e-05``, ``+Inf``, ``NaN``)."""
+    if "_" in text:
+        raise ValueError(f"invalid value: {text!r}")
+    return float(text)
 
 
+def _labels(inside: str) -> dict[str, str]:
+    """The labels of a sample whose label text `_SAMPLE_REST` matched (``name="value",…``, between the braces),
+    with their values unescaped (``\\\\``, ``\\n``, ``\\"``)."""
+    labels: dict[str, str] = {}
+    for m in _LABEL.finditer(inside):
+        name, value = m.group(1), m.group(2)
+        if name in labels:
+            raise ValueError(f"duplicate label {name!r}: {{{inside}}}")
+        labels[name] = _ESCAPE.sub(lambda e: _UNESCAPED[e.group(0)], value) if "\\" in value else value
+    return labels
+
+
+def _gauge_samples(text: str) -> Iterator[tuple[str, str, float]]:
+    """The samples of the gauges placement reads, in the order of the text: (name, the text between its braces,
+    value). A node's /metrics is mostly histograms, and this runs on the event loop every stream the gateway
+    relays shares, once per node per poll: so one regular-expression scan finds the lines that start with these
+    names (no split into lines, no parse of the others). A line of one of these names that is not a sample raises
+    ValueError (the poll fails), as prometheus_client's parser does."""
+    for line in _GAUGE_LINE.finditer("\n" + text):
+        name, rest = line.group(1), line.group(2).rstrip("\r")
+        m = _SAMPLE_REST.fullmatch(rest)
+        if m is None:
+            raise ValueError(f"invalid sample line: {name}{rest}")
+        labels, value, timestamp = m.group(1), m.group(2), m.group(3)
+        if timestamp is not None:
+            _number(timestamp)
+        yield name, labels[1:-1] if labels else "", _number(value)
+
+
+_LABELLED = ("vllm:num_requests_waiting_by_reason", "vllm:cache_config_info")
 _KVTETHER_METRIC = "kvtether_requests_total"  # in every kvtether gateway's /metrics, in no vLLM's
 
 
 def parse_metrics(text: str) -> dict[str, float | int]:
     """The few vLLM gauges placement and retention use, summed over label sets (one engine per node here)."""
     out: dict[str, float | int] = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
-    for family in text_string_to_metric_families(_gauge_lines(text)):
-        for sample in family.samples:
-            name = sample.name
-            if name == "vllm:num_requests_running":
-                out["running"] += sample.value
-            elif name == "vllm:num_requests_waiting":
-                out["waiting"] += sample.value
-            elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-                out["kv_usage"] = max(float(out["kv_usage"]), sample.value)
-            elif name == "vllm:num_preemptions_total":
-                out["preemptions"] = out.get("preemptions", 0.0) + sample.value
-            elif name == "vllm:num_requests_waiting_by_reason" and sample.labels.get("reason") == "capacity":
-                out["waiting_capacity"] = out.get("waiting_capacity", 0.0) + sample.value
-            elif name == "vllm:cache_config_info":
-                bs = sample.labels.get("block_size")
-                blocks = sample.labels.get("num_gpu_blocks")
-                if bs and bs.isdigit():
-                    out["block_size"] = int(bs)
-                    if blocks and blocks.isdigit():
-                        out["kv_capacity_tokens"] = int(blocks) * int(bs)
-                caching = sample.labels.get("enable_prefix_caching")
-                if caching in ("True", "False"):
-                    out["prefix_caching"] = int(caching == "True")
+    for name, labels_text, value in _gauge_samples(text):
+        # Every line's labels are checked (by _SAMPLE_REST), and read on the two lines that need them.
+        labels = _labels(labels_text) if labels_text and name in _LABELLED else {}
+        if name == "vllm:num_requests_running":
+            out["running"] += value
+        elif name == "vllm:num_requests_waiting":
+            out["waiting"] += value
+        elif name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            out["kv_usage"] = max(float(out["kv_usage"]), value)
+        elif name == "vllm:num_preemptions_total":
+            out["preemptions"] = out.get("preemptions", 0.0) + value
+        elif name == "vllm:num_requests_waiting_by_reason" and labels.get("reason") == "capacity":
+            out["waiting_capacity"] = out.get("waiting_capacity", 0.0) + value
+        elif name == "vllm:cache_config_info":
+            bs = labels.get("block_size")
+            blocks = labels.get("num_gpu_blocks")
+            if bs and bs.isdigit():
+                out["block_size"] = int(bs)
+                if blocks and blocks.isdigit():
+                    out["kv_capacity_tokens"] = int(blocks) * int(bs)
+            caching = labels.get("enable_prefix_caching")
+            if caching in ("True", "False"):
+                out["prefix_caching"] = int(caching == "True")
     return out
 
 
