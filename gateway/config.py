@@ -18,8 +18,8 @@ from typing import Any
 from kvtether.gateway.nodes.discovery.settings import DiscoveryError, DiscoverySettings, load_discovery
 from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
 from kvtether.gateway.policy.knobs import TUNING_FIELDS, PolicyKnobs
-from kvtether.gateway.policy.peers import DYNAMO_RULES, LLM_D_NON_CACHED_TOKENS, PEER_POLICIES
-from kvtether.gateway.policy.placement import RULES
+from kvtether.gateway.policy.peers import DYNAMO_RULES, LLM_D_NON_CACHED_TOKENS
+from kvtether.gateway.policy.registry import Policy, is_known, names, policy_named
 from kvtether.protocol.common import HOSTED_TOOLS, HostedTools
 from kvtether.protocol.responses.items import BOOKKEEPING_CHOICES, BookkeepingItems
 
@@ -27,9 +27,9 @@ from kvtether.protocol.responses.items import BOOKKEEPING_CHOICES, BookkeepingIt
 _KNOBS = PolicyKnobs()
 _SEEDS = EstimatorSeeds()
 
-POLICIES: tuple[str, ...] = tuple(RULES)  # every placement rule, by the name an operator configures
-# Policies that read what the session's decode node holds in its prefix cache (from D's token ids each turn).
-CACHE_AWARE_POLICIES: tuple[str, ...] = ("auto", *PEER_POLICIES)
+# The built-in placement policies, by the name an operator configures (validation asks the registry itself, so a
+# policy registered later is configurable too).
+POLICIES: tuple[str, ...] = names()
 
 
 class ConfigError(ValueError):
@@ -252,20 +252,25 @@ class GatewayConfig:
         return self.policy
 
     @property
+    def placement_policy(self) -> Policy:
+        """The configured policy: what it does, declared once (policy/registry.py, policy/rules/)."""
+        return policy_named(self.policy)
+
+    @property
     def guarded(self) -> bool:
         """Policies that verify D's held sequence by tokens before reusing it (and so want token ids)."""
-        return self.policy in ("pull", "auto")
+        return self.placement_policy.verifies_reuse
 
     @property
     def marks_local_turns(self) -> bool:
         """Decode-local turns go out marked for retention (a handle back): only under a policy that pulls it."""
-        return self.local_turn_handles and self.policy == "auto"
+        return self.local_turn_handles and self.placement_policy.marks_local_turns
 
     @property
     def cache_aware(self) -> bool:
         """Policies that weigh what the session's decode node holds in its prefix cache (and so want D's token
         ids, and the prompt's when there is a cached sequence to compare it with)."""
-        return self.policy in CACHE_AWARE_POLICIES
+        return self.placement_policy.reads_decode_cache
 
     def policy_tuning(self) -> dict[str, Any]:
         """The [gateway.tuning] overrides of PolicyKnobs."""
@@ -281,8 +286,8 @@ class GatewayConfig:
         return self.bidirectional_prefill and _norm(prefill_url) not in {_norm(u) for u in self.unidirectional_prefill}
 
     def validate(self) -> GatewayConfig:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if not is_known(self.policy):
+            raise ConfigError(f"policy must be one of {', '.join(names())}; got {self.policy!r}")
         if self.dynamo_rule not in DYNAMO_RULES:
             raise ConfigError(f"dynamo_rule must be one of {', '.join(DYNAMO_RULES)}; got {self.dynamo_rule!r}")
         if self.dynamo_decode_busy_share is not None and not 0.0 < self.dynamo_decode_busy_share <= 1.0:

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvtether.gateway.policy.reasons import SERIES as DECISION_SERIES
 from kvtether.gateway.policy.retention import RELEASE_REASONS
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
@@ -324,10 +323,10 @@ class Metrics:
             for source in REUSE_SOURCES:
                 self.ttft.labels(source, mode, policy)
 
-    def expect_decisions(self, policy: str) -> None:
-        """The placement series the policy can produce, at zero from the start (P/D mode: aggregated turns are
-        not placed by a policy)."""
-        for option, reason in DECISION_SERIES.get(policy, ()):
+    def expect_decisions(self, series: Iterable[tuple[str, str]]) -> None:
+        """The placement series the policy can produce (its declared (action, reason bucket) pairs), at zero from
+        the start (P/D mode: aggregated turns are not placed by a policy)."""
+        for option, reason in series:
             self.placement_decisions.labels(option, reason)
 
     def observe_ttft(self, source: str, mode: str, seconds: float, overhead_s: float | None = None) -> None:

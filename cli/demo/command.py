@@ -25,6 +25,7 @@ from kvtether.cli.common.options import FLAG
 from kvtether.cli.common.signals import stop_signals_interrupt
 from kvtether.cli.demo.render import render
 from kvtether.cli.demo.run import DEFAULT_SPEED, DEMO_PRESET, DemoRun, demo_sessions, run_policy
+from kvtether.gateway.policy.registry import names, policy_named
 from kvtether.sdk.sessionfile import SessionRecord
 from rich.console import Console
 
@@ -55,8 +56,9 @@ def demo(
 ) -> None:
     """Run bundled agent sessions on a simulated 1P+2D cluster: no pull, reverse pull, and kvtether's choice."""
     console = Console()
-    if policy not in ("auto", "pull", "reference"):
-        fail(console, EXIT_USAGE, f"--policy must be auto, pull or reference; got {policy!r}")
+    pulling = _pulling_policies()
+    if policy not in pulling:
+        fail(console, EXIT_USAGE, f"--policy must be {', '.join(pulling[:-1])} or {pulling[-1]}; got {policy!r}")
     if not console.is_terminal:
         # Piped or captured (CI, tests, README snippets): the turn table fits 80 columns, but the --trace timeline
         # (a column per phase) needs more than rich's default of 80.
@@ -78,6 +80,11 @@ def demo(
     console.print(f"[dim]wall time {time.perf_counter() - t0:.1f} s[/]")
     if summary["failed_turns"] or summary["answers_identical"] != summary["answers_compared"]:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _pulling_policies() -> list[str]:
+    """The policies the kvtether side may run: those that pull D's KV back (the demo compares them with no pull)."""
+    return [name for name in names() if policy_named(name).pulls]
 
 
 def register(app: typer.Typer) -> None:

@@ -1,8 +1,10 @@
 """The gateway's decisions (pure: no I/O, no clock read) and what they learn from finished turns.
 
-- ``placement.plan``: facts about a turn, its session and the cluster in; a :class:`Plan` with its reason
-  out. The fixed policies (``pull``, ``no-pull``, ``reference``) are rules there; ``auto`` asks the cost
-  model.
+- ``placement.plan``: facts about a turn, its session and the cluster in; a :class:`Plan` with its reason and its
+  metric bucket out, by the turn's policy: a :class:`Policy` in ``registry``, one a file in ``rules/`` (the fixed
+  ``pull``, ``no-pull``, ``reference``, the peers' ``dynamo`` and ``llm-d``, and ``auto``, which asks the cost
+  model). A policy declares what it does (whether it pulls, keeps handles, uses TPOT quotas...): the rest of the
+  gateway asks it, never its name.
 - The cost model: ``costmodel.choose`` weighs decode-local, pull and cold per turn (``options`` estimates
   each, ``lookahead`` adds the next turn, ``facts`` and ``knobs`` are its inputs and parameters).
 - What it reads of the cluster's speed: ``estimates`` (online node speeds), ``stallquota`` (per-request TPOT
@@ -11,6 +13,9 @@
   the shell reports.
 """
 
+# The built-in policies register themselves by name (rules/__init__.py): imported here, so any use of the package
+# finds them.
+from kvtether.gateway.policy import rules as rules
 from kvtether.gateway.policy.costmodel import choose
 from kvtether.gateway.policy.estimates import Estimator, EstimatorSeeds, EstimatorSnapshot, LearningParams
 from kvtether.gateway.policy.facts import (
@@ -35,6 +40,7 @@ from kvtether.gateway.policy.placement import (
     plan,
     plan_aggregated,
 )
+from kvtether.gateway.policy.registry import Policy, policy_named, policy_of
 
 __all__ = [
     "OPTIONS",
@@ -53,6 +59,7 @@ __all__ = [
     "Option",
     "OptionEstimate",
     "Plan",
+    "Policy",
     "PolicyKnobs",
     "Turn",
     "TurnFacts",
@@ -61,4 +68,6 @@ __all__ = [
     "least_loaded",
     "plan",
     "plan_aggregated",
+    "policy_named",
+    "policy_of",
 ]

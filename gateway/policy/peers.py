@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import Final
 
 from kvtether.gateway.policy.facts import NodeLoad
+from kvtether.gateway.policy.reasons import DECODE_BUSY, PREFILL_BUSY, UNCACHED_LONG, UNCACHED_SHORT
 
 DYNAMO: Final = "dynamo"
 LLM_D: Final = "llm-d"
-PEER_POLICIES: Final = (DYNAMO, LLM_D)
 DYNAMO_RULES: Final = ("isl_bounding", "prefill_load", "isl_or_load")
 
 # Dynamo's defaults (DEFAULT_CONDITIONAL_DISAGG_EFF_ISL_THRESHOLD, _RATIO_THRESHOLD).
@@ -61,6 +61,7 @@ class PeerKnobs:
 class PeerVerdict:
     local: bool  # prefill on the decode node (no prefill leg)
     reason: str
+    bucket: str  # the reason's metric label (policy/reasons.py)
 
 
 def uncached_tokens(prompt_tokens: int | None, decode_cached_tokens: int, block_size: int) -> int | None:
@@ -80,9 +81,9 @@ def decide(policy: str, prompt_tokens: int | None, decode_cached_tokens: int, pr
     if policy == LLM_D:
         if eff is None or eff > knobs.llm_d_non_cached_tokens:
             return PeerVerdict(False, f"llm-d: {_tokens(eff)} uncached on decode > nonCachedTokens "
-                                      f"{knobs.llm_d_non_cached_tokens}: disaggregate")
+                                      f"{knobs.llm_d_non_cached_tokens}: disaggregate", UNCACHED_LONG)
         return PeerVerdict(True, f"llm-d: {eff} uncached on decode <= nonCachedTokens "
-                                 f"{knobs.llm_d_non_cached_tokens}: prefill on decode")
+                                 f"{knobs.llm_d_non_cached_tokens}: prefill on decode", UNCACHED_SHORT)
     if policy != DYNAMO:
         raise ValueError(f"not a peer policy: {policy!r}")
     rule = knobs.dynamo_rule
@@ -90,13 +91,14 @@ def decide(policy: str, prompt_tokens: int | None, decode_cached_tokens: int, pr
     busy = rule in ("prefill_load", "isl_or_load") and (prefill is None or prefill.waiting > 0)
     if not (isl or busy):
         return PeerVerdict(False, f"dynamo {rule}: {_tokens(eff)} uncached on decode, prefill not busy: "
-                                  "disaggregate")
+                                  "disaggregate", UNCACHED_LONG)
     share = knobs.dynamo_decode_busy_share
     if share is not None and decode is not None and decode.kv_usage > share:
-        return PeerVerdict(False, f"dynamo {rule}: decode busy (KV {decode.kv_usage:.2f} > {share:g}): disaggregate")
+        return PeerVerdict(False, f"dynamo {rule}: decode busy (KV {decode.kv_usage:.2f} > {share:g}): disaggregate",
+                           DECODE_BUSY)
     why = (f"{eff} uncached on decode < {knobs.dynamo_eff_isl_threshold} and < {knobs.dynamo_eff_isl_ratio:g} "
            "of the prompt" if isl else "the prefill node is busy")
-    return PeerVerdict(True, f"dynamo {rule}: {why}: prefill on decode")
+    return PeerVerdict(True, f"dynamo {rule}: {why}: prefill on decode", UNCACHED_SHORT if isl else PREFILL_BUSY)
 
 
 def _isl_bounded(eff: int | None, prompt_tokens: int | None, knobs: PeerKnobs) -> bool:

@@ -305,7 +305,7 @@ class Services:
         policy/stallquota.py), always capped by the TPOT objective; None: no quotas are kept (a fixed policy, or
         request_stall_share 1 on a decode node)."""
         c = self.config
-        if c.policy != "auto" or c.mode != "pd":
+        if not c.placement_policy.uses_stall_quotas or c.mode != "pd":
             return None
         if node in c.nodes:
             return c.pool_stall_share

@@ -43,7 +43,7 @@ class Gathered:
 
 async def gather(sv: Services, ctx: TurnContext, round_robin: int, progress: Progress) -> Gathered:
     """What the plan needs to know of the turn; a ``/tokenize`` wait is added to the turn's `progress`."""
-    policy = sv.config.policy
+    policy = sv.config.placement_policy
     state = ctx.state
     taken, handle_state = await _take_handle(sv, ctx)
     T.set_attrs(ctx.span, {T.ATTR_TURN: state.turns if state else 0,
@@ -53,19 +53,19 @@ async def gather(sv: Services, ctx: TurnContext, round_robin: int, progress: Pro
     reuse: int | None = None
     decode_cached = 0
     cached_held = state.cached if state is not None and sv.config.cache_aware else None
-    if (policy == "pull" or sv.config.cache_aware) and (has_handle or cached_held is not None):
+    if policy.tokenizes_prompts and (has_handle or cached_held is not None):
         prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx, progress)
         if prompt_ids is not None:
             reuse, decode_cached = _guard(sv, ctx, taken if has_handle else None, prompt_ids)
-    elif policy == "auto" and sv.cluster.pool_urls():
+    elif policy.sizes_pool_turns and sv.cluster.pool_urls():
         # On a pool even a first turn (or one gone cold) is weighed: which instance starts it, by itself or with a
         # prefill leg beside whose decodes, only its length can tell. Unweighed, its prefill would stall an
         # instance's answers past their objective unchecked.
         prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx, progress)
-    elif policy == "pull" or sv.config.cache_aware:
+    elif policy.tokenizes_prompts:
         _warm_tokenizer(sv, ctx)
     turn = Turn(
-        policy=policy,
+        policy=policy.name,
         new_session=state is None,
         pinned_decode=state.decode if state is not None else None,
         handle=handle_state,
@@ -84,7 +84,7 @@ async def gather(sv: Services, ctx: TurnContext, round_robin: int, progress: Pro
 async def _take_handle(sv: Services, ctx: TurnContext) -> tuple[TakenHandle | None, HandleState]:
     """The session's handle, out of the store (single use), and whether it is still fresh."""
     state = ctx.state
-    if state is None or ctx.session_id is None or sv.config.policy not in ("pull", "reference", "auto"):
+    if state is None or ctx.session_id is None or not sv.config.placement_policy.pulls:
         return None, HandleState.MISSING
     taken = await sv.store.take_handle(ctx.session_id)
     if taken is None:

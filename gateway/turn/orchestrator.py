@@ -30,7 +30,6 @@ from kvtether.gateway.nodes.cluster import Cluster, host_of
 from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.learning import Learning
 from kvtether.gateway.policy.placement import HandleAction, Plan, Turn
-from kvtether.gateway.policy.reasons import reason_bucket
 from kvtether.gateway.policy.retention import ReleaseReason
 from kvtether.gateway.stores.sessions import SessionStore, TakenHandle
 from kvtether.gateway.transport.streaming import RelayResponse
@@ -66,10 +65,10 @@ class Orchestrator:
                  upstream: Upstream, tokenize_client: httpx.AsyncClient, clock: Clock = DEFAULT_CLOCK,
                  tracer: trace.Tracer | None = None, retention: Retention | None = None) -> None:
         knobs = policy_knobs(config)
-        # TPOT quotas and step boundaries serve decode-local turns only: P/D mode under the auto policy.
-        pd_auto = config.policy == "auto" and config.mode == "pd"
+        # TPOT quotas and step boundaries serve decode-local turns only: P/D mode under a policy that keeps quotas.
+        quotas = config.placement_policy.uses_stall_quotas and config.mode == "pd"
         learning = Learning(estimator_seeds(config), learning_params(config), knobs,
-                            request_stall_share=config.request_stall_share if pd_auto else 1.0,
+                            request_stall_share=config.request_stall_share if quotas else 1.0,
                             enabled=config.learn_estimates, steps=config.mode == "pd")
         # The guard's local tokenizer is loaded and checked at start-up (tokenize.start_local_tokenizer, the app).
         guard_tok = (GuardTokenizer(config.tokenizer, metrics, config.tokenizer_check_share)
@@ -80,7 +79,7 @@ class Orchestrator:
         for node in (*config.decode, *config.nodes):
             metrics.decode_stall.labels(node)  # every series shows zero before the first local turn
         if config.mode == "pd":
-            metrics.expect_decisions(config.policy)
+            metrics.expect_decisions(config.placement_policy.series)
 
     @property
     def learning(self) -> Learning:
@@ -258,6 +257,6 @@ def _decode_leg(ctx: TurnContext, found: Gathered, placed: Placement, source: st
     T.set_attrs(ctx.span, {T.ATTR_REUSE_TOKENS: reused, T.ATTR_SUFFIX_TOKENS:
                            len(found.prompt_ids) - reused if found.prompt_ids is not None else None})
     the_plan = placed.plan
-    headers = T.reuse_headers(source, reused, the_plan.action.value, reason_bucket(the_plan))
+    headers = T.reuse_headers(source, reused, the_plan.action.value, the_plan.bucket)
     return FinalLeg(placed, "decode", source, headers,
                     expected_output_tokens=found.turn.expected_output_tokens, unused=unused)

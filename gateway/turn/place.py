@@ -27,7 +27,6 @@ from kvtether.gateway.policy.placement import (
     plan,
     plan_aggregated,
 )
-from kvtether.gateway.policy.reasons import reason_bucket
 from kvtether.gateway.turn.context import Placement, Services, TurnContext
 from opentelemetry import trace
 
@@ -94,7 +93,7 @@ class Placer:
         if waited_s:
             self._deferred(p, waited_s)
             span.set_attribute(T.ATTR_PLAN_DEFERRED_S, waited_s)
-        bucket = self._count(p, now)
+        self._count(p, now)
         if p.re_placed:
             # The session leaves its node: counted by why (a draining or vanished node, a failed one, rebalancing).
             moved = self.sv.cluster.move_reason(turn.pinned_decode)
@@ -103,24 +102,21 @@ class Placer:
         if p.decision is not None:
             T.set_attrs(span, T.cost_attributes(p.decision.trace_attributes()))
         T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_ACTION: p.action.value,
-                           T.ATTR_PLAN_REASON: p.reason, T.ATTR_PLAN_REASON_BUCKET: bucket,
+                           T.ATTR_PLAN_REASON: p.reason, T.ATTR_PLAN_REASON_BUCKET: p.bucket,
                            T.ATTR_PREFILL: p.prefill, T.ATTR_DECODE: p.decode,
                            T.ATTR_HANDLE_OUTCOME: p.handle_outcome, T.ATTR_REUSE_TOKENS: p.reuse_tokens,
                            T.ATTR_RE_PLACED: p.re_placed})
 
-    def _count(self, p: Plan, now: float) -> str:
+    def _count(self, p: Plan, now: float) -> None:
         """The decision told to the learning (the estimated stall of a decode-local turn, or of a prefill leg on a
-        pool instance) as of `now`, the clock the plan was made on, and counted; its reason's bucket (the
-        metric's label)."""
+        pool instance) as of `now`, the clock the plan was made on, and counted by its action and reason bucket."""
         sv = self.sv
         stall = sv.learning.planned(p, now)
-        bucket = reason_bucket(p)
-        sv.metrics.placement_decisions.labels(p.action.value, bucket).inc()
+        sv.metrics.placement_decisions.labels(p.action.value, p.bucket).inc()
         if p.decision is not None and p.action is HandleAction.DECODE_LOCAL:
             sv.metrics.decode_stall.labels(p.decode).inc(stall)
         elif p.prefill is not None and stall > 0.0:
             sv.metrics.decode_stall.labels(p.prefill).inc(stall)
-        return bucket
 
     def _deferred(self, p: Plan, waited_s: float) -> None:
         """A turn placed after waiting for a limit to clear: counted by whether it then ran within the limits."""

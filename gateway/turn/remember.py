@@ -17,7 +17,6 @@ from kvtether.gateway.guard.verify import HeldSequence, handle_num_tokens, handl
 from kvtether.gateway.nodes.cluster import host_of
 from kvtether.gateway.policy import copies as PC
 from kvtether.gateway.policy.learning import DecodeSample
-from kvtether.gateway.policy.peers import PEER_POLICIES
 from kvtether.gateway.policy.placement import HandleAction
 from kvtether.gateway.policy.retention import ReleaseReason, block_scope
 from kvtether.gateway.stores.sessions import SessionState
@@ -28,7 +27,6 @@ from kvtether.gateway.turn.context import FinalLeg, LegResult, Placement, Servic
 log = logging.getLogger(__name__)
 
 _MEAN_WEIGHT = 0.3  # of the latest turn in the session's running means (≈ the last three turns count)
-NEVER_PULL = ("no-pull", *PEER_POLICIES)  # policies whose P/D turns leave a handle nothing will read
 
 
 async def finish(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegResult) -> None:
@@ -102,9 +100,9 @@ async def remember(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegRes
         prefix_key = scoped(ctx.tenant, ctx.chain.after(result.answer))
     base = current or prior
     avg_out, avg_suffix = _running_means(base, result, total)
-    auto = sv.config.policy == "auto"
-    copies = _prefill_copies_after(sv, ctx, leg.placed, result) if auto else ()
-    elsewhere = _decode_elsewhere(ctx, leg.placed) if auto else ()
+    tracks = sv.config.placement_policy.tracks_cache_copies
+    copies = _prefill_copies_after(sv, ctx, leg.placed, result) if tracks else ()
+    elsewhere = _decode_elsewhere(ctx, leg.placed) if tracks else ()
     await sv.store.put(SessionState(
         session_id=ctx.session_id,
         decode=the_plan.decode,
@@ -183,11 +181,12 @@ def _handle_after(sv: Services, ctx: TurnContext, leg: FinalLeg, result: LegResu
     use."""
     the_plan, unused = leg.plan, leg.unused
     local = the_plan.action is HandleAction.DECODE_LOCAL
-    if result.ok and the_plan.prefill is not None and result.handle is not None and sv.config.policy in NEVER_PULL:
+    keeps = sv.config.placement_policy.keeps_handles
+    if result.ok and the_plan.prefill is not None and result.handle is not None and not keeps:
         # D keeps every finished P/D turn's blocks when bidirectional_kv_xfer is on; this policy never pulls.
         sv.release(B.with_host(result.handle, host_of(the_plan.decode)), the_plan.decode, ReleaseReason.UNUSED)
         return None, None, None
-    if result.ok and the_plan.prefill is not None and sv.config.policy in ("pull", "reference", "auto"):
+    if result.ok and the_plan.prefill is not None and keeps:
         if result.handle is None:
             sv.metrics.stream_handles_missing.inc()
             return None, None, None

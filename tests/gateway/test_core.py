@@ -169,10 +169,10 @@ def test_handles_only_to_bidirectional_prefill() -> None:
 def test_every_policy_is_one_rule_behind_one_call() -> None:
     """Each policy an operator may configure has its rule, and plan() is the only way in."""
     from kvtether.gateway.config import POLICIES
-    from kvtether.gateway.policy.placement import RULES
+    from kvtether.gateway.policy.registry import names
 
-    assert set(POLICIES) == set(RULES)
-    for name in RULES:
+    assert set(POLICIES) == set(names())
+    for name in names():
         p = plan(existing(policy=name), cluster())
         assert p.decode in (D1, D2) and p.reason, name
     with pytest.raises(ValueError, match="unknown placement policy"):

@@ -9,7 +9,7 @@ import pytest
 from kvtether.gateway.policy.facts import NodeLoad
 from kvtether.gateway.policy.peers import PeerKnobs, decide, uncached_tokens
 from kvtether.gateway.policy.placement import ClusterView, HandleAction, HandleState, Turn, plan
-from kvtether.gateway.policy.reasons import BUCKETS, OTHER, SERIES, reason_bucket
+from kvtether.gateway.policy.reasons import BUCKETS, OTHER, SERIES
 
 from tests.support.gateway_agent import chat, comparable, first_messages, next_messages, request_body
 from tests.support.sim_rig import metric, rig
@@ -70,12 +70,12 @@ def test_peer_plans_pin_never_pull_and_their_reasons_have_buckets(policy: str) -
     retry = plan(replace(base, decode_cached_tokens=992, allow_local=False), view)
     assert retry.action is HandleAction.NONE
     for p in (local, cold):
-        bucket = reason_bucket(p)
+        bucket = p.bucket
         assert bucket in BUCKETS and bucket != OTHER, p.reason
         assert (p.action.value, bucket) in SERIES[policy], (p.action.value, bucket)
     # A new pin: the least-loaded decode node, disaggregated (nothing is cached anywhere).
     new = plan(Turn(policy=policy, new_session=True), view)
-    assert new.action is HandleAction.NONE and reason_bucket(new) == "uncached_long"
+    assert new.action is HandleAction.NONE and new.bucket == "uncached_long"
 
 
 @pytest.mark.anyio

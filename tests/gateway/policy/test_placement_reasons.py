@@ -1,5 +1,6 @@
-"""The plan's reason as a metric label (policy/reasons.py): every reason each policy writes falls in a named
-bucket, and each (action, bucket) a policy produces is one of the series created for it at start-up."""
+"""The plan's reason as a metric label (policy/reasons.py): every reason each policy writes carries a named
+bucket, set where the plan is made, and each (action, bucket) a policy produces is one of the series created for it
+at start-up."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from kvtether.gateway.policy.estimates import EstimatorSeeds, EstimatorSnapshot
 from kvtether.gateway.policy.facts import CostDecision, NodeLoad, OptionEstimate
 from kvtether.gateway.policy.peers import PeerKnobs
 from kvtether.gateway.policy.placement import ClusterView, HandleAction, HandleState, Plan, Turn, plan
-from kvtether.gateway.policy.reasons import BUCKETS, OTHER, SERIES, reason_bucket
+from kvtether.gateway.policy.reasons import BUCKETS, OTHER, SERIES
+from kvtether.gateway.policy.rules.auto import decision_bucket
 
 P0, D0, D1 = "http://p0", "http://d0", "http://d1"
 VIEW = ClusterView((NodeLoad(P0),), (NodeLoad(D0), NodeLoad(D1)))
@@ -40,7 +42,7 @@ def first(policy: str) -> Turn:
 
 # (policy, turn, view, estimates, expected action, expected bucket): each rule and reason of the policies.
 CASES: list[tuple[str, Turn, ClusterView, EstimatorSnapshot | None, str, str]] = [
-    # The pull rule (placement._choose_reuse): every cold why, and both pulls.
+    # The pull rule (rules/pull.py): every cold why, and both pulls.
     ("pull first turn", first("pull"), VIEW, None, "none", "first_turn"),
     ("pull no handle", follow_up("pull", handle=HandleState.MISSING), VIEW, None, "none", "no_handle"),
     ("pull expired", follow_up("pull", handle=HandleState.EXPIRED), VIEW, None, "none", "no_handle"),
@@ -91,7 +93,7 @@ CASES: list[tuple[str, Turn, ClusterView, EstimatorSnapshot | None, str, str]] =
 def test_every_reason_of_every_policy_has_its_bucket(turn: Turn, view: ClusterView, est: EstimatorSnapshot | None,
                                                      action: str, bucket: str) -> None:
     p = plan(turn, view, est)
-    assert (p.action.value, reason_bucket(p)) == (action, bucket), p.reason
+    assert (p.action.value, p.bucket) == (action, bucket), p.reason
     assert bucket in BUCKETS and bucket != OTHER
     # Created at zero for the policy at start-up.
     assert (action, bucket) in SERIES[turn.policy]
@@ -119,7 +121,7 @@ PEER_CASES: list[tuple[str, Turn, ClusterView, PeerKnobs | None, str, str]] = [
 def test_every_reason_of_the_peer_rules_has_its_bucket(turn: Turn, view: ClusterView, peers: PeerKnobs | None,
                                                        action: str, bucket: str) -> None:
     p = plan(turn, view, peers=peers)
-    assert (p.action.value, reason_bucket(p)) == (action, bucket), p.reason
+    assert (p.action.value, p.bucket) == (action, bucket), p.reason
     if bucket != "node_lost":  # a lost node's turn is counted when it happens (not pre-created)
         assert (action, bucket) in SERIES[turn.policy]
 
@@ -129,19 +131,18 @@ def test_the_cases_reach_every_bucket_but_other() -> None:
     assert reached == set(BUCKETS) - {OTHER}
 
 
-def test_unknown_reasons_are_other() -> None:
-    assert reason_bucket(Plan(P0, D0, HandleAction.NONE, 0, "session pinned to decode x; cold prefill: a new why")) \
-        == OTHER
-    assert reason_bucket(Plan(P0, D0, HandleAction.ATTACH, 10, "a rule nobody wrote yet")) == OTHER
+def test_a_plan_no_rule_named_is_other() -> None:
+    # Built by hand: no rule named its bucket, whatever its reason says.
+    assert Plan(P0, D0, HandleAction.NONE, 0, "session pinned to decode x; cold prefill: new session").bucket == OTHER
     # auto: a pull ruled out for a reason this version does not know.
     auto = plan(follow_up("auto", handle=HandleState.MISSING), VIEW)
     assert auto.decision is not None
     odd = tuple(replace(o, why_not="a new limit") if o.option == "pull" else o for o in auto.decision.options)
-    assert reason_bucket(replace(auto, decision=replace(auto.decision, options=odd))) == OTHER
+    assert decision_bucket(replace(auto.decision, options=odd), auto.re_placed, auto.handle_outcome) == OTHER
     # ... or an option name it does not know.
     strange = CostDecision("teleport", "auto -> teleport", {}, P0, D0, 0, "auto",  # type: ignore[arg-type]
                            options=(OptionEstimate("pull", True),))
-    assert reason_bucket(replace(auto, decision=strange)) == OTHER
+    assert decision_bucket(strange, False, None) == OTHER
 
 
 def test_every_series_is_of_a_known_action_and_bucket() -> None:
