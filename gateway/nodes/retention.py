@@ -88,8 +88,9 @@ class Retention:
         self.config, self.cluster, self.store, self.metrics, self.client, self.clock = (
             config, cluster, store, metrics, client, clock)
         self.scan_page = scan_page  # sessions per page of the review's read of the store
-        # The reference policy models vLLM's reference proxy: it holds everything until the engine's TTL.
-        self.enabled = config.release_handles and config.mode == "pd" and config.policy != "reference"
+        # A policy may hold everything until the engine's TTL (the reference policy, as vLLM's reference proxy).
+        self.enabled = (config.release_handles and config.mode == "pd"
+                        and config.placement_policy.releases_held_handles)
         self.knobs = retention_knobs(config)
         if config.idle_release_s is not None and config.mode == "pd":
             log.warning("idle_release_s is deprecated and ignored: a handle is released when its decode node's "
