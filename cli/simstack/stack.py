@@ -21,7 +21,11 @@ Estimator seeds. On a P/D cluster the gateway's estimator starts from seeds cali
 and converted to real seconds at ``speed`` (``seed_settings``, calibration.py): what an operator sets from a short
 benchmark of the cluster, so that ``auto`` decides as on a cluster whose speed it has measured.
 
-Everything else is the gateway's default unless the caller overrides it (``gateway=``, applied last).
+Everything else is the gateway's default unless the caller overrides it (``gateway=``, applied last). A caller
+that sets the gateway's settings itself (a test pinning a mechanism down) asks for ``calibrated=False``: the
+gateway's defaults, the option's policy and ``gateway=``, no time rule and no seeds. ``oracle=True`` starts one
+more node beside the cluster, an aggregated node that answers the same requests directly, to compare the
+gateway's answers with.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from kvtether.cli.simstack.gateway_cost import CostedGateway, GatewayCost, defau
 if TYPE_CHECKING:
     from kvtether.gateway.config import GatewayConfig
     from kvtether.gateway.shell.app import GatewayApp
+    from kvtether.gateway.stores import SessionStore
     from kvtether.sim.cluster import ClusterSpec, SimCluster
 
 COLOCATED = "colocated"
@@ -117,6 +122,11 @@ def gateway_settings(spec: StackSpec, option: str) -> dict[str, Any]:
             "defer_max_s": defer_max / spec.speed, "tuning": {"defer_step_s": defer_step / spec.speed}}
 
 
+def _policy_settings(option: str) -> dict[str, Any]:
+    """The gateway's settings for `option` when the caller sets the rest (``calibrated=False``): its policy."""
+    return {} if option == COLOCATED else {"policy": "auto" if option == HYBRID else option}
+
+
 def cluster_spec(spec: StackSpec, option: str) -> ClusterSpec:
     from kvtether.sim.cluster import ClusterSpec
 
@@ -151,6 +161,7 @@ class SimStack:
     urls: dict[str, list[str]]  # the nodes by role: prefill, decode, aggregated
     clock: Callable[[], float] | None = None  # the virtual loop's time; None on the wall clock
     costed: CostedGateway | None = None  # the gateway's modelled CPU (virtual time only)
+    oracle: str | None = None  # the URL of the aggregated node answering directly (``oracle=True``)
 
     @property
     def virtual(self) -> bool:
@@ -232,27 +243,45 @@ async def _cluster(spec: ClusterSpec, separate: bool,
             await proc.wait()
 
 
+@contextlib.asynccontextmanager
+async def _oracle(spec: ClusterSpec, wanted: bool, clock: Callable[[], float] | None) -> AsyncIterator[str | None]:
+    """The oracle's URL (None unless `wanted`): an aggregated node of the cluster's preset, speed, model and seed,
+    the simulator's defaults otherwise, so its answers are the ones the cluster's nodes give."""
+    if not wanted:
+        yield None
+        return
+    from kvtether.sim.cluster import ClusterSpec, SimCluster
+
+    ospec = ClusterSpec(prefill=0, decode=0, aggregated=1, preset=spec.preset, speed=spec.speed,
+                        model_name=spec.model_name, seed=spec.seed)
+    async with SimCluster(ospec, clock=clock) as oracle:
+        yield oracle.aggregated_urls[0]
+
+
 def _config(spec: StackSpec, option: str, urls: Mapping[str, list[str]],
-            overrides: Mapping[str, Any]) -> GatewayConfig:
-    """The gateway's configuration: its defaults, the stack's settings, then `overrides`. Not from the
-    environment: a simulated stack must not take the operator's secrets (API keys) for its own."""
+            overrides: Mapping[str, Any], calibrated: bool) -> GatewayConfig:
+    """The gateway's configuration: its defaults, the stack's settings (only the policy unless `calibrated`),
+    then `overrides`. Not from the environment: a simulated stack must not take the operator's secrets (API
+    keys) for its own."""
     from kvtether.gateway.config import GatewayConfig
 
     nodes: dict[str, Any] = ({"aggregated": list(urls["aggregated"])} if option == COLOCATED
                              else {"nodes": list(urls["aggregated"])} if option == HYBRID
                              else {"prefill": list(urls["prefill"]), "decode": list(urls["decode"])})
-    settings: dict[str, Any] = {**nodes, **gateway_settings(spec, option), **overrides}
+    stack = gateway_settings(spec, option) if calibrated else _policy_settings(option)
+    settings: dict[str, Any] = {**nodes, **stack, **overrides}
     return dataclasses.replace(GatewayConfig(), **settings).validate()
 
 
-def _virtual_clock(spec: StackSpec, separate_process: bool) -> Callable[[], float] | None:
-    """The running virtual loop's clock, or None on a real loop; what a virtual stack cannot be refused."""
+def _virtual_clock(spec: StackSpec, separate_process: bool, calibrated: bool) -> Callable[[], float] | None:
+    """The running virtual loop's clock, or None on a real loop; what a virtual stack cannot be refused (a
+    calibrated one runs at speed 1: its figures are the cost model's, exactly)."""
     from kvtether.sim.virtual import current_virtual_loop
 
     loop = current_virtual_loop()
     if loop is None:
         return None
-    if spec.speed != 1.0:
+    if calibrated and spec.speed != 1.0:
         raise ValueError("a stack on a virtual clock runs at speed 1 (its time is exact; --speed is for live runs)")
     if separate_process:
         raise ValueError("a stack on a virtual clock runs in one process: the cluster cannot have one of its own")
@@ -261,12 +290,18 @@ def _virtual_clock(spec: StackSpec, separate_process: bool) -> Callable[[], floa
 
 @contextlib.asynccontextmanager
 async def sim_stack(spec: StackSpec, option: str, *, gateway: Mapping[str, Any] | None = None,
+                    calibrated: bool = True, oracle: bool = False, store: SessionStore | None = None,
                     tracer_provider: Any = None, separate_process: bool = False,
                     gateway_cost: GatewayCost | None = None) -> AsyncIterator[SimStack]:
     """A fresh simulated cluster of `spec`'s shape for `option` and an in-process gateway in front of it.
 
-    `gateway`: settings over the stack's (GatewayConfig field names, real seconds). `tracer_provider`: the
-    gateway's spans go there. `separate_process`: the cluster runs in a child process (no ``cluster`` then).
+    `gateway`: settings over the stack's (GatewayConfig field names, real seconds). `calibrated=False`: the stack
+    as the caller spells it, for a test that pins each setting itself: `gateway` over the gateway's defaults and
+    the option's policy, the nodes as `spec` says at any speed, and on a virtual loop the lease's real-time floor
+    kept and the gateway free unless `gateway_cost` is given. `oracle`: an aggregated node beside the
+    cluster that answers directly (``SimStack.oracle``). `store`: the gateway's session store (None: the one its
+    configuration names). `tracer_provider`: the gateway's spans go there. `separate_process`: the cluster runs in a
+    child process (no ``cluster`` then).
     On a virtual loop (``sim.virtual.run_virtual``) the stack runs on its clock (module docstring), its gateway
     behind `gateway_cost` (None: the measured default for the option, gateway_cost.py; ``NO_COST``: free); it
     keeps its sessions in memory (a Redis store would wait on real I/O: refused).
@@ -275,24 +310,26 @@ async def sim_stack(spec: StackSpec, option: str, *, gateway: Mapping[str, Any] 
     from kvtether.gateway.shell.app import create_app
     from kvtether.gateway.shell.server import serve_gateway
 
-    clock = _virtual_clock(spec, separate_process)
+    clock = _virtual_clock(spec, separate_process, calibrated)
     cspec = cluster_spec(spec, option)
-    if clock is not None:
+    if clock is not None and calibrated:
         # The lease's real-time floor guards a live run against this machine's stalls; virtual time has none.
         cspec = dataclasses.replace(cspec, kv_lease_real_floor_s=0.0)
-    async with _cluster(cspec, separate_process, clock) as (urls, cluster):
-        config = _config(spec, option, urls, gateway or {})
+    async with _cluster(cspec, separate_process, clock) as (urls, cluster), \
+            _oracle(cspec, oracle, clock) as oracle_url:
+        config = _config(spec, option, urls, gateway or {}, calibrated)
         if clock is not None and config.store != "memory":
             raise ValueError("a stack on a virtual clock keeps its sessions in memory: a Redis or Valkey store "
-                             "answers on the wall clock (leave `store` unset)")
-        app = create_app(config, tracer_provider=tracer_provider, clock=clock)
-        costed = None if clock is None else CostedGateway(
+                             "answers on the wall clock (leave the `store` setting unset)")
+        app = create_app(config, store=store, tracer_provider=tracer_provider, clock=clock)
+        free = not calibrated and gateway_cost is None
+        costed = None if clock is None or free else CostedGateway(
             app, gateway_cost or default_cost(aggregated=option == COLOCATED, workers=1), clock)
         stopped: BaseException | None = None
         async with serve_gateway(config, app=costed or app) as url:
             try:
                 yield SimStack(url=str(url), model=cspec.model_name, config=config, app=app, cluster=cluster,
-                               urls=urls, clock=clock, costed=costed)
+                               urls=urls, clock=clock, costed=costed, oracle=oracle_url)
             except (asyncio.CancelledError, KeyboardInterrupt) as e:
                 stopped = e
         if stopped is not None:

@@ -11,12 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kvtether.cli.simstack import StackSpec, sim_stack
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.config import load_config
 from kvtether.gateway.nodes.cluster import sample_sum
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
-from kvtether.sim.cluster import ClusterSpec, SimCluster
 from opentelemetry import trace
 
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "agents"
@@ -51,13 +48,12 @@ async def simulated_gateway(speed: float, *, learn_estimates: bool = True,
     cost policy decides from its seeds alone, so a busy machine's timings do not change which turns reuse.
     ``tracer_provider``: where the gateway's spans go (``traced_turns`` reads the turns back from them).
     ``callable_tools``: the only functions the simulated model calls (the agent still offers all of its own)."""
-    spec = ClusterSpec(prefill=1, decode=1, speed=speed, prefill_prefix_caching=False, callable_tools=callable_tools)
-    async with SimCluster(spec) as cluster:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
-                          metrics_poll_interval_s=0.5, learn_estimates=learn_estimates)
-        app = create_app(cfg, tracer_provider=tracer_provider)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=30) as client:
-            yield url, client
+    # The gateway's own defaults under these settings, not the stack's calibrated ones.
+    spec = StackSpec(preset="toy", speed=speed, cluster={"callable_tools": callable_tools})
+    gateway = {"metrics_poll_interval_s": 0.5, "learn_estimates": learn_estimates}
+    async with sim_stack(spec, "auto", gateway=gateway, calibrated=False, tracer_provider=tracer_provider) as stack, \
+            httpx.AsyncClient(timeout=30) as client:
+        yield stack.url, client
 
 
 async def gateway_summary(client: httpx.AsyncClient, url: str, route: str) -> dict[str, Any]:

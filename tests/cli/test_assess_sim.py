@@ -104,22 +104,17 @@ async def test_engine_tpot_is_the_cost_models_whatever_the_clock() -> None:
 
 @pytest.mark.anyio
 async def test_assess_reads_a_running_gateway(tmp_path: Path) -> None:
-    from kvtether.gateway.config import load_config
-    from kvtether.gateway.shell.app import create_app
-    from kvtether.gateway.shell.server import serve_gateway
-    from kvtether.sim.cluster import ClusterSpec, SimCluster
+    from kvtether.cli.simstack import StackSpec, sim_stack
 
     sessions = read_sessions(SMALL)[:2]
-    spec = ClusterSpec(prefill=1, decode=1, speed=20, prefill_prefix_caching=False)
-    async with SimCluster(spec) as cluster:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="pull",
-                          metrics_poll_interval_s=0.5, learn_estimates=False)
-        async with serve_gateway(cfg, app=create_app(cfg)) as url:
-            run = await run_replay(sessions, url, ReplayOptions(concurrency=2, time_scale=20, model=spec.model_name))
-            assert all(r.ok for r in run.results)
-            report = tmp_path / "gw.html"
-            doc = await anyio.to_thread.run_sync(lambda: assess(
-                str(SMALL), "--limit", "2", "--gateway", url, "--no-simulate", "--report", str(report)))
+    # The gateway's own defaults but for these: the subject is what assess reads of it.
+    gateway = {"metrics_poll_interval_s": 0.5, "learn_estimates": False}
+    async with sim_stack(StackSpec(preset="toy", speed=20), "pull", gateway=gateway, calibrated=False) as stack:
+        run = await run_replay(sessions, stack.url, ReplayOptions(concurrency=2, time_scale=20, model=stack.model))
+        assert all(r.ok for r in run.results)
+        report = tmp_path / "gw.html"
+        doc = await anyio.to_thread.run_sync(lambda: assess(
+            str(SMALL), "--limit", "2", "--gateway", stack.url, "--no-simulate", "--report", str(report)))
     gw = doc["gateway"]
     assert gw["mode"] == "pd" and gw["policy"] == "pull"
     assert gw["pinned_sessions"] == 2

@@ -121,6 +121,35 @@ def test_what_cannot_follow_virtual_time_is_refused() -> None:
         run_virtual(_stack, StackSpec(preset="toy"), {"store": "redis://127.0.0.1:1"})
 
 
+async def _plain_stack() -> tuple[Any, Any, list[str]]:
+    spec = StackSpec(preset="toy", speed=4.0)
+    async with sim_stack(spec, "auto", gateway={"min_reuse_tokens": 4}, calibrated=False, oracle=True) as stack:
+        assert stack.oracle is not None
+        body = {"model": stack.model, "messages": [{"role": "user", "content": "tell me about the cache " * 20}],
+                "max_tokens": 12, "temperature": 0}
+        answers = []
+        async with httpx.AsyncClient() as http:
+            for url in (stack.url, stack.oracle):
+                resp = await http.post(url + "/v1/chat/completions", json=body, headers={"x-session-id": "plain"})
+                assert resp.status_code == 200, resp.text
+                answers.append(resp.json()["choices"][0]["message"]["content"])
+        return stack.config, stack.costed, answers
+
+
+def test_an_uncalibrated_stack_is_the_callers_and_its_oracle_answers_as_the_cluster_does() -> None:
+    from kvtether.gateway.config import GatewayConfig
+
+    config, costed, (via_gateway, from_oracle) = run_virtual(_plain_stack)
+    defaults = GatewayConfig()
+    # The gateway's defaults under the caller's settings: no time rule, no calibrated seeds; any speed, and a
+    # free gateway (no cost model) unless one is given.
+    assert config.policy == "auto" and config.min_reuse_tokens == 4
+    assert config.session_ttl_s == defaults.session_ttl_s and config.engine_kv_ttl_s == defaults.engine_kv_ttl_s
+    assert config.seed_prefill_overhead_s == defaults.seed_prefill_overhead_s
+    assert costed is None
+    assert via_gateway and via_gateway == from_oracle
+
+
 def _replay(session_file: Path, hash_seed: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONHASHSEED": hash_seed}
     out = subprocess.run(

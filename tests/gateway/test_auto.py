@@ -13,15 +13,12 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from kvtether.gateway.config import load_config
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
+from kvtether.cli.simstack import sim_stack
 from kvtether.gateway.turn import orchestrator as orchestrator_room
 from kvtether.gateway.turn import remember as remember_room
-from kvtether.sim.cluster import ClusterSpec, SimCluster
 
 from tests.support.gateway_agent import chat, comparable, first_messages, next_messages, request_body, tool_result
-from tests.support.sim_rig import LIMITS, SPEED, Rig, metric, p2p_tokens, rig
+from tests.support.sim_rig import LIMITS, RIG_SIM, Rig, metric, p2p_tokens, rig, stack_spec
 from tests.support.upstream_hooks import on_send
 
 pytestmark = pytest.mark.anyio
@@ -51,19 +48,18 @@ async def test_auto_runs_short_suffixes_on_decode_and_long_ones_through_a_pull()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     # P without prefix caching (as in vLLM's reverse-pull runs): otherwise P's own cache holds the first
     # prompt and a long turn may go cold there instead of pulling (the test below covers that).
-    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0,
-                       prefill_prefix_caching=False)
-    async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
-                                                                    speed=SPEED)) as oracle:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
-                          metrics_poll_interval_s=0.5, max_local_suffix_tokens=256, min_reuse_tokens=4,
-                          # Decisions from the seeds only: learned timings would make them depend on the CPU.
-                          learn_estimates=False,
-                          # Local turns unmarked (as on a D that keeps none, or a vLLM 0.32 stream): they return
-                          # no handle, and the look-ahead counts on the one they did not use.
-                          local_turn_handles=False)
-        app = create_app(cfg, tracer_provider=provider)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+    spec = stack_spec(prefill_prefix_caching=False, **RIG_SIM)
+    gateway = {"metrics_poll_interval_s": 0.5, "max_local_suffix_tokens": 256, "min_reuse_tokens": 4,
+               # Decisions from the seeds only: learned timings would make them depend on the CPU.
+               "learn_estimates": False,
+               # Local turns unmarked (as on a D that keeps none, or a vLLM 0.32 stream): they return
+               # no handle, and the look-ahead counts on the one they did not use.
+               "local_turn_handles": False}
+    async with sim_stack(spec, "auto", gateway=gateway, calibrated=False, oracle=True,
+                         tracer_provider=provider) as stack:
+        cluster, url, oracle = stack.cluster, stack.url, stack.oracle
+        assert cluster is not None
+        async with httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             p, d = cluster.prefill_urls, cluster.decode_urls
             h = {"x-session-id": "auto-1"}
             messages = first_messages(50)
@@ -83,7 +79,7 @@ async def test_auto_runs_short_suffixes_on_decode_and_long_ones_through_a_pull()
                 # answer would get a short user follow-up instead).
                 body = {**request_body(messages, stream=turn % 2 == 1), "tool_choice": "required"}
                 got = await chat(client, url, body, h)
-                want = await chat(client, oracle.aggregated_urls[0], {**body, "stream": False}, clean=False)
+                want = await chat(client, oracle, {**body, "stream": False}, clean=False)
                 assert comparable(got) == comparable(want), f"turn {turn} differs from the oracle"
                 p_after = await _node_total(client, p, "vllm:request_success_total")
                 local_after = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
@@ -121,14 +117,13 @@ async def test_auto_runs_short_suffixes_on_decode_and_long_ones_through_a_pull()
 async def test_a_failed_decode_local_leg_is_retried_cold() -> None:
     """A decode-local leg that fails (5xx from the pinned D) is retried as a cold P/D turn; answers stay right.
     The failed (non-streamed) leg leaves nothing behind: no open request, no TPOT quota entry."""
-    spec = ClusterSpec(prefill=1, decode=2, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0)
-    async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
-                                                                    speed=SPEED)) as oracle:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
-                          metrics_poll_interval_s=0.5, min_reuse_tokens=4, learn_estimates=False,
-                          request_stall_share=0.5)
-        app = create_app(cfg)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+    gateway = {"metrics_poll_interval_s": 0.5, "min_reuse_tokens": 4, "learn_estimates": False,
+               "request_stall_share": 0.5}
+    async with sim_stack(stack_spec(decode=2, **RIG_SIM), "auto", gateway=gateway, calibrated=False,
+                         oracle=True) as stack:
+        cluster, url, app, oracle = stack.cluster, stack.url, stack.app, stack.oracle
+        assert cluster is not None
+        async with httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             h = {"x-session-id": "auto-2"}
             messages = first_messages(51)
             for turn in range(4):
@@ -139,7 +134,7 @@ async def test_a_failed_decode_local_leg_is_retried_cold() -> None:
                     pinned = (await client.get(f"{url}/admin/sessions")).json()[0]["decode"]
                     await client.post(f"{pinned}/admin/fault", json={"fail_next": 1})
                 got = await chat(client, url, request_body(messages, stream=turn % 2 == 1), h)
-                want = await chat(client, oracle.aggregated_urls[0], request_body(messages, stream=False),
+                want = await chat(client, oracle, request_body(messages, stream=False),
                                   clean=False)
                 assert comparable(got) == comparable(want), f"turn {turn} differs from the oracle"
                 local_after = await metric(client, url, "kvtether_ttft_seconds_count", reuse_source="decode_local")
@@ -198,17 +193,17 @@ async def test_decode_local_turns_spend_the_decode_nodes_stall_budget(budget: st
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     # Speed 1: the long answer (3000 tokens) keeps decoding for a few real seconds.
-    spec = ClusterSpec(prefill=1, decode=1, speed=1.0, kv_recompute_threshold=4, kv_lease_duration=3600.0)
-    async with SimCluster(spec) as cluster:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
-                          metrics_poll_interval_s=0.5, min_reuse_tokens=4, learn_estimates=False,
-                          # A local prefill is estimated at ~0.2 s, nearly all of it a stall of the running
-                          # answer; only the budget's price weighs it (interference weight 0).
-                          seed_prefill_overhead_s=0.2, seed_tpot_base_s=0.001, seed_tpot_s_per_seq=1e-4,
-                          seed_transfer_latency_s=0.1,  # a pull is clearly dearer than a local turn
-                          tuning={"interference_weight": 0.0}, **knobs)
-        app = create_app(cfg, tracer_provider=provider)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+    gateway = {"metrics_poll_interval_s": 0.5, "min_reuse_tokens": 4, "learn_estimates": False,
+               # A local prefill is estimated at ~0.2 s, nearly all of it a stall of the running
+               # answer; only the budget's price weighs it (interference weight 0).
+               "seed_prefill_overhead_s": 0.2, "seed_tpot_base_s": 0.001, "seed_tpot_s_per_seq": 1e-4,
+               "seed_transfer_latency_s": 0.1,  # a pull is clearly dearer than a local turn
+               "tuning": {"interference_weight": 0.0}, **knobs}
+    async with sim_stack(stack_spec(speed=1.0, **RIG_SIM), "auto", gateway=gateway, calibrated=False,
+                         tracer_provider=provider) as stack:
+        cluster, url, app = stack.cluster, stack.url, stack.app
+        assert cluster is not None
+        async with httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             histories = {}
             for s in ("a", "b"):
                 first = first_messages(60 if s == "a" else 61)
@@ -354,20 +349,19 @@ async def test_a_local_prefill_on_a_busy_decode_node_is_learned_from_its_mixed_s
     the gateway's relay stamps chunks with), not against the cost model. The reading itself, with explicit
     arrival times (a late first chunk, plain steps before the mixed one), is in policy/test_steps.py."""
     speed = 0.5  # GLM-5's steps: a plain decode step ~14 ms, the mixed step ~150 ms (real)
-    spec = ClusterSpec(prefill=1, decode=1, preset="glm-5-fp8-h200-tp8", speed=speed, kv_recompute_threshold=4,
-                       kv_lease_duration=3600.0)
-    async with SimCluster(spec) as cluster:
-        # No poll after the first: D's load is then the gateway's own count of its open requests (the long
-        # answer), not a gauge that may have caught that answer still waiting for its KV (nothing is learned
-        # from a turn queued behind others).
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
-                          metrics_poll_interval_s=600.0, min_reuse_tokens=4, max_local_suffix_tokens=256,
-                          tuning={"interference_weight": 0.0}, seed_tpot_base_s=0.01,
-                          seed_transfer_latency_s=1.0)  # a pull is clearly dearer: the follow-up runs on D
-        app = create_app(cfg)
+    spec = stack_spec(preset="glm-5-fp8-h200-tp8", speed=speed, **RIG_SIM)
+    # No poll after the first: D's load is then the gateway's own count of its open requests (the long
+    # answer), not a gauge that may have caught that answer still waiting for its KV (nothing is learned
+    # from a turn queued behind others).
+    gateway = {"metrics_poll_interval_s": 600.0, "min_reuse_tokens": 4, "max_local_suffix_tokens": 256,
+               "tuning": {"interference_weight": 0.0}, "seed_tpot_base_s": 0.01,
+               "seed_transfer_latency_s": 1.0}  # a pull is clearly dearer: the follow-up runs on D
+    async with sim_stack(spec, "auto", gateway=gateway, calibrated=False) as stack:
+        cluster, url, app = stack.cluster, stack.url, stack.app
+        assert cluster is not None
         engine = cluster.node(cluster.decode_urls[0]).engine
         steps: list[tuple[float, list[tuple[int, int]], int]] = []  # D's step ends: when, prefill chunks, decodes
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+        async with httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             orch = app.state.gateway.orchestrator
             samples: list[tuple[int, int, float, float]] = []  # tokens, context, learned seconds, own TTFT
             ttft: list[float] = []
@@ -552,12 +546,11 @@ async def test_clients_that_leave_mid_answer_free_their_decode_slots() -> None:
     import anyio
     from kvtether.gateway.turn.body import has_first_token
 
-    spec = ClusterSpec(prefill=1, decode=1, speed=1.0, kv_recompute_threshold=4, kv_lease_duration=3600.0)
-    async with SimCluster(spec) as cluster:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="auto",
-                          metrics_poll_interval_s=0.5, min_reuse_tokens=4, learn_estimates=False)
-        app = create_app(cfg)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+    gateway = {"metrics_poll_interval_s": 0.5, "min_reuse_tokens": 4, "learn_estimates": False}
+    async with sim_stack(stack_spec(speed=1.0, **RIG_SIM), "auto", gateway=gateway, calibrated=False) as stack:
+        cluster, url, app = stack.cluster, stack.url, stack.app
+        assert cluster is not None
+        async with httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             d = app.state.gateway.orchestrator.sv.cluster.nodes[cluster.decode_urls[0]]
             long = {"min_tokens": 3000, "ignore_eos": True, "max_tokens": 3000}
 

@@ -9,16 +9,13 @@ from typing import Any
 
 import httpx
 import pytest
+from kvtether.cli.simstack import sim_stack
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.config import load_config
 from kvtether.gateway.policy.reasons import SERIES
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
-from kvtether.sim.cluster import ClusterSpec, SimCluster
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.gateway_agent import chat, first_messages, next_messages, request_body
-from tests.support.sim_rig import LIMITS, SPEED
+from tests.support.sim_rig import LIMITS, RIG_SIM, stack_spec
 
 pytestmark = pytest.mark.anyio
 
@@ -48,13 +45,11 @@ def decisions(text: str) -> dict[tuple[str, str], float]:
 async def test_each_planned_turn_counts_its_option_and_reason(policy: str) -> None:
     settings, suffixes, want = RUNS[policy]
     provider, exporter = T.in_memory_provider()
-    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0,
-                       prefill_prefix_caching=False)
-    async with SimCluster(spec) as cluster:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy=policy,
-                          metrics_poll_interval_s=0.5, **settings)
-        app = create_app(cfg, tracer_provider=provider)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+    spec = stack_spec(prefill_prefix_caching=False, **RIG_SIM)
+    async with sim_stack(spec, policy, gateway={"metrics_poll_interval_s": 0.5, **settings}, calibrated=False,
+                         tracer_provider=provider) as stack:
+        url = stack.url
+        async with httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             before = decisions((await client.get(f"{url}/metrics")).text)
             actions, answered = [], []
             messages = first_messages(70)

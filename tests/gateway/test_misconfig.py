@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from kvtether.gateway.config import ConfigError, load_config
+from kvtether.cli.simstack import sim_stack
+from kvtether.gateway.config import ConfigError, GatewayConfig, load_config
 from kvtether.gateway.shell.app import create_app
 from kvtether.gateway.shell.server import serve_gateway
-from kvtether.sim.cluster import ClusterSpec, SimCluster
 
-from tests.support.sim_rig import LIMITS, SPEED
+from tests.support.sim_rig import LIMITS, stack_spec
 
 
 def test_a_node_url_ending_in_v1_is_refused_with_the_root_url_to_give() -> None:
@@ -28,17 +28,15 @@ def test_a_missing_decode_node_names_both_ways_out() -> None:
 
 @pytest.mark.anyio
 async def test_a_kvtether_gateway_given_as_a_node_is_taken_out_with_a_reason() -> None:
-    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED)
-    async with SimCluster(spec) as cluster, httpx.AsyncClient(timeout=30, limits=LIMITS) as client:
-        inner = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls,
-                            metrics_poll_interval_s=0.5)
-        async with serve_gateway(inner, app=create_app(inner)) as inner_url:
-            outer = load_config(None, prefill=[inner_url], decode=cluster.decode_urls, metrics_poll_interval_s=0.5)
-            async with serve_gateway(outer, app=create_app(outer)) as url:
-                ready = await client.get(f"{url}/ready")
-                assert ready.status_code == 503
-                [p] = [n for n in ready.json()["nodes"] if n["role"] == "prefill"]
-                assert not p["healthy"] and "is a kvtether gateway, not a vLLM server" in p["last_error"]
+    # The inner gateway is a simulated stack's; the outer one, misconfigured, is the subject.
+    async with sim_stack(stack_spec(), GatewayConfig().policy, gateway={"metrics_poll_interval_s": 0.5},
+                         calibrated=False) as inner, httpx.AsyncClient(timeout=30, limits=LIMITS) as client:
+        outer = load_config(None, prefill=[inner.url], decode=inner.urls["decode"], metrics_poll_interval_s=0.5)
+        async with serve_gateway(outer, app=create_app(outer)) as url:
+            ready = await client.get(f"{url}/ready")
+            assert ready.status_code == 503
+            [p] = [n for n in ready.json()["nodes"] if n["role"] == "prefill"]
+            assert not p["healthy"] and "is a kvtether gateway, not a vLLM server" in p["last_error"]
 
 
 @pytest.mark.anyio

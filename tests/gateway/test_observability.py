@@ -14,15 +14,14 @@ from typing import Any
 
 import httpx
 import pytest
+from kvtether.cli.simstack import sim_stack
 from kvtether.gateway import telemetry as T
-from kvtether.gateway.config import load_config
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
-from kvtether.sim.cluster import ClusterSpec, SimCluster
+from kvtether.sim.cluster import SimCluster
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.gateway_agent import MODEL, chat, first_messages, next_messages, request_body
+from tests.support.sim_rig import RIG_SIM, stack_spec
 from tests.support.upstream_hooks import on_send
 
 pytestmark = pytest.mark.anyio
@@ -51,14 +50,12 @@ def _samples(text: str) -> dict[str, float]:
 
 
 @contextlib.asynccontextmanager
-async def _gateway(**gw: Any) -> AsyncIterator[tuple[str, Any, Any, SimCluster]]:
+async def _gateway() -> AsyncIterator[tuple[str, Any, Any, SimCluster]]:
     provider, exporter = T.in_memory_provider()
-    spec = ClusterSpec(prefill=1, decode=2, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0)
-    async with SimCluster(spec) as cluster:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="pull", **gw)
-        app = create_app(cfg, tracer_provider=provider)
-        async with serve_gateway(cfg, app=app) as url:
-            yield url, app, exporter, cluster
+    async with sim_stack(stack_spec(decode=2, speed=SPEED, **RIG_SIM), "pull", calibrated=False,
+                         tracer_provider=provider) as stack:
+        assert stack.cluster is not None
+        yield stack.url, stack.app, exporter, stack.cluster
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,12 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from kvtether.cli.simstack import HYBRID, sim_stack
 from kvtether.gateway.config import load_config
 from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
-from kvtether.sim.cluster import ClusterSpec, SimCluster
 
 from tests.support.gateway_agent import chat, comparable, first_messages, next_messages, request_body
-from tests.support.sim_rig import LIMITS, SPEED, metric
+from tests.support.sim_rig import LIMITS, metric, stack_spec
 
 pytestmark = pytest.mark.anyio
 
@@ -42,18 +41,17 @@ async def _p2p(client: httpx.AsyncClient, url: str) -> float:
 
 
 async def test_a_session_on_a_pool_runs_local_then_disaggregated_then_local_and_its_handle_is_released() -> None:
-    spec = ClusterSpec(prefill=0, decode=0, aggregated=3, speed=SPEED, kv_recompute_threshold=4,
-                       kv_lease_duration=2.0)
-    async with SimCluster(spec) as cluster, SimCluster(ClusterSpec(prefill=0, decode=0, aggregated=1,
-                                                                    speed=SPEED)) as oracle:
+    spec = stack_spec(aggregated=3, kv_recompute_threshold=4, kv_lease_duration=2.0)
+    gateway = {"metrics_poll_interval_s": 0.5, "pool_max_local_suffix_tokens": 256, "min_reuse_tokens": 4,
+               "learn_estimates": False,
+               # Local turns leave a handle of their whole sequence, so the long turn's prefill reads
+               # all of the history the first turn's prefill instance does not already cache.
+               "local_turn_handles": False}
+    async with sim_stack(spec, HYBRID, gateway=gateway, calibrated=False, oracle=True) as stack:
+        cluster, url, oracle = stack.cluster, stack.url, stack.oracle
+        assert cluster is not None
         nodes = cluster.aggregated_urls
-        cfg = load_config(None, nodes=nodes, policy="auto", metrics_poll_interval_s=0.5,
-                          pool_max_local_suffix_tokens=256, min_reuse_tokens=4, learn_estimates=False,
-                          # Local turns leave a handle of their whole sequence, so the long turn's prefill reads
-                          # all of the history the first turn's prefill instance does not already cache.
-                          local_turn_handles=False)
-        app = create_app(cfg)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+        async with httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             ready = (await client.get(f"{url}/ready")).json()
             assert {n["role"] for n in ready["nodes"]} == {"both"} and ready["mode"] == "pd"
             h = {"x-session-id": "pool-1"}
@@ -69,7 +67,7 @@ async def test_a_session_on_a_pool_runs_local_then_disaggregated_then_local_and_
                 body = {**request_body(messages, stream=turn % 2 == 1), "tool_choice": "required"}
                 seen: dict[str, str] = {}
                 got = await chat(client, url, body, h, response_headers=seen)
-                want = await chat(client, oracle.aggregated_urls[0], {**body, "stream": False}, clean=False)
+                want = await chat(client, oracle, {**body, "stream": False}, clean=False)
                 assert comparable(got) == comparable(want), f"turn {turn} differs from the oracle"
                 served = {u for u in nodes if await _prompt_tokens(client, u) > before[u] + 100}
                 sessions = (await client.get(f"{url}/admin/sessions")).json()
@@ -105,13 +103,11 @@ async def test_a_session_on_a_pool_runs_local_then_disaggregated_then_local_and_
 
 
 async def test_a_pool_of_one_serves_every_turn_itself() -> None:
-    spec = ClusterSpec(prefill=0, decode=0, aggregated=1, speed=SPEED, kv_recompute_threshold=4)
-    async with SimCluster(spec) as cluster:
-        (node,) = cluster.aggregated_urls
-        cfg = load_config(None, nodes=[node], policy="auto", metrics_poll_interval_s=0.5, learn_estimates=False,
-                          pool_max_local_suffix_tokens=256)
-        app = create_app(cfg)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+    gateway = {"metrics_poll_interval_s": 0.5, "learn_estimates": False, "pool_max_local_suffix_tokens": 256}
+    async with sim_stack(stack_spec(aggregated=1, kv_recompute_threshold=4), HYBRID, gateway=gateway,
+                         calibrated=False) as stack:
+        url, (node,) = stack.url, stack.urls["aggregated"]
+        async with httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             messages: list[dict[str, Any]] = first_messages(61)
             for turn, words in enumerate((10, 600, 10)):
                 seen: dict[str, str] = {}
@@ -187,14 +183,13 @@ async def test_a_turn_that_would_break_a_running_answers_tpot_waits_for_it_to_en
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    spec = ClusterSpec(prefill=0, decode=0, aggregated=1, speed=1.0, kv_recompute_threshold=4)
-    async with SimCluster(spec) as cluster:
-        (node,) = cluster.aggregated_urls
-        cfg = load_config(None, nodes=[node], policy="auto", metrics_poll_interval_s=0.5, learn_estimates=False,
-                          tpot_budget_s=0.01, seed_prefill_overhead_s=0.2, seed_tpot_base_s=0.001,
-                          seed_tpot_s_per_seq=1e-4, tuning={"interference_weight": 0.0}, defer_max_s=defer_max_s)
-        app = create_app(cfg, tracer_provider=provider)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+    gateway = {"metrics_poll_interval_s": 0.5, "learn_estimates": False, "tpot_budget_s": 0.01,
+               "seed_prefill_overhead_s": 0.2, "seed_tpot_base_s": 0.001, "seed_tpot_s_per_seq": 1e-4,
+               "tuning": {"interference_weight": 0.0}, "defer_max_s": defer_max_s}
+    async with sim_stack(stack_spec(aggregated=1, speed=1.0, kv_recompute_threshold=4), HYBRID, gateway=gateway,
+                         calibrated=False, tracer_provider=provider) as stack:
+        url, app, (node,) = stack.url, stack.app, stack.urls["aggregated"]
+        async with httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             histories = {}
             for s, seed in (("x", 63), ("y", 64)):
                 first = first_messages(seed)

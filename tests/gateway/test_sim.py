@@ -13,13 +13,11 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from kvtether.gateway.config import GatewayConfig, load_config
+from kvtether.cli.simstack import sim_stack
+from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.nodes.cluster import sample_sum
-from kvtether.gateway.shell.app import create_app
-from kvtether.gateway.shell.server import serve_gateway
 from kvtether.gateway.stores import FailSafeStore, MemorySessionStore
 from kvtether.gateway.stores.sessions import TakenHandle
-from kvtether.sim.cluster import ClusterSpec, SimCluster
 
 from tests.support.gateway_agent import (
     MODEL,
@@ -29,7 +27,7 @@ from tests.support.gateway_agent import (
     next_messages,
     request_body,
 )
-from tests.support.sim_rig import LIMITS, SPEED, metric, outcome, p2p_tokens, rig, run_session
+from tests.support.sim_rig import LIMITS, RIG_SIM, metric, outcome, p2p_tokens, rig, run_session, stack_spec
 
 pytestmark = pytest.mark.anyio
 
@@ -361,11 +359,9 @@ async def test_spans_per_request_and_leg() -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    spec = ClusterSpec(prefill=1, decode=1, speed=SPEED, kv_recompute_threshold=4, kv_lease_duration=3600.0)
-    async with SimCluster(spec) as cluster:
-        cfg = load_config(None, prefill=cluster.prefill_urls, decode=cluster.decode_urls, policy="pull")
-        app = create_app(cfg, tracer_provider=provider)
-        async with serve_gateway(cfg, app=app) as url, httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
+    async with sim_stack(stack_spec(**RIG_SIM), "pull", calibrated=False, tracer_provider=provider) as stack:
+        url = stack.url
+        async with httpx.AsyncClient(timeout=60, limits=LIMITS) as client:
             messages = first_messages(30)
             h = {"x-session-id": "traced", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
             for turn in range(2):
