@@ -26,6 +26,9 @@ from kvtether.gateway.policy.tail import TailTracker
 log = logging.getLogger(__name__)
 
 STEP_ARRIVALS = 16  # chunk arrivals kept per leg to find the step before its first chunk
+# A prefill the gateway has not seen end this long after it was admitted was abandoned without a word (its turn's
+# end forgets it in any case): the gateway's own bound on a prefill leg (prefill_timeout_s) by default.
+UNSEEN_PREFILL_FORGOTTEN_S = 600.0
 
 
 class NodeFacts(Protocol):
@@ -79,8 +82,10 @@ class Learning:
         self.tail = TailTracker(knobs.tail_quantile)
         # Per prefill node: tokens of new KV it took in (what evicts its older cached blocks; copies.py).
         self.prefill_written: dict[str, int] = {}
-        # Per node: the prefills admitted there that still run beside its decodes (stallquota.RunningPrefill).
-        self.running_prefills: dict[str, list[SQ.RunningPrefill]] = {}
+        # Per node: the prefills admitted there that still run beside its decodes (stallquota.RunningPrefill), by
+        # key, until the shell sees each end (prefill_seen), and when each was admitted.
+        self.running_prefills: dict[str, dict[int, tuple[float, SQ.RunningPrefill]]] = {}
+        self._running_keys = itertools.count()
 
     # ---- what planning reads ---------------------------------------------------------------------
 
@@ -112,25 +117,48 @@ class Learning:
 
     def prefills_running(self, now: float) -> tuple[tuple[str, float, float, float], ...]:
         """The prefills still running beside decodes, per node: (url, seconds until each should end, its whole
-        run, its stall), for the policy (TurnFacts.running_prefills)."""
+        run, its stall), for the policy (TurnFacts.running_prefills). One runs until the shell sees it end, even
+        past its estimated end (stallquota.RunningPrefill.as_of)."""
         out = []
         for url, runs in list(self.running_prefills.items()):
-            live = [r for r in runs if r.ends_at > now]
-            if live:
-                self.running_prefills[url] = live
-            else:
+            for key, (admitted, r) in list(runs.items()):
+                if now - admitted > UNSEEN_PREFILL_FORGOTTEN_S:
+                    del runs[key]
+                else:
+                    r = r.as_of(now)  # unseen past its estimated end: it is still running
+                    out.append((url, r.ends_at - now, r.duration_s, r.stall_s))
+            if not runs:
                 del self.running_prefills[url]
-            out += [(url, r.ends_at - now, r.duration_s, r.stall_s) for r in live]
         return tuple(out)
 
+    def prefill_seen(self, running: tuple[str, int] | None) -> None:
+        """The shell saw a prefill :meth:`admitted` end (the local turn's first token, the prefill leg's answer),
+        or its turn failed or was placed anew: it stalls nobody any more. Seeing one again is harmless."""
+        if running is None:
+            return
+        url, key = running
+        runs = self.running_prefills.get(url)
+        if runs is not None:
+            runs.pop(key, None)
+            if not runs:
+                del self.running_prefills[url]
+
     def planned(self, p: Plan, now: float | None = None) -> float:
+        """:meth:`admitted`'s stall, for a caller that will not see the prefill end (it is then forgotten only
+        after ``UNSEEN_PREFILL_FORGOTTEN_S``)."""
+        return self.admitted(p, now)[0]
+
+    def admitted(self, p: Plan, now: float | None = None) -> tuple[float, tuple[str, int] | None]:
         """A plan about to run; returns the stall seconds it charges the requests decoding where it prefills
-        (a decode-local turn's D, a pool instance running its prefill leg).
+        (a decode-local turn's D, a pool instance running its prefill leg), and the key of the prefill it leaves
+        running there for answers placed beside it (None: none), which the shell reports ended
+        (:meth:`prefill_seen`) when it sees it end.
 
         Called without an await between planning and this, so two turns planned at once on the same D cannot
         both take the last of its quotas."""
         d = p.decision
         stall = 0.0
+        running: tuple[str, int] | None = None
         if d is not None:
             # A decode-local turn stalls its D; a P/D turn whose prefill leg runs on a pool instance stalls
             # that instance's decodes.
@@ -146,10 +174,12 @@ class Learning:
                 # decodes there now: on an idle instance, the next request placed there is the one it stalls.
                 run = chosen.ttft_s if p.action is HandleAction.DECODE_LOCAL else chosen.arrive_s
                 if run > 0.0 and math.isfinite(run):
-                    self.running_prefills.setdefault(where, []).append(SQ.RunningPrefill(now + run, run, beside))
+                    key = next(self._running_keys)
+                    self.running_prefills.setdefault(where, {})[key] = (now, SQ.RunningPrefill(now + run, run, beside))
+                    running = (where, key)
         if d is not None and not d.forced:
             self.tail.observe(d.estimates_s.get(d.option, math.inf))
-        return stall
+        return stall, running
 
     def prefill_done(self, node: str, prompt_tokens: int, cached: int, seconds: float, *, now: float,
                      load: tuple[float, float], pulled_tokens: int, pulled_from: str | None) -> None:
@@ -188,7 +218,8 @@ class Learning:
         step = self.estimator.snapshot(now).tpot_s(node, max(1.0, running))
         key = next(self._exposure_keys)
         # What the prefills already running there will still stall it counts against its quota from the start.
-        pending = SQ.pending_s(self.running_prefills.get(node, ()), now + max(0.0, starts_in_s))
+        pending = SQ.pending_s((r.as_of(now) for _, r in self.running_prefills.get(node, {}).values()),
+                               now + max(0.0, starts_in_s))
         self.exposures.setdefault(node, {})[key] = SQ.Exposure(
             SQ.quota_s(share, expected_output_tokens, step, self.knobs.tpot_budget_s), pending)
         return key

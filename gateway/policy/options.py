@@ -102,10 +102,14 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     compute = c.est.prefill_s(d.url, n, cached)
     # Chunked prefill: each of its steps also decodes the running batch, so it cannot beat that step time.
     steps = math.ceil(n / c.knobs.chunk_tokens)
-    ttft = c.est.queue_s(d.url, d.waiting) + max(compute, steps * c.est.tpot_s(d.url, d.decoding + 1))
+    # It is computed after the prefills already running on D (other sessions' local turns, prefill legs on a pool
+    # instance), for as long as the gateway has not seen them end; D's polled queue may count the same requests
+    # (those not yet scheduled), so the larger of the two stands for the wait.
+    wait = max(c.est.queue_s(d.url, d.waiting), turn.prefill_backlog(d.url))
+    ttft = wait + max(compute, steps * c.est.tpot_s(d.url, d.decoding + 1))
     stall, interference, over = prefill_stall(d, n, cached, steps, turn.stall_credit(d.url, pinned), c)
     priced = now and c.knobs.arrival_weight > 0.0  # off: not computed, so no reason names it
-    blocks = blocked_s(d.arrivals, c.est.queue_s(d.url, d.waiting), ttft) if priced else 0.0
+    blocks = blocked_s(d.arrivals, wait, ttft) if priced else 0.0
     interference += c.knobs.arrival_weight * blocks
     base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall,
                           beside_stall_s=beside_stall(d, n, cached, steps, c), tail_s=tail_term(ttft, turn, c),

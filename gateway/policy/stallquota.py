@@ -71,17 +71,47 @@ def quota_s(share: float, answer_tokens: int, step_s: float, tpot_objective_s: f
 class RunningPrefill:
     """A prefill admitted on a node and still running there (a decode-local turn, or a pool instance's prefill
     leg), as placed: when it should end (the caller's clock), how long it runs in all, and the stall it spreads
-    over the requests decoding beside it."""
+    over the requests decoding beside it.
+
+    It runs until the gateway sees it end (the local turn's first token, the prefill leg's answer), not until
+    its estimate says so (:meth:`as_of`)."""
 
     ends_at: float
     duration_s: float
     stall_s: float
 
+    def as_of(self, now: float) -> RunningPrefill:
+        """Itself as known at `now`, still unseen: past its estimated end by `x`, it was underestimated by at least
+        that, and with nothing else known as much again is the median of what remains (the Copernican estimate).
+        So it is expected to end `x` after `now`, its whole run to last ``duration_s + 2x``, and its stall to
+        keep its rate over that run."""
+        x = now - self.ends_at
+        if x <= 0.0:
+            return self
+        if self.duration_s <= 0.0:
+            return replace(self, ends_at=now + x)
+        run = self.duration_s + 2.0 * x
+        return RunningPrefill(now + x, run, self.stall_s * run / self.duration_s)
+
+    def remaining_share(self, at: float) -> float:
+        """The share of its run still to come at `at`."""
+        if self.duration_s <= 0.0:
+            return 0.0 if at >= self.ends_at else 1.0
+        return min(1.0, max(0.0, (self.ends_at - at) / self.duration_s))
+
     def remaining_s(self, at: float) -> float:
         """The part of its stall still to come at `at` (spread evenly over its run)."""
-        if self.duration_s <= 0.0:
-            return 0.0 if at >= self.ends_at else self.stall_s
-        return self.stall_s * min(1.0, max(0.0, (self.ends_at - at) / self.duration_s))
+        return self.stall_s * self.remaining_share(at)
+
+    def remaining_run_s(self, at: float) -> float:
+        """The seconds of its run still to come at `at`: what a prefill admitted after it on its node waits."""
+        return self.duration_s * self.remaining_share(at)
+
+
+def backlog_s(prefills: Iterable[RunningPrefill], at: float = 0.0) -> float:
+    """The prefill work still running on a node at `at`: a prefill admitted there then is computed after it
+    (vLLM's scheduler gives each step's token budget to the requests already running first)."""
+    return sum(p.remaining_run_s(at) for p in prefills)
 
 
 def pending_s(prefills: Iterable[RunningPrefill], at: float) -> float:

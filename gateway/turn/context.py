@@ -92,6 +92,9 @@ class Placement:
     # (decode node, key) of the turn's entry in D's per-request TPOT quotas, held from this placement to the
     # answer's end (Services.enter_decoding / leave_decoding); None: no quotas kept.
     exposure: tuple[str, int] | None = None
+    # The prefill it left running beside a node's decodes (a decode-local turn's, or a prefill leg's on a pool
+    # instance), which the policy counts until the leg is seen to end (Learning.prefill_seen); None: none.
+    running: tuple[str, int] | None = None
 
     def load_at_plan(self, node: str) -> tuple[float, float]:
         """(running, waiting) of `node` as the plan saw it: what this leg queued behind."""
@@ -316,3 +319,5 @@ class Services:
         anew). Leaving an entry again is harmless: its key is never reused."""
         if placed is not None and placed.exposure is not None:
             self.learning.done_decoding(*placed.exposure)
+        if placed is not None:
+            self.learning.prefill_seen(placed.running)

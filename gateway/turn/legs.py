@@ -130,6 +130,8 @@ async def prefill(sv: Services, ctx: TurnContext, progress: Progress, placed: Pl
         raise
     finally:
         sv.cluster.end(node, prefill=True)
+        if placed.running is not None and placed.running[0] == node:
+            sv.learning.prefill_seen(placed.running)  # its KV is ready (or the leg failed): it runs no more
         span.end()
 
 
@@ -182,6 +184,8 @@ async def final_leg(sv: Services, ctx: TurnContext, progress: Progress, leg: Fin
                 await sresp.aclose()
         raise
     sv.cluster.mark_ok(node)
+    if leg.placed.running is not None and leg.placed.running[0] == node:
+        sv.learning.prefill_seen(leg.placed.running)  # a local prefill: its first token (or whole answer) is here
     if sresp is None:
         result = LegResult(ok=True, usage=data.get("usage"), ttft=sv.clock() - ctx.t0)
         _read_whole(data, result)

@@ -164,8 +164,11 @@ class Orchestrator:
         turn (whose TPOT-quota entry it leaves), and assumes what gather found of the prefix caches and the load
         view the plan saw (what the legs queued behind). `waited_s`: see Placer.place (a first placement only;
         a re-placement after a failed node never waits)."""
-        the_plan, view, exposure = self.placer.place(ctx, turn, progress.exclude, progress.placed, waited_s)
-        placed = Placement(the_plan, view, found.decode_cached, found.prefill_cached, exposure)
+        the_plan, view, exposure, running = self.placer.place(ctx, turn, progress.exclude, progress.placed,
+                                                              waited_s)
+        if progress.placed is not None:  # the placement replaced runs no prefill any more
+            self.sv.learning.prefill_seen(progress.placed.running)
+        placed = Placement(the_plan, view, found.decode_cached, found.prefill_cached, exposure, running)
         progress.placed = placed
         log.debug("plan %s: %s", ctx.session_id, the_plan.reason)
         return placed

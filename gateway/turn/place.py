@@ -50,9 +50,11 @@ class Placer:
         return self._rr - 1
 
     def place(self, ctx: TurnContext, turn: Turn, exclude: set[str], replacing: Placement | None,
-              waited_s: float | None = None) -> tuple[Plan, ClusterView, tuple[str, int] | None]:
-        """The turn's plan, the load view it was made on, and its entry in D's TPOT quotas (`replacing`'s left),
-        with the nodes found failing (`exclude`) left out. `waited_s`: the turn may wait for a limit to clear,
+              waited_s: float | None = None) -> tuple[Plan, ClusterView, tuple[str, int] | None,
+                                                      tuple[str, int] | None]:
+        """The turn's plan, the load view it was made on, its entry in D's TPOT quotas (`replacing`'s left) and
+        the prefill it leaves running beside a node's decodes until seen to end (Learning.admitted), with the
+        nodes found failing (`exclude`) left out. `waited_s`: the turn may wait for a limit to clear,
         having waited that long already; raises Deferred (nothing charged) when it should wait more."""
         sv = self.sv
         now = sv.clock()
@@ -77,7 +79,7 @@ class Placer:
                 T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_DEFERS: True,
                                    T.ATTR_PLAN_DEFERRED_S: wait, T.ATTR_PLAN_REASON: p.reason})
             else:
-                self._placed(span, turn, p, now, waited_s)
+                running = self._placed(span, turn, p, now, waited_s)
         if wait > 0.0:
             raise Deferred(wait)
         # From here the answer is headed for D: a local prefill admitted before its first token still runs on into
@@ -86,14 +88,16 @@ class Placer:
         held = sv.cluster.nodes.get(p.decode)
         T.set_attrs(ctx.span, {T.ATTR_PLAN_ACTION: p.action.value, T.ATTR_PLAN_REASON: p.reason,
                                T.ATTR_DECODE_HELD_KV_TOKENS: held.held_kv_tokens if held is not None else None})
-        return p, view, exposure
+        return p, view, exposure, running
 
-    def _placed(self, span: trace.Span, turn: Turn, p: Plan, now: float, waited_s: float | None) -> None:
-        """The plan that runs: counted, told to the learning, on its span (with the wait before it, if any)."""
+    def _placed(self, span: trace.Span, turn: Turn, p: Plan, now: float,
+                waited_s: float | None) -> tuple[str, int] | None:
+        """The plan that runs: counted, told to the learning, on its span (with the wait before it, if any); the
+        prefill it leaves running, if any."""
         if waited_s:
             self._deferred(p, waited_s)
             span.set_attribute(T.ATTR_PLAN_DEFERRED_S, waited_s)
-        self._count(p, now)
+        running = self._count(p, now)
         if p.re_placed:
             # The session leaves its node: counted by why (a draining or vanished node, a failed one, rebalancing).
             moved = self.sv.cluster.move_reason(turn.pinned_decode)
@@ -106,17 +110,19 @@ class Placer:
                            T.ATTR_PREFILL: p.prefill, T.ATTR_DECODE: p.decode,
                            T.ATTR_HANDLE_OUTCOME: p.handle_outcome, T.ATTR_REUSE_TOKENS: p.reuse_tokens,
                            T.ATTR_RE_PLACED: p.re_placed})
+        return running
 
-    def _count(self, p: Plan, now: float) -> None:
+    def _count(self, p: Plan, now: float) -> tuple[str, int] | None:
         """The decision told to the learning (the estimated stall of a decode-local turn, or of a prefill leg on a
         pool instance) as of `now`, the clock the plan was made on, and counted by its action and reason bucket."""
         sv = self.sv
-        stall = sv.learning.planned(p, now)
+        stall, running = sv.learning.admitted(p, now)
         sv.metrics.placement_decisions.labels(p.action.value, p.bucket).inc()
         if p.decision is not None and p.action is HandleAction.DECODE_LOCAL:
             sv.metrics.decode_stall.labels(p.decode).inc(stall)
         elif p.prefill is not None and stall > 0.0:
             sv.metrics.decode_stall.labels(p.prefill).inc(stall)
+        return running
 
     def _deferred(self, p: Plan, waited_s: float) -> None:
         """A turn placed after waiting for a limit to clear: counted by whether it then ran within the limits."""

@@ -207,15 +207,20 @@ def test_a_prefill_placed_is_remembered_while_it_runs_and_charged_to_answers_pla
                 stall_credits=((B, learning.quota_credit(B).credit_s, learning.quota_credit(B).quota_s),))
     p = plan(turn, ClusterView(ps, ds), MOE, KNOBS)
     assert p.prefill == B
-    stall = learning.planned(p, now=100.0)
+    stall, running = learning.admitted(p, now=100.0)
     (url, ends_in, run, charged), = learning.prefills_running(100.0)
     assert url == B and charged == pytest.approx(stall) and ends_in == pytest.approx(run) and run > 0
     # An answer placed on B halfway through starts with half that stall already against its quota.
     key = learning.decoding(B, 512, 4.0, now=100.0 + run / 2, share=1.0)
     assert key is not None
     assert learning.exposures[B][key].absorbed_s == pytest.approx(stall / 2)
-    # Once it has ended it is forgotten.
-    assert learning.prefills_running(100.0 + run + 0.001) == ()
+    # Past its estimated end, not seen to end, it still runs: expected to end as much later as it overran.
+    (url, ends_in, _, _), = learning.prefills_running(100.0 + run + 0.25)
+    assert url == B and ends_in == pytest.approx(0.25)
+    # Once seen to end it is forgotten.
+    learning.prefill_seen(running)
+    assert learning.prefills_running(100.0 + run + 0.25) == ()
+    learning.prefill_seen(running)  # seen again (the turn's end): harmless
 
 
 def test_a_prefill_on_an_idle_instance_is_remembered_for_the_answers_placed_beside_it() -> None:
@@ -230,11 +235,14 @@ def test_a_prefill_on_an_idle_instance_is_remembered_for_the_answers_placed_besi
     assert learning.planned(p, now=100.0) == 0.0  # nobody decoding on B to charge
     (url, ends_in, run, beside), = learning.prefills_running(100.0)
     assert url == B and beside > 0 and ends_in == pytest.approx(run)
-    # A short answer of another session pinned to B, placed now: its local turn would decode beside the leg.
+    # A short answer of another session pinned to B, placed now: its local prefill is computed after the leg,
+    # so its first token comes after the leg's end (and nothing of the leg's stall is left for its answer).
     short = history_turn(8000, 100, expected_output_tokens=6, running_prefills=learning.prefills_running(100.0))
     knobs = replace(KNOBS, tpot_budget_s=0.025)
     local = next(o for o in choose(short, B, ps, ds, MOE, knobs).options if o.option == "decode_local")
-    assert not local.feasible and f"prefills running on {B} would stall this answer" in local.why_not
+    unaware = next(o for o in choose(replace(short, running_prefills=()), B, ps, ds, MOE, knobs).options
+                   if o.option == "decode_local")
+    assert local.feasible and local.ttft_s == pytest.approx(unaware.ttft_s + run)
     # Placed anyway (forced), its quota starts with the leg's stall still to come when its first token is due.
     key = learning.decoding(B, 6, 1.0, now=100.0, share=1.0, starts_in_s=run / 2)
     assert key is not None

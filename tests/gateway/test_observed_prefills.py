@@ -1,0 +1,71 @@
+"""Prefills the auto policy counts as running on a node end when the gateway sees them end (the local turn's
+first token, the prefill leg's answer), not when their estimate says so."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from tests.support.gateway_agent import chat, first_messages, next_messages, request_body
+from tests.support.sim_rig import rig
+
+pytestmark = pytest.mark.anyio
+
+_AUTO = {"policy": "auto", "min_reuse_tokens": 4, "learn_estimates": False}
+
+
+async def test_a_local_prefill_runs_on_d_until_its_first_token_is_seen_not_until_its_estimate_ends() -> None:
+    """Session x's local turn hangs on D before its first token. Its estimate put the end of its prefill within a
+    fraction of a second; seconds later the gateway still counts it running there (expected to run as much again
+    as it has overrun), so a local turn placed on D meanwhile is planned behind it. Once x's leg has ended (the
+    gateway gives up on D at its read timeout and retries x through P), nothing of it is left."""
+    async with rig(**_AUTO, request_stall_share=0.5, read_timeout_s=3.0) as r:
+        histories = {}
+        for s, seed in (("x", 63), ("y", 64)):
+            first = first_messages(seed)
+            got = await chat(r.client, r.url, request_body(first, stream=False, max_tokens=10), {"x-session-id": s})
+            histories[s] = next_messages(first, got, seed, 0, result_words=10)
+        orch = r.gw.orchestrator
+        learning, clock = orch.learning, orch.sv.clock
+        d = r.cluster.decode_urls[0]
+        await r.client.post(f"{d}/admin/fault", json={"hang_next": 1})
+        async with anyio.create_task_group() as tg:
+            async def hung_turn() -> None:
+                with anyio.move_on_after(30):
+                    await r.client.post(f"{r.url}/v1/chat/completions", headers={"x-session-id": "x"},
+                                        json=request_body(histories["x"], stream=False, max_tokens=10))
+
+            tg.start_soon(hung_turn)
+            for _ in range(200):  # x is placed locally (D idle) and hangs there before its first token
+                if learning.running_prefills.get(d):
+                    break
+                await anyio.sleep(0.01)
+            [(url, _, run, _)] = learning.prefills_running(clock())
+            assert url == d and 0.0 < run < 1.0, run
+            await anyio.sleep(run + 1.0)  # well past its estimated end, and not seen to end
+            [(url, ends_in, _, _)] = learning.prefills_running(clock())
+            assert url == d and ends_in >= 1.0, "an unseen prefill past its estimate counts as running for its overrun"
+            # y's local turn planned now is computed after x's prefill, whose end is not seen yet.
+            plan = orch.placer.place
+            seen: list[float] = []
+
+            def spy(*args: object, **kw: object) -> object:
+                out = plan(*args, **kw)  # type: ignore[arg-type]
+                decision = out[0].decision
+                if decision is not None:
+                    seen.extend(o.ttft_s for o in decision.options if o.option == "decode_local")
+                return out
+
+            orch.placer.place = spy
+            try:
+                await chat(r.client, r.url, request_body(histories["y"], stream=False, max_tokens=10),
+                           {"x-session-id": "y"})
+            finally:
+                orch.placer.place = plan
+            assert seen and seen[0] >= 1.0, f"y's local option ignored the prefill running on D: {seen}"
+            tg.cancel_scope.cancel()  # x's client gives up
+        for _ in range(500):  # the gateway gives up on D at its read timeout and retries x through P
+            if not learning.running_prefills and not learning.exposures:
+                break
+            await anyio.sleep(0.02)
+        assert learning.prefills_running(clock()) == ()
