@@ -139,7 +139,7 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
     decode_times = DecodeTimes()
     t0, cpu0 = time.perf_counter(), time.process_time()
     speed = 1.0 if st.virtual else st.speed
-    async with option_gateway(option, shape, speed, False, decode_times, st.tpot_ms) as (url, model):
+    async with option_gateway(option, shape, speed, False, decode_times, st.tpot_ms, st.ttft_ms) as (url, model):
         opts = ReplayOptions(arrivals="trace", rate=rate, time_scale=speed, model=model, history="live",
                              timeout_s=300.0, session_suffix="" if st.virtual else new_session_suffix())
         run = await run_replay(sessions, url, opts, clock_ns=loop_clock_ns() if st.virtual else now_ns)

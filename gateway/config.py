@@ -150,6 +150,9 @@ class GatewayConfig:
     pool_max_local_suffix_tokens: int | None = _KNOBS.pool_max_local_suffix_tokens
     # Requests decoding on D must keep their mean inter-token time under this, local prefill stall included.
     tpot_budget_s: float = _KNOBS.tpot_budget_s
+    # The TTFT objective served to (seconds; None: none): auto's look-ahead never trades a turn's TTFT past it
+    # while an option within it exists.
+    ttft_objective_s: float | None = None
     # Each request decoding on a decode node may lose at most this share of its expected decode time to
     # decode-local prefills (policy/stallquota.py): about the TPOT increase local turns may cost it. 1 turns
     # decode-local turns' stall limit off. 0.15: TPOT p95 within +6 % of classic P/D on GLM-5 paced over three
@@ -331,6 +334,8 @@ class GatewayConfig:
                               "chunk_tokens >= 1")
         if self.tpot_budget_s <= 0:
             raise ConfigError("tpot_budget_s must be > 0")
+        if self.ttft_objective_s is not None and not self.ttft_objective_s > 0:
+            raise ConfigError("ttft_objective_s must be > 0")
         if not 0.0 < self.held_kv_budget <= 1.0:
             raise ConfigError("held_kv_budget must be in (0, 1] (a share of a decode node's KV; 1 = no budget)")
         if self.retention_interval_s <= 0 or self.release_concurrency < 1:

@@ -85,7 +85,8 @@ def _simulate(err: Console, f: AssessFlags, options: Sequence[str], inputs: Inpu
     --goodput, the sweep after."""
     settings = RunSettings(speed=1.0 if f.virtual else f.speed, virtual=f.virtual, concurrency=concurrency,
                            think_scale=f.think_scale,
-                           max_think_ms=f.max_think_ms, tpot_objective_ms=f.tpot_slo if f.tpot_slo > 0 else None)
+                           max_think_ms=f.max_think_ms, tpot_objective_ms=f.tpot_slo if f.tpot_slo > 0 else None,
+                           ttft_objective_ms=f.ttft_slo if f.ttft_slo > 0 else None)
     runs: dict[str, list[TurnTiming]] = {}
     tpots: dict[str, list[float]] = {}
     t0 = time.monotonic()

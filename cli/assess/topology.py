@@ -72,6 +72,7 @@ class RunSettings:
     # speed it has measured; learning from this process's timings would teach it the machine's load instead.
     learn_estimates: bool = False
     tpot_objective_ms: float | None = None  # what auto holds decode-local turns to (None: the gateway's default)
+    ttft_objective_ms: float | None = None  # what auto's look-ahead never trades a turn past (None: none)
     # Closed loop (the sessions as recorded together) or open loop: each session at its start offset ÷ rate.
     arrivals: Arrivals = "closed"
     rate: float = 1.0
@@ -94,17 +95,21 @@ def option_stack_spec(shape: ClusterShape, speed: float) -> StackSpec:
 @asynccontextmanager
 async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_estimates: bool = True,
                          decode_times: DecodeTimes | None = None,
-                         tpot_objective_ms: float | None = None) -> AsyncIterator[tuple[str, str]]:
+                         tpot_objective_ms: float | None = None,
+                         ttft_objective_ms: float | None = None) -> AsyncIterator[tuple[str, str]]:
     """A fresh simulated stack of `shape` for `option` (simstack); yields (URL, model name). The gateway keeps
     the shape's held-KV budget and polls its nodes every 0.5 s; `learn_estimates` off keeps the calibrated seeds.
     `decode_times`, when given, watches the nodes that decode (decode and aggregated). `tpot_objective_ms`: the
-    TPOT objective (simulated ms) the auto policy holds decode-local turns to (its tpot_budget_s)."""
+    TPOT objective (simulated ms) the auto policy holds decode-local turns to (its tpot_budget_s);
+    `ttft_objective_ms`: the TTFT objective its look-ahead never trades a turn past (its ttft_objective_s)."""
     settings: dict[str, float | bool] = {
         "held_kv_budget": shape.held_kv_budget if shape.held_kv_budget is not None else 1.0,
         "metrics_poll_interval_s": 0.5, "learn_estimates": learn_estimates}
     if tpot_objective_ms and option != COLOCATED:
         # The gateway runs on the real clock, the engines at `speed`: a simulated objective is 1/speed of it.
         settings["tpot_budget_s"] = tpot_objective_ms / 1000.0 / speed
+    if ttft_objective_ms and option != COLOCATED:
+        settings["ttft_objective_s"] = ttft_objective_ms / 1000.0 / speed
     async with sim_stack(option_stack_spec(shape, speed), option, gateway=settings) as stack:
         if decode_times is not None and stack.cluster is not None:
             decode_times.watch_decoding(stack.cluster)
@@ -133,7 +138,7 @@ async def run_option(option: str, sessions: Sequence[SessionRecord], shape: Clus
     )
     decode_times = DecodeTimes()
     async with option_gateway(option, shape, settings.speed, settings.learn_estimates, decode_times,
-                              settings.tpot_objective_ms) as (url, model):
+                              settings.tpot_objective_ms, settings.ttft_objective_ms) as (url, model):
         opts.model = model
         run = await run_replay(sessions, url, opts, on_result,
                                clock_ns=loop_clock_ns() if settings.virtual else now_ns)

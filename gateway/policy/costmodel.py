@@ -124,6 +124,10 @@ def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs) -> tuple[OptionEst
     """The cheapest feasible option, what it would be without the look-ahead, and whether it was forced (over
     a limit, because nothing else could run the turn)."""
     feasible = [o for o in opts if o.feasible]
+    objective = knobs.ttft_objective_s
+    if objective is not None and any(o.ttft_s <= objective for o in feasible):
+        # The look-ahead's trade stops at the TTFT objective: options over it go only when none is within it.
+        feasible = [o for o in feasible if o.ttft_s <= objective]
     pick = min(feasible, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
     greedy: Option | None = None
     if pick is not None and knobs.horizon_turns > 0:
@@ -153,6 +157,10 @@ def _reason(pick: OptionEstimate, opts: Sequence[OptionEstimate], turn: TurnFact
         detail.append("next turn " + ", ".join(f"{o.option} {o.horizon_s:.3f}s" for o in feasible))
     if greedy is not None and greedy != pick.option:
         detail.append(f"horizon: {pick.option} over greedy {greedy}")
+    objective = c.knobs.ttft_objective_s
+    over = [o.option for o in feasible if objective is not None and o.ttft_s > objective]
+    if objective is not None and over and pick.ttft_s <= objective:
+        detail.append(f"held to the TTFT objective {objective:.3f}s: {', '.join(over)} over it")
     facts = [f"suffix {turn.suffix_tokens} tok", f"reuse {turn.reuse_tokens if turn.handle_valid else 0} tok"]
     d = c.decode(pick.decode_url)
     if d is not None:

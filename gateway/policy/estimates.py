@@ -5,7 +5,10 @@ whose *shape* comes from configuration and whose *scale* is learned:
 
 - prefill seconds  ``t = a + b·tokens + c·pairs`` with ``pairs = tokens·(context + tokens/2)``, the number
   of (query, key) pairs causal attention touches when ``tokens`` new tokens follow ``context`` cached ones;
-- transfer seconds ``t = latency + tokens·s_per_token`` (a NIXL read of ``tokens`` tokens' KV);
+- transfer seconds ``t = latency + tokens·s_per_token`` (a NIXL read of ``tokens`` tokens' KV), times what
+  transfers of that size took against it (:func:`size_class`): one fit is pinned by the many short reads of
+  ordinary turns, while a long history's read meets limits they do not (the NIC's message rate over its
+  thousands of descriptors, other reads on the link), so a 60k-token read is estimated from 60k-token reads;
 - decode step seconds (TPOT) ``t = base + per_seq·batch``;
 - queue seconds ``t = per_request·ahead`` (requests ahead of a new one on that node).
 
@@ -233,6 +236,43 @@ def features(kind: Kind, size: float, context: float = 0.0) -> tuple[float, ...]
     return (float(size),)
 
 
+SIZE_CLASSES = 8  # transfer sizes told apart: < 1k tokens, then one per doubling, 64k and up the last
+
+
+def size_class(tokens: float) -> int:
+    """The size class of a transfer of `tokens` tokens: 0 below 1,024, then one per doubling, capped."""
+    if tokens < 1024:
+        return 0
+    return min(SIZE_CLASSES - 1, int(math.log2(tokens / 1024.0)) + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class SizeClass:
+    """What transfers of one size class took: decayed, weighted sums of log(seconds) and log(tokens) (the same
+    decay as the fits: per sample and over time). Read against the linear fit as it is now (:meth:`factor`), so
+    that as the fit learns from the same reads, the class does not count their excess twice."""
+
+    log_seconds: float
+    log_tokens: float
+    weight: float
+    updated_at: float
+
+    def decayed(self, now: float, params: LearningParams, extra: float = 1.0) -> SizeClass:
+        f = extra * 0.5 ** (max(0.0, now - self.updated_at) / params.half_life_s)
+        return SizeClass(self.log_seconds * f, self.log_tokens * f, self.weight * f, max(now, self.updated_at))
+
+    def factor(self, params: LearningParams, linear: Sequence[float]) -> float:
+        """Its reads' (geometric) mean time over what the linear fit `linear` says of their (geometric) mean
+        size, trusted as a fit is: in proportion to its weight up to min_weight."""
+        if self.weight <= 0.0:
+            return 1.0
+        said = _dot(linear, features("transfer", math.exp(self.log_tokens / self.weight)))
+        if not said > 0.0:
+            return 1.0
+        trust = min(1.0, self.weight / params.min_weight) if params.min_weight > 0 else 1.0
+        return math.exp(trust * (self.log_seconds / self.weight - math.log(said)))
+
+
 def link_key(a: str, b: str) -> str:
     """Transfers are learned per pair of nodes, either direction (same NICs, same path)."""
     return f"{a}|{b}" if a <= b else f"{b}|{a}"
@@ -251,6 +291,8 @@ class EstimatorSnapshot:
         default_factory=lambda: MappingProxyType({})
     )
     weights: Mapping[str, Mapping[str, float]] = field(default_factory=lambda: MappingProxyType({}))
+    # Per link key (or "*"), per size class: what transfers of that size took over the linear fit (1: as it says).
+    transfer_sizes: Mapping[str, Mapping[int, float]] = field(default_factory=lambda: MappingProxyType({}))
 
     def coeffs(self, kind: Kind, key: str) -> tuple[float, ...]:
         """The node's own fit, else the cluster-wide one, else the seed."""
@@ -272,7 +314,22 @@ class EstimatorSnapshot:
     def transfer_s(self, src: str, dst: str, tokens: int) -> float:
         if tokens <= 0 or src == dst:
             return 0.0
+        return self.linear_transfer_s(src, dst, tokens) * self.size_factor(link_key(src, dst), tokens)
+
+    def linear_transfer_s(self, src: str, dst: str, tokens: int) -> float:
+        """The linear fit's transfer time alone, whatever transfers of that size took."""
+        if tokens <= 0 or src == dst:
+            return 0.0
         return _dot(self.coeffs("transfer", link_key(src, dst)), features("transfer", tokens))
+
+    def size_factor(self, link: str, tokens: int) -> float:
+        """What transfers of this size took over the linear fit: the link's own, else the cluster's, else 1."""
+        cls = size_class(tokens)
+        for key in (link, GLOBAL):
+            factor = self.transfer_sizes.get(key, {}).get(cls)
+            if factor is not None:
+                return factor
+        return 1.0
 
     def tpot_s(self, node: str, batch: float) -> float:
         return _dot(self.coeffs("tpot", node), features("tpot", max(1.0, batch)))
@@ -305,6 +362,8 @@ class Estimator:
         # Per kind, its part of the last snapshot and the `now` it was computed for: a sample changes one kind,
         # so the next snapshot recomputes that kind's fits and reuses the others' (SNAPSHOT_REUSE_S).
         self._parts: dict[Kind, tuple[float, Mapping[str, tuple[float, ...]], Mapping[str, float]]] = {}
+        # Per link key (and "*"), per size class: what transfers of that size took (SizeClass).
+        self._sizes: OrderedDict[str, dict[int, SizeClass]] = OrderedDict()
 
     def __len__(self) -> int:
         """Number of fits held (all kinds, "*" included): bounded by 4 × (max_keys + 1)."""
@@ -328,9 +387,27 @@ class Estimator:
             self._observe("prefill", node, features("prefill", tokens, context), seconds, now)
 
     def observe_transfer(self, src: str, dst: str, tokens: int, seconds: float, *, now: float) -> None:
-        """Moving the KV of `tokens` tokens between `src` and `dst` took `seconds`."""
-        if tokens > 0 and src != dst:
-            self._observe("transfer", link_key(src, dst), features("transfer", tokens), seconds, now)
+        """Moving the KV of `tokens` tokens between `src` and `dst` took `seconds`: taught to the link's linear
+        fit and to its size class."""
+        if tokens <= 0 or src == dst:
+            return
+        said = self.snapshot(now).transfer_s(src, dst, tokens)
+        key = link_key(src, dst)
+        self._observe("transfer", key, features("transfer", tokens), seconds, now)
+        if not (math.isfinite(seconds) and seconds > 0 and said > 0):
+            return
+        f = self.params.outlier_factor  # one stalled read moves a class by a bounded step, as a fit's
+        log_seconds = math.log(min(said * f, max(said / f, seconds)))
+        cls = size_class(tokens)
+        keep = 1.0 - self.params.alpha
+        for k in (key, GLOBAL):
+            classes = self._sizes.pop(k, None) or {}
+            old = classes.get(cls, SizeClass(0.0, 0.0, 0.0, now)).decayed(now, self.params, keep)
+            classes[cls] = SizeClass(old.log_seconds + log_seconds, old.log_tokens + math.log(tokens),
+                                     old.weight + 1.0, old.updated_at)
+            self._sizes[k] = classes  # re-inserted last: most recent
+        while len(self._sizes) > self.params.max_keys + 1:
+            del self._sizes[next(k for k in self._sizes if k != GLOBAL)]
 
     def observe_tpot(self, node: str, batch: float, seconds: float, *, now: float) -> None:
         """One decode step on `node` with `batch` running sequences took `seconds` (inter-token time)."""
@@ -377,7 +454,14 @@ class Estimator:
                 part = (now, *self._compute_kind(kind, now))
                 self._parts[kind] = part
             coefficients[kind], weights[kind] = part[1], part[2]
-        snap = EstimatorSnapshot(self.seeds, MappingProxyType(coefficients), MappingProxyType(weights))
+        transfer = coefficients["transfer"]
+        fallback = transfer.get(GLOBAL, self.seeds.coefficients("transfer"))
+        sizes = {key: MappingProxyType({cls: c.decayed(now, self.params).factor(self.params,
+                                                                                transfer.get(key, fallback))
+                                        for cls, c in classes.items()})
+                 for key, classes in self._sizes.items()}
+        snap = EstimatorSnapshot(self.seeds, MappingProxyType(coefficients), MappingProxyType(weights),
+                                 MappingProxyType(sizes))
         self._snapshot = (now, snap)
         return snap
 

@@ -28,6 +28,10 @@ class PolicyKnobs:
     # Running requests on D must keep a mean inter-token time under this over their next
     # `tpot_window_tokens`, local prefill stall included: a typical interactive TPOT objective.
     tpot_budget_s: float = 0.100
+    # The TTFT objective the operator serves to (None: none set). The look-ahead may trade this turn's TTFT for
+    # the next turn's, but not past the objective when an option within it exists: a turn that misses its
+    # objective is lost to goodput whatever the next one gains.
+    ttft_objective_s: float | None = None
     # vLLM's kv_recompute_threshold: P recomputes rather than pulls fewer tokens, so "pull" would be cold.
     recompute_threshold_tokens: int = 64
     # The gateway's handle TTL (below the engine's decoder_kv_blocks_ttl, 480 s).
@@ -95,6 +99,8 @@ class PolicyKnobs:
     holdback_weight: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.ttft_objective_s is not None and not self.ttft_objective_s > 0:
+            raise ValueError("ttft_objective_s must be > 0")
         if not 0 <= self.horizon_turns <= MAX_HORIZON_TURNS:
             raise ValueError(f"horizon_turns must be in [0, {MAX_HORIZON_TURNS}]")
         if not 0.0 <= self.horizon_discount <= 1.0:

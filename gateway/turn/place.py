@@ -190,6 +190,7 @@ def policy_knobs(config: GatewayConfig) -> PolicyKnobs:
     return PolicyKnobs(
         max_local_suffix_tokens=config.max_local_suffix_tokens,
         pool_max_local_suffix_tokens=config.pool_max_local_suffix_tokens, tpot_budget_s=config.tpot_budget_s,
+        ttft_objective_s=config.ttft_objective_s,
         recompute_threshold_tokens=config.min_reuse_tokens, handle_ttl_s=config.session_ttl_s,
         block_size=config.block_size or 16, chunk_tokens=config.chunk_tokens,
         rebalance_decode=config.rebalance_decode, local_kv_veto=config.decode_pressure_usage,

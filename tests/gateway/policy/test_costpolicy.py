@@ -197,6 +197,24 @@ def test_horizon_changes_a_borderline_decision() -> None:
     assert calm.option == "decode_local", calm.reason
 
 
+def test_a_ttft_objective_stops_the_look_ahead_from_pushing_a_turn_past_it() -> None:
+    # The borderline turn above: the look-ahead pulls now for the next turn's sake, at a higher TTFT than the
+    # local turn's. With a TTFT objective between the two, the pull would miss it: the local turn runs.
+    turn = history_turn(20000, 700, next_suffix_tokens=3000, handle_age_s=444.0)
+    decodes = (d(D0), d(D1))
+    ahead = choose(turn, D0, (p(P0),), decodes, SNAP, knobs(horizon_turns=1))
+    local_s, pull_s = ahead.estimates_s["decode_local"], ahead.estimates_s["pull"]
+    assert ahead.option == "pull" and local_s < pull_s
+    objective = (local_s + pull_s) / 2
+    held = choose(turn, D0, (p(P0),), decodes, SNAP, knobs(horizon_turns=1, ttft_objective_s=objective))
+    assert held.option == "decode_local", held.reason
+    assert f"held to the TTFT objective {objective:.3f}s: pull, cold over it" in held.reason
+    # Within reach of both, or of neither, the objective changes nothing.
+    for loose in (2 * pull_s, local_s / 2):
+        same = choose(turn, D0, (p(P0),), decodes, SNAP, knobs(horizon_turns=1, ttft_objective_s=loose))
+        assert same.option == "pull", same.reason
+
+
 def test_tail_weight_keeps_a_tail_turn_off_a_slower_move() -> None:
     """A long tool result whose TTFT is already in the tail: moving it to a lighter D (which lacks the
     history) saves decode time but adds TTFT. Without the tail term the balance wins; with it, every second
