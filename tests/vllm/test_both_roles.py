@@ -12,6 +12,9 @@ What a pool of such instances rests on, each checked on vLLM itself:
   instance's used blocks are back at its baseline but for the one-block lease of the release it served, and
   at its baseline once that lease runs out.
 
+Through the gateway, the same pair serves as a pool of two, and as a mixed cluster: one instance a dedicated
+prefill node, the other a pool instance.
+
 Marker `vllm` (its folder) and `vllm_first`: it starts its own pair before the shared one exists.
 """
 
@@ -28,8 +31,11 @@ import httpx
 import pytest
 from kvtether.cli.up.command import running_cluster
 from kvtether.cli.up.launcher import plan_cluster
+from kvtether.gateway.telemetry import HEADER_PLAN, HEADER_PLAN_REASON, HEADER_REUSE_SOURCE, HEADER_REUSE_TOKENS
+from kvtether.protocol.contract import FINAL_HEADER, SESSION_HEADER
 
 from tests.support.vllm_blocks import Blocks, block_size, release, total_blocks
+from tests.support.vllm_chat import answer_mismatch, body, chat_answer, chat_prompt, first_messages, words
 from tests.support.vllm_fixtures import (
     M_CACHED_BY_SOURCE,
     Backend,
@@ -225,3 +231,121 @@ async def test_the_gateway_runs_a_session_on_a_pool_local_then_disaggregated_the
         for u, b in used.items():
             after = await b.until(baseline[u], within_s=90.0)
             assert after == baseline[u], f"{u} still uses {after - baseline[u]} blocks more after the session"
+
+
+# A mixed cluster: one instance as a dedicated prefill node, the other as the only pool instance. The first turn
+# (over the local limit) is prefilled on P and decoded on the pool instance; a short follow-up runs there alone; a
+# long one (its new part over the limit) is prefilled on P, which reads the held history it lacks from the pool
+# instance; the last short turn ends the session. Turn 1's prompt ends between MIXED_TAIL and one block short of
+# a block boundary, so that P's own prefix cache (whole blocks) lacks at least MIXED_TAIL tokens of the history:
+# above vLLM's kv_recompute_threshold (64), so P reads them even though the tiny model's answer rarely re-tokenizes
+# to its own ids (the guard cuts the handle a few tokens past turn 1's prompt).
+MIXED_LIMIT = 256
+MIXED_TAIL = 72
+MIXED_USER_WORDS = (0, 12, 320, 12)  # new user words per turn (turn 1's are its task, sized for the tail)
+MIXED_STREAM = (False, True, False, True)  # a P/D turn leaves a handle only when not streamed (vLLM 0.32)
+
+
+async def _aligned_first_messages(client: httpx.AsyncClient, b: Backend, tag: str, block: int) -> list[dict[str, Any]]:
+    """Turn 1's messages, its task grown a word at a time until the prompt is over MIXED_LIMIT and ends at least
+    MIXED_TAIL tokens (and a few short of the next boundary) into a block."""
+    messages = first_messages(tag)
+    for n in range(40, 40 + block):
+        messages[1]["content"] = "Task: " + words(f"task-{tag}", n)
+        size = len(await chat_prompt(client, b, messages))
+        if size > MIXED_LIMIT + block and MIXED_TAIL <= size % block <= block - 8:
+            return messages
+    raise AssertionError(f"no task length puts turn 1's prompt {MIXED_TAIL}+ tokens into a block of {block}")
+
+
+async def _counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """An instance's prompt-token counters: all it was sent, what it computed, and what it read from another."""
+    return {"prompt": await metric_sum(client, url, "vllm:prompt_tokens"),
+            "computed": await metric_sum(client, url, "vllm:prompt_tokens_by_source", source="local_compute"),
+            "p2p": await p2p(client, url)}
+
+
+async def test_a_mixed_cluster_prefills_long_turns_on_its_prefill_node_and_keeps_the_session_on_the_pool(
+        both: Backend) -> None:
+    """The gateway with one instance as a dedicated prefill node (``prefill``) and the other as a pool instance
+    (``nodes``), under ``auto``: the pool instance decodes the session and keeps its history, so a short follow-up
+    runs there with no request to P; a long follow-up is prefilled on P, which reads from the pool instance the
+    history its own prefix cache lacks (the reverse pull) and computes only what follows it, and the pool instance
+    decodes it. Chat turns, streamed and not; every answer is greedy decoding of its prompt; once the session's
+    final turn is answered its handle is released and the pool instance is back at its baseline blocks."""
+    p_url, home = both.prefill_url, both.decode_url
+    ref = roles(both, p_url, home)  # renders and answers the reference on P
+    async with gateway(both, prefill=[p_url], nodes=[home], policy="auto", pool_max_local_suffix_tokens=MIXED_LIMIT,
+                       learn_estimates=False) as r:
+        ready = {n["url"].rstrip("/"): n["role"] for n in (await r.client.get(r.url + "/ready")).json()["nodes"]}
+        assert ready == {p_url.rstrip("/"): "prefill", home.rstrip("/"): "both"}, ready
+        used = {u: Blocks(r.client, u, await total_blocks(r.client, u)) for u in (p_url, home)}
+        baseline = {u: await b.used() for u, b in used.items()}
+        block = await block_size(r.client, p_url)
+        tag = f"mixed-{uuid.uuid4().hex[:6]}"
+        messages = await _aligned_first_messages(r.client, ref, tag, block)
+        prompts: list[list[int]] = []
+        answers: list[tuple[list[dict[str, Any]], list[int]]] = []
+        heads: list[dict[str, str]] = []
+        moved: list[dict[str, dict[str, float]]] = []  # per turn, each instance's counters' increase
+        pins: list[str | None] = []
+        text = ""
+        for turn, (n_words, stream) in enumerate(zip(MIXED_USER_WORDS, MIXED_STREAM, strict=True)):
+            if turn:
+                messages = [*messages, {"role": "assistant", "content": text},
+                            {"role": "user", "content": f"Result {turn}: " + words(f"u-{tag}-{turn}", n_words)}]
+            last = turn == len(MIXED_USER_WORDS) - 1
+            hdr = {SESSION_HEADER: tag, **({FINAL_HEADER: "true"} if last else {})}
+            prompts.append(await chat_prompt(r.client, ref, messages))
+            before = {u: await _counters(r.client, u) for u in (p_url, home)}
+            got = await chat_answer(r.client, r.url, body(both.model, messages, stream=stream), hdr)
+            after = {u: await _counters(r.client, u) for u in (p_url, home)}
+            moved.append({u: {k: after[u][k] - before[u][k] for k in after[u]} for u in after})
+            heads.append({k: got.headers.get(k, "") for k in (HEADER_PLAN, HEADER_PLAN_REASON, HEADER_REUSE_SOURCE,
+                                                               HEADER_REUSE_TOKENS)})
+            sessions = (await r.client.get(f"{r.url}/admin/sessions")).json()
+            pins.append(sessions[0]["decode"] if sessions else None)
+            answers.append((messages, got.ids))
+            text = got.text
+
+        # The session ended with its final turn: the gateway forgot it and released its handle through P, so the
+        # pool instance is back at its baseline at once (well before the engine's own retention would run out);
+        # P keeps the one-block lease of the release it served (30 s).
+        assert pins[-1] is None, "the session outlived its final turn"
+        got_home = await used[home].until(baseline[home], within_s=20.0)
+        got_p = await used[p_url].used()
+
+        plans = [h[HEADER_PLAN] for h in heads]
+        sources = [h[HEADER_REUSE_SOURCE] for h in heads]
+        reasons = [h[HEADER_PLAN_REASON] for h in heads]
+        assert pins[:3] == [home] * 3, pins
+        # Turn 1, over the local limit and new: cold on P, decoded on the pool instance, which read the prompt from P.
+        assert (plans[0], reasons[0], sources[0]) == ("none", "first_turn", "none"), heads
+        assert moved[0][p_url]["computed"] == len(prompts[0]), moved
+        assert moved[0][home]["p2p"] > 0, moved
+        # Turns 2 and 4, short: decode-local on the pool instance (the pull possible but dearer), which computes
+        # only what its prefix cache lacks of the history it keeps. Nothing reaches P during turn 2 (turn 4's end
+        # sends P the release).
+        for t in (1, 3):
+            assert (plans[t], reasons[t], sources[t]) == ("decode_local", "local_cheapest", "decode_local"), heads
+            assert moved[t][home]["p2p"] == 0, moved
+            assert moved[t][home]["computed"] < len(prompts[t]) - len(prompts[t - 1]) + block, (moved, prompts)
+        assert moved[1][p_url] == {"prompt": 0, "computed": 0, "p2p": 0}, moved
+        # Turn 3, its new part over the limit: prefilled on P with the held handle. P read from the pool instance
+        # what its own prefix cache (turn 1's prompt in whole blocks) lacks of the handle and computed only what
+        # follows it; the pool instance read back only what its own prefix cache lacks, and decoded.
+        assert plans[2] in ("attach", "truncate") and reasons[2] == "pull_cheapest", heads
+        assert sources[2] == "decode_pull", heads
+        # The handle reaches at least turn 1's prompt (but its last token, should the answer's first token merge
+        # with the generation prompt when re-rendered), so P read at least MIXED_TAIL - 1 tokens.
+        reuse = int(heads[2][HEADER_REUSE_TOKENS])
+        assert len(prompts[0]) - 1 <= reuse < len(prompts[2]), (reuse, [len(p) for p in prompts])
+        assert moved[2][p_url]["p2p"] == reuse - len(prompts[0]) // block * block >= MIXED_TAIL - 1, (moved, reuse)
+        assert moved[2][p_url]["computed"] == len(prompts[2]) - reuse, (moved, reuse)
+        assert 0 < moved[2][home]["p2p"] < len(prompts[2]) - len(prompts[1]) + 2 * block, (moved, prompts)
+        assert moved[2][home]["computed"] < block, moved
+        assert got_home == baseline[home], f"the pool instance holds {got_home - baseline[home]} blocks more"
+        assert baseline[p_url] <= got_p <= baseline[p_url] + 1, f"P holds {got_p - baseline[p_url]} blocks more"
+        for msgs, ids in answers:
+            why = await answer_mismatch(r.client, ref, msgs, ids)
+            assert why is None, f"an answer differs from greedy decoding of its prompt: {why}"
