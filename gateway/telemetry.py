@@ -166,7 +166,7 @@ M_NODE_HEALTHY = "kvtether_node_healthy"
 M_NODES = "kvtether_nodes"
 NODE_STATES = ("joining", "ready", "draining", "out")
 M_SESSION_MOVES = "kvtether_session_moves_total"
-MOVE_REASONS = ("draining", "gone", "unhealthy", "rebalance")
+MOVE_REASONS = ("draining", "gone", "unhealthy", "rebalance", "kv_pressure")
 # P/D plans by option (the plan's action) and reason (a bucket of its reason text: policy/reasons.py BUCKETS).
 M_PLACEMENT_DECISIONS = "kvtether_placement_decisions_total"
 M_DEFERRED_TURNS = "kvtether_deferred_turns_total"

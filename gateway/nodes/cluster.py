@@ -296,14 +296,17 @@ class Cluster:
             self._changed(Change(node.url, node.role, DRAINING, None))
 
     def move_reason(self, pinned: str | None) -> str:
-        """Why a session leaves its node `pinned`: draining, gone (no longer in the view), unhealthy, or
-        rebalance (the node serves, the policy moved the pin to a lighter one)."""
+        """Why a session leaves its node `pinned`: draining, gone (no longer in the view), unhealthy, kv_pressure
+        (the node serves, short of memory: its KV usage at decode_pressure_usage), or rebalance (the node serves,
+        the policy moved the pin to a lighter one)."""
         node = self.nodes.get(pinned or "")
         if node is None:
             return "gone"
         if node.state == DRAINING:
             return "draining"
-        return "rebalance" if node.healthy else "unhealthy"
+        if not node.healthy:
+            return "unhealthy"
+        return "kv_pressure" if node.kv_usage >= self.config.decode_pressure_usage else "rebalance"
 
     def role(self, role: str) -> list[Node]:
         """The nodes that serve `role`: a pool instance ("both") serves prefill and decode."""

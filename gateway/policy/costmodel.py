@@ -148,12 +148,14 @@ def _reason(pick: OptionEstimate, opts: Sequence[OptionEstimate], turn: TurnFact
     head = f"auto -> {pick.option}" + (" (forced)" if forced else "") + ": "
     head += " < ".join(f"{o.option} {o.score_s:.3f}s" for o in feasible) or "no option within limits"
     detail = []
-    if any(o.interference_s or o.horizon_s or o.balance_s or o.tail_s for o in feasible):
+    if any(o.interference_s or o.horizon_s or o.balance_s or o.tail_s or o.pressure_s for o in feasible):
         detail.append("ttft " + ", ".join(f"{o.option} {o.ttft_s:.3f}s" for o in feasible))
         detail += [f"{o.option} interference {o.interference_s:.3f}s" for o in feasible if o.interference_s]
         detail += [f"{o.option} holds up arriving turns {o.blocks_s:.3f}s" for o in feasible if o.blocks_s]
         detail += [f"{o.option} on {o.decode_url} balance {o.balance_s:.3f}s" for o in feasible if o.balance_s]
         detail += [f"{o.option} tail {o.tail_s:.3f}s (over {turn.ttft_tail_s:.3f}s)" for o in feasible if o.tail_s]
+        detail += [f"{o.option} on {o.decode_url} preemption risk {o.pressure_s:.3f}s" for o in feasible
+                   if o.pressure_s]
         detail.append("next turn " + ", ".join(f"{o.option} {o.horizon_s:.3f}s" for o in feasible))
     if greedy is not None and greedy != pick.option:
         detail.append(f"horizon: {pick.option} over greedy {greedy}")

@@ -160,6 +160,9 @@ class OptionEstimate:
     # add to the pinned D's (negative when the other D is lighter; 0 on the pinned D). See _balance_s.
     balance_s: float = 0.0
     tail_s: float = 0.0  # tail_weight × the estimated TTFT above the tail threshold (see PolicyKnobs)
+    # P/D: what decoding on a D short of memory risks (options.preemption_risk_s): the answer preempted and its
+    # prompt recomputed there, times the likelihood.
+    pressure_s: float = 0.0
     # P/D: seconds until D gets the request (P queue + read + prefill) and of D's read of what it lacks: where
     # the turn will need D (the shell records them as the turn's arrival on D). decode_local: how long its own
     # prefill step holds D up for turns arriving meanwhile (in interference_s, weighted by arrival_weight).
@@ -172,7 +175,7 @@ class OptionEstimate:
 
     @property
     def score_s(self) -> float:
-        return self.ttft_s + self.interference_s + self.horizon_s + self.balance_s + self.tail_s
+        return self.ttft_s + self.interference_s + self.horizon_s + self.balance_s + self.tail_s + self.pressure_s
 
 
 @dataclass(frozen=True, slots=True)

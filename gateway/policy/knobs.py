@@ -83,6 +83,10 @@ class PolicyKnobs:
     # next turn; the probability rises linearly to 1 at full usage (vLLM evicts free blocks only when no free
     # block is left, so below ~80 % usage nothing cached is lost between two turns).
     evict_kv_usage_knee: float = 0.8
+    # Seconds of score one expected second of recompute is worth when an answer decodes on a D short of memory
+    # (options.preemption_risk_s: above the knee, vLLM may preempt it and recompute its prompt). 1: as TTFT, what
+    # moves a pool session off an instance short of memory; 0: off.
+    preemption_weight: float = 1.0
     # Tail-aware objective: every second of an option's estimated TTFT above the `tail_quantile` of recent
     # turns' estimates costs `tail_weight` seconds more, so a turn already in the tail (a long tool result) is
     # not moved to a lighter D that lacks its history. 3 on GLM-5 paced, three session sets against 0: late

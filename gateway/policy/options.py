@@ -113,7 +113,7 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     interference += c.knobs.arrival_weight * blocks
     base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall,
                           beside_stall_s=beside_stall(d, n, cached, steps, c), tail_s=tail_term(ttft, turn, c),
-                          blocks_s=blocks)
+                          pressure_s=preemption_risk_s(turn, d, c), blocks_s=blocks)
     if d.kv_usage >= c.knobs.local_kv_veto:
         return replace(base, feasible=False, soft=True,
                        why_not=f"D's KV usage {d.kv_usage:.2f} >= {c.knobs.local_kv_veto:g}: a local prefill may "
@@ -235,7 +235,8 @@ def pd_option(option: Option, turn: TurnFacts, p: NodeLoad, d: NodeLoad, holder:
     balance = balance_term(turn, d, pinned, c) if pinned is not None else 0.0
     est = OptionEstimate(option, True, "", False, ttft, interference, 0.0, p.url, d.url, reuse, computed,
                          pulled + back_tokens, stall, beside_stall_s=beside, balance_s=balance,
-                         tail_s=tail_term(ttft, turn, c), arrive_s=arrive, d_read_s=d_read)
+                         tail_s=tail_term(ttft, turn, c), pressure_s=preemption_risk_s(turn, d, c),
+                         arrive_s=arrive, d_read_s=d_read)
     over = over or answer_stalled(turn, d, ttft, c)
     return replace(est, feasible=False, soft=True, why_not=over) if over else est
 
@@ -271,14 +272,17 @@ def cheapest(cands: Iterable[OptionEstimate]) -> OptionEstimate | None:
     pool = list(cands)
     within = [o for o in pool if o.feasible] or [o for o in pool if o.soft]
     # Ties: staying before moving, then the configuration's order (the candidates come in it; min keeps the first).
-    return min(within, key=lambda o: (o.ttft_s + o.interference_s + o.balance_s + o.tail_s, o.balance_s != 0.0),
-               default=None)
+    return min(within, key=lambda o: (o.ttft_s + o.interference_s + o.balance_s + o.tail_s + o.pressure_s,
+                                      o.balance_s != 0.0), default=None)
 
 
 def decode_choices(pinned: NodeLoad, c: Nodes) -> tuple[NodeLoad, ...]:
     """Where a P/D turn of a session pinned to `pinned` may decode: there, or (rebalancing on) any D. A session
-    on a pool instance stays there unless that instance is overloaded against the pool (`pool_overloaded`)."""
-    if not c.knobs.rebalance_decode or (pinned.both and not pool_overloaded(pinned, c)):
+    on a pool instance stays there unless that instance is overloaded against the pool (`pool_overloaded`) or
+    short of memory (`kv_pressed`); even then it moves only when the move is cheaper (the KV follows it: the
+    prefill leg pulls the history, the new instance reads the prompt)."""
+    if not c.knobs.rebalance_decode or (pinned.both and not pool_overloaded(pinned, c)
+                                        and not kv_pressed(pinned, c)):
         return (pinned,)
     return (pinned, *(d for d in c.decodes if d.url != pinned.url))
 
@@ -291,6 +295,25 @@ def pool_overloaded(home: NodeLoad, c: Nodes) -> bool:
     lightest = min((decode_load(d) for d in c.decodes if d.both), default=decode_load(home))
     load = decode_load(home)
     return load - lightest > c.knobs.pool_balance_abs and load > c.knobs.pool_balance_rel * lightest
+
+
+def kv_pressed(d: NodeLoad, c: Nodes) -> bool:
+    """Whether D is short of memory: its KV usage at the mark where a local prefill there is vetoed."""
+    return d.kv_usage >= c.knobs.local_kv_veto
+
+
+def preemption_risk_s(turn: TurnFacts, d: NodeLoad, c: Nodes) -> float:
+    """What decoding this turn's answer on `d` risks when `d`'s memory runs short, in TTFT-seconds.
+
+    vLLM preempts a running request when a decode step cannot get a block, the most recently scheduled first
+    (this answer, likely), and recomputes its whole sequence when it is scheduled again. So the expected cost is
+    the prompt's prefill on `d` times the likelihood that its blocks run out: ~0 below the usage knee where
+    cached-but-free blocks still cover new ones, rising linearly to 1 at full usage (:func:`keep_probability`'s
+    complement). What moves a session off an instance short of memory, and keeps a move away from another."""
+    risk = (1.0 - keep_probability(d, c)) * c.knobs.preemption_weight
+    if risk <= 0.0:
+        return 0.0
+    return risk * c.est.prefill_s(d.url, turn.prompt_tokens + turn.expected_output_tokens)
 
 
 def decode_load(d: NodeLoad) -> float:

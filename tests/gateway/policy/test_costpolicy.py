@@ -284,8 +284,8 @@ def test_a_local_turn_that_keeps_a_handle_leaves_the_next_turn_a_whole_history_p
     assert local.horizon_s == pytest.approx(pull.horizon_s), marked.reason
     short = history_turn(20000, 400, local_keeps_handle=True)
     empty = choose(short, D0, (p(P0),), (d(D0, kv_usage=0.2),), SNAP, knobs())
-    # The KV-pressure veto off: the look-ahead's eviction term alone.
-    full = choose(short, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP, knobs(local_kv_veto=1.0))
+    # The KV-pressure veto and the preemption risk off: the look-ahead's eviction term alone.
+    full = choose(short, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP, knobs(local_kv_veto=1.0, preemption_weight=0.0))
     assert next(o for o in full.options if o.option == "decode_local").horizon_s == pytest.approx(
         next(o for o in empty.options if o.option == "decode_local").horizon_s)
 
@@ -295,7 +295,8 @@ def test_horizon_accounts_for_eviction_risk_on_full_decode() -> None:
     # is likely gone by the next turn, so the look-ahead costs a local turn more than on an empty D.
     turn = history_turn(20000, 400)
     empty = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.2),), SNAP, knobs())
-    full = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP, knobs(local_kv_veto=1.0))  # veto off
+    full = choose(turn, D0, (p(P0),), (d(D0, kv_usage=0.99),), SNAP,
+                  knobs(local_kv_veto=1.0, preemption_weight=0.0))  # the veto and the preemption risk off
     assert full.scores_s["decode_local"] > empty.scores_s["decode_local"]
     assert full.scores_s["pull"] == pytest.approx(empty.scores_s["pull"])
 

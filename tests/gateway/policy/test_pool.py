@@ -8,7 +8,10 @@ import math
 from dataclasses import replace
 from typing import Any
 
+import httpx
 import pytest
+from kvtether.gateway.config import load_config
+from kvtether.gateway.nodes.cluster import Cluster
 from kvtether.gateway.policy import NodeLoad, PolicyKnobs, TurnFacts, choose
 from kvtether.gateway.policy.estimates import EstimatorSeeds, EstimatorSnapshot, LearningParams
 from kvtether.gateway.policy.learning import Learning
@@ -127,6 +130,27 @@ def test_an_overloaded_instance_sheds_its_session_with_the_history_pulled() -> N
     d = choose(long_turn(), A, ps, ds, MOE, KNOBS)
     assert d.option == "pull" and d.decode_url == B and d.prefill_url == C
     assert "moves the pin" in d.reason
+
+
+def test_a_session_leaves_an_instance_short_of_memory_with_its_history_pulled_when_that_is_cheaper() -> None:
+    # A's load is no heavier than the others' (no rebalancing by load), but its KV is at the pressure mark: a
+    # local prefill there is vetoed, and an answer decoding there may be preempted and its prompt recomputed.
+    turn = long_turn()
+    ps, ds = pool(inst(A, running=2.0, kv_usage=0.95), inst(B, running=2.0), inst(C, running=2.0))
+    c = Nodes(ps, ds, MOE, KNOBS)
+    assert not pool_overloaded(ds[0], c) and len(decode_choices(ds[0], c)) == 3
+    d = choose(turn, A, ps, ds, MOE, KNOBS)
+    assert d.option == "pull" and d.decode_url != A and d.prefill_url not in (A, d.decode_url), d.reason
+    assert "moves the pin" in d.reason and f"pull on {A} preemption risk" not in d.reason
+    stay = min((o for o in d.options if o.decode_url == A and o.feasible), key=lambda o: o.score_s, default=None)
+    assert stay is None or stay.pressure_s > 0.0
+    # With the preemption risk off, the move's transfer is not worth it: the session stays on A (through a
+    # prefill leg elsewhere, the local prefill being vetoed).
+    unaware = choose(turn, A, ps, ds, MOE, replace(KNOBS, preemption_weight=0.0))
+    assert unaware.decode_url == A, unaware.reason
+    # Below the knee (0.8) nothing is at risk: the session keeps its instance.
+    roomy = (inst(A, running=2.0, kv_usage=0.5), *ds[1:])
+    assert choose(turn, A, roomy, roomy, MOE, KNOBS).decode_url == A
 
 
 @pytest.mark.parametrize("policy", ["pull", "no-pull", "reference", "dynamo", "llm-d"])
@@ -294,3 +318,14 @@ def test_new_sessions_planned_together_start_on_different_instances() -> None:
     # The same on dedicated decode nodes.
     d = choose(first, None, (NodeLoad("http://p"),), (NodeLoad(A, arriving=1.0), NodeLoad(B)), SNAP, KNOBS)
     assert d.option == "cold" and d.decode_url == B
+
+
+def test_a_move_off_an_instance_short_of_memory_is_counted_as_such() -> None:
+    cfg = load_config(None, nodes=[A, B], decode_pressure_usage=0.9)
+    cluster = Cluster(cfg, httpx.AsyncClient())
+    node = cluster.nodes[A]
+    node.kv_usage = 0.5
+    assert cluster.move_reason(A) == "rebalance"
+    node.kv_usage = 0.95
+    assert cluster.move_reason(A) == "kv_pressure"
+    assert cluster.move_reason("http://elsewhere") == "gone"
