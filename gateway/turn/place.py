@@ -68,9 +68,12 @@ class Placer:
         with sv.tracer.start_as_current_span(T.SPAN_PLAN, context=ctx.parent_ctx, kind=T.KIND_INTERNAL) as span:
             view = sv.cluster.view(now)
             try:
-                # The peer rules match D's prefix cache in its own blocks (known once D was polled).
-                peers = replace(self.peer_knobs, block_size=sv.cluster.block_size(turn.pinned_decode or ""))
-                p = plan(turn, view, sv.learning.snapshot(now), self.knobs, peers)
+                # The peer rules match D's prefix cache in its own blocks, and the cost model floors its cached
+                # prefix to them (known once D was polled: 16 on GPUs, 128 on vLLM's CPU backend).
+                block = sv.cluster.block_size(turn.pinned_decode or "")
+                peers = replace(self.peer_knobs, block_size=block)
+                knobs = self.knobs if block == self.knobs.block_size else replace(self.knobs, block_size=block)
+                p = plan(turn, view, sv.learning.snapshot(now), knobs, peers)
             except NoCapacity as exc:
                 span.set_attribute(T.ERROR_TYPE, "no_capacity")
                 raise self.no_capacity(exc) from None

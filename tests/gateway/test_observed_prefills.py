@@ -1,10 +1,12 @@
-"""Prefills the auto policy counts as running on a node end when the gateway sees them end (the local turn's
-first token, the prefill leg's answer), not when their estimate says so."""
+"""What the auto policy plans with is what the gateway observes: prefills it counts as running on a node end when
+the gateway sees them end (the local turn's first token, the prefill leg's answer), not when their estimate says
+so; and its cost model counts a node's cache in the node's own block size, as polled."""
 
 from __future__ import annotations
 
 import anyio
 import pytest
+from kvtether.gateway.turn import place as place_room
 
 from tests.support.gateway_agent import chat, first_messages, next_messages, request_body
 from tests.support.sim_rig import rig
@@ -69,3 +71,24 @@ async def test_a_local_prefill_runs_on_d_until_its_first_token_is_seen_not_until
                 break
             await anyio.sleep(0.02)
         assert learning.prefills_running(clock()) == ()
+
+
+async def test_the_cost_model_counts_in_the_block_size_the_decode_node_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GLM-5's sparse attention backend runs 64-token blocks (vLLM's CPU backend 128); the gateway's setting is
+    # unset, so the size comes from D's poll, not from the 16 of most GPU backends.
+    seen: list[int] = []
+    plan = place_room.plan
+
+    def spy(turn: object, view: object, estimates: object, knobs: object, peers: object) -> object:
+        seen.append(knobs.block_size)  # type: ignore[attr-defined]
+        return plan(turn, view, estimates, knobs, peers)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(place_room, "plan", spy)
+    async with rig(**_AUTO, sim={"preset": "glm-5-fp8-h200-tp8"}) as r:
+        messages = first_messages(7)
+        for turn in range(2):
+            got = await chat(r.client, r.url, request_body(messages, stream=False, max_tokens=10),
+                             {"x-session-id": "blocks"})
+            messages = next_messages(messages, got, 7, turn, result_words=10)
+            await anyio.sleep(1.0)  # a poll of D's /metrics (every 0.5 s here) says its block size
+    assert seen and seen[-1] == 64, seen
