@@ -58,7 +58,8 @@ def demo(
     console = Console()
     pulling = _pulling_policies()
     if policy not in pulling:
-        fail(console, EXIT_USAGE, f"--policy must be {', '.join(pulling[:-1])} or {pulling[-1]}; got {policy!r}")
+        fail(Console(stderr=True), EXIT_USAGE,
+             f"--policy must be {', '.join(pulling[:-1])} or {pulling[-1]}; got {policy!r}")
     if not console.is_terminal:
         # Piped or captured (CI, tests, README snippets): the turn table fits 80 columns, but the --trace timeline
         # (a column per phase) needs more than rich's default of 80.

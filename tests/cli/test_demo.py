@@ -91,3 +91,11 @@ def test_the_turn_table_fits_80_columns_with_nothing_cut() -> None:
         assert label in table, label
     rows = ROW.findall(table)
     assert len(rows) == len(keys), table
+
+
+def test_a_wrong_policy_is_a_usage_error_on_stderr() -> None:
+    exe = Path(sys.executable).with_name("kvtether")
+    proc = subprocess.run([str(exe), "demo", "--quick", "--policy", "no-pull"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert "error: --policy must be" in proc.stderr and "'no-pull'" in proc.stderr
