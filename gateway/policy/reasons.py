@@ -35,6 +35,9 @@ PULL_CHEAPEST: Final = "pull_cheapest"  # auto: the pull scored lowest
 LOCAL_CHEAPEST: Final = "local_cheapest"  # auto: the pull was possible, decode-local scored lower
 COLD_CHEAPEST: Final = "cold_cheapest"  # auto: the pull was possible, a cold prefill scored lower
 FORCED: Final = "forced"  # auto: no option within the limits; run over one rather than fail the turn
+# auto: the pull was over a limit that clears as what runs there finishes (a TPOT quota, a prefill still running
+# where its answer would decode, a pool instance short of memory), and another option within its limits ran.
+PULL_OVER_LIMIT: Final = "pull_over_limit"
 # The peer rules (policy/peers.py): what the decode node's prefix cache lacks is short (prefill there) or long
 # (disaggregate); Dynamo's load rule found the prefill node busy; its decode-busy veto cancelled a local prefill.
 UNCACHED_SHORT: Final = "uncached_short"
@@ -44,7 +47,8 @@ DECODE_BUSY: Final = "decode_busy"
 OTHER: Final = "other"  # a plan no rule named
 
 BUCKETS: Final = (FIRST_TURN, NO_HANDLE, NODE_LOST, GUARD_REFUSED, NO_BIDIRECTIONAL_PREFILL, HANDLE_VERIFIED,
-                  POLICY_FIXED, PULL_CHEAPEST, LOCAL_CHEAPEST, COLD_CHEAPEST, FORCED, UNCACHED_SHORT, UNCACHED_LONG,
+                  POLICY_FIXED, PULL_CHEAPEST, LOCAL_CHEAPEST, COLD_CHEAPEST, FORCED, PULL_OVER_LIMIT, UNCACHED_SHORT,
+                  UNCACHED_LONG,
                   PREFILL_BUSY, DECODE_BUSY, OTHER)
 
 

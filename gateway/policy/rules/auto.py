@@ -25,6 +25,7 @@ from kvtether.gateway.policy.reasons import (
     NODE_LOST,
     OTHER,
     PULL_CHEAPEST,
+    PULL_OVER_LIMIT,
 )
 from kvtether.gateway.policy.registry import Policy
 from kvtether.gateway.policy.rules.pull import COLD_BUCKETS, plan_pull
@@ -137,6 +138,8 @@ def decision_bucket(decision: CostDecision, re_placed: bool, handle_outcome: str
         return _CHEAPEST.get(decision.option, OTHER)
     if re_placed and local is not None and local.why_not == _NO_PIN:
         return NODE_LOST  # the pin was lost (a pin moved by rebalancing keeps its local estimate)
+    if pull is not None and pull.soft:
+        return PULL_OVER_LIMIT
     why = pull.why_not if pull is not None else ""
     if why == "no valid handle":
         return _NO_VALID_HANDLE.get(handle_outcome, OTHER)
@@ -155,6 +158,7 @@ AUTO: Final = Policy(
     series=(
         (_ATTACH, PULL_CHEAPEST), (_TRUNCATE, PULL_CHEAPEST), (_NONE, COLD_CHEAPEST), (_LOCAL, LOCAL_CHEAPEST),
         *((_NONE, r) for r in COLD_BUCKETS),
-        *((_LOCAL, r) for r in (NO_HANDLE, GUARD_REFUSED, NO_BIDIRECTIONAL_PREFILL, FORCED)),
+        *((_LOCAL, r) for r in (NO_HANDLE, GUARD_REFUSED, NO_BIDIRECTIONAL_PREFILL, FORCED, PULL_OVER_LIMIT)),
+        (_NONE, PULL_OVER_LIMIT),
     ),
 )
