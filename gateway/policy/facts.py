@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvtether.gateway.policy.stallquota import RunningPrefill, backlog_s, pending_s
+from kvtether.gateway.policy.stallquota import RunningPrefill, pending_s
 
 Option = Literal["decode_local", "pull", "cold"]
 OPTIONS: tuple[Option, ...] = ("decode_local", "pull", "cold")  # also the tie-break order
@@ -103,11 +103,6 @@ class TurnFacts:
         """The stall an answer that starts decoding on `url` in `after_s` seconds takes from those prefills."""
         return pending_s((RunningPrefill(end, run, stall) for u, end, run, stall in self.running_prefills
                           if u == url), after_s)
-
-    def prefill_backlog(self, url: str) -> float:
-        """The seconds of prefill still running on `url` now (other sessions' local turns and prefill legs there,
-        until the gateway sees each end): what a local prefill placed there now is computed after."""
-        return backlog_s(RunningPrefill(end, run, stall) for u, end, run, stall in self.running_prefills if u == url)
 
     def stall_credit(self, url: str, pinned: str | None) -> tuple[float, float]:
         """(credit, quota) of the requests decoding on `url`: the pinned D's, or a pool instance's."""

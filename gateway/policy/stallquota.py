@@ -103,16 +103,6 @@ class RunningPrefill:
         """The part of its stall still to come at `at` (spread evenly over its run)."""
         return self.stall_s * self.remaining_share(at)
 
-    def remaining_run_s(self, at: float) -> float:
-        """The seconds of its run still to come at `at`: what a prefill admitted after it on its node waits."""
-        return self.duration_s * self.remaining_share(at)
-
-
-def backlog_s(prefills: Iterable[RunningPrefill], at: float = 0.0) -> float:
-    """The prefill work still running on a node at `at`: a prefill admitted there then is computed after it
-    (vLLM's scheduler gives each step's token budget to the requests already running first)."""
-    return sum(p.remaining_run_s(at) for p in prefills)
-
 
 def pending_s(prefills: Iterable[RunningPrefill], at: float) -> float:
     """The stall a request decoding on the node from `at` on takes from the prefills already running there: it

@@ -4,6 +4,8 @@ so; and its cost model counts a node's cache in the node's own block size, as po
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 from kvtether.gateway.turn import place as place_room
@@ -19,8 +21,9 @@ _AUTO = {"policy": "auto", "min_reuse_tokens": 4, "learn_estimates": False}
 async def test_a_local_prefill_runs_on_d_until_its_first_token_is_seen_not_until_its_estimate_ends() -> None:
     """Session x's local turn hangs on D before its first token. Its estimate put the end of its prefill within a
     fraction of a second; seconds later the gateway still counts it running there (expected to run as much again
-    as it has overrun), so a local turn placed on D meanwhile is planned behind it. Once x's leg has ended (the
-    gateway gives up on D at its read timeout and retries x through P), nothing of it is left."""
+    as it has overrun), so a turn placed on D meanwhile is planned with it (an answer there would decode beside
+    it). Once x's leg has ended (the gateway gives up on D at its read timeout and retries x through P), nothing
+    of it is left."""
     async with rig(**_AUTO, request_stall_share=0.5, read_timeout_s=3.0) as r:
         histories = {}
         for s, seed in (("x", 63), ("y", 64)):
@@ -47,24 +50,24 @@ async def test_a_local_prefill_runs_on_d_until_its_first_token_is_seen_not_until
             await anyio.sleep(run + 1.0)  # well past its estimated end, and not seen to end
             [(url, ends_in, _, _)] = learning.prefills_running(clock())
             assert url == d and ends_in >= 1.0, "an unseen prefill past its estimate counts as running for its overrun"
-            # y's local turn planned now is computed after x's prefill, whose end is not seen yet.
-            plan = orch.placer.place
-            seen: list[float] = []
+            # y's turn, planned now, is planned with x's prefill still running on D: an answer placed there would
+            # decode beside what is left of it (stallquota.pending_s), however long ago its estimate said it ended.
+            plan = place_room.plan
+            seen: list[tuple[tuple[str, float, float, float], ...]] = []
 
-            def spy(*args: object, **kw: object) -> object:
-                out = plan(*args, **kw)  # type: ignore[arg-type]
-                decision = out[0].decision
-                if decision is not None:
-                    seen.extend(o.ttft_s for o in decision.options if o.option == "decode_local")
-                return out
+            def spy(turn: Any, *args: Any) -> Any:
+                seen.append(turn.running_prefills)
+                return plan(turn, *args)
 
-            orch.placer.place = spy
+            place_room.plan = spy  # type: ignore[assignment]
             try:
                 await chat(r.client, r.url, request_body(histories["y"], stream=False, max_tokens=10),
                            {"x-session-id": "y"})
             finally:
-                orch.placer.place = plan
-            assert seen and seen[0] >= 1.0, f"y's local option ignored the prefill running on D: {seen}"
+                place_room.plan = plan  # type: ignore[assignment]
+            assert seen, "y's turn was not planned"
+            [(url, ends_in, _, _)] = [p for p in seen[0] if p[0] == d]
+            assert ends_in >= 1.0, seen
             tg.cancel_scope.cancel()  # x's client gives up
         for _ in range(500):  # the gateway gives up on D at its read timeout and retries x through P
             if not learning.running_prefills and not learning.exposures:

@@ -147,41 +147,26 @@ def test_a_running_prefills_stall_still_to_come_falls_as_it_runs() -> None:
 
 def test_an_answer_placed_beside_a_running_prefill_must_absorb_its_rest_within_the_objective() -> None:
     # A 2,000-token local prefill on D was admitted a moment ago: 0.3 s of its stall is still to come. A short
-    # answer (6 tokens: 5 × 18 ms = 90 ms within a 25 ms objective) arriving on D through P while it runs cannot
-    # take that; a long one can.
+    # answer (6 tokens: 5 × 18 ms = 90 ms within a 25 ms objective) cannot take that; a long one can.
     knobs = PolicyKnobs(tpot_budget_s=0.025)
     running = ((D0, 0.5, 0.5, 0.3),)
     short = history_turn(8000, 100, expected_output_tokens=6, running_prefills=running)
-    alone = choose(short, D0, (NodeLoad(P0),), (NodeLoad(D0, running=2.0),), MOE, knobs)
-    through_p = [o for o in alone.options if o.option != "decode_local"]
-    assert through_p and all(not o.feasible and "prefills running on D would stall this answer" in o.why_not
-                             for o in through_p)
-    # Its own local prefill is computed after the running one (the scheduler gives the running prefill's chunks
-    # the step's budget first), so its answer starts when that has ended: nothing of it is left to stall it.
-    local = next(o for o in alone.options if o.option == "decode_local")
-    assert local.feasible and local.ttft_s > 0.5 and alone.option == "decode_local" and not alone.forced
-    # With another decode node, whose steps no prefill holds up, the answer may go there through P sooner.
-    d = choose(short, D0, (NodeLoad(P0),), (NodeLoad(D0, running=2.0), NodeLoad(D1)), MOE, knobs)
-    assert d.decode_url == D1 and d.option != "decode_local" and not d.forced
+    decodes = (NodeLoad(D0, running=2.0), NodeLoad(D1))
+    d = choose(short, D0, (NodeLoad(P0),), decodes, MOE, knobs)
+    local = next(o for o in d.options if o.option == "decode_local")
+    assert not local.feasible and "prefills running on D would stall this answer" in local.why_not
+    # Through P to the other decode node, whose steps no prefill holds up; on D0 alone it is forced.
+    assert d.option != "decode_local" and d.decode_url == D1 and not d.forced
+    alone = choose(short, D0, (NodeLoad(P0),), decodes[:1], MOE, knobs)
+    assert alone.forced
     long = replace(short, expected_output_tokens=600)
     d = choose(long, D0, (NodeLoad(P0),), (NodeLoad(D0, running=2.0),), MOE, knobs)
-    assert all(o.feasible for o in d.options if o.decode_url == D0 and o.option != "decode_local")
+    assert next(o for o in d.options if o.option == "decode_local").feasible
+    # Long after that prefill ends, nothing is left of it.
+    late = replace(short, running_prefills=((D0, 0.0, 0.5, 0.3),))
+    d = choose(late, D0, (NodeLoad(P0),), (NodeLoad(D0, running=2.0),), MOE, knobs)
+    assert next(o for o in d.options if o.option == "decode_local").feasible
 
-
-def test_a_local_prefill_waits_for_the_prefills_still_running_on_its_node() -> None:
-    # The same turn with and without a 0.5 s prefill of another session still running on D: the local option's
-    # time to first token is that much later (the estimate-driven rule, which forgot it at its estimated end or
-    # never counted it, put the turn first).
-    free = history_turn(8000, 100)
-    busy = replace(free, running_prefills=((D0, 0.5, 0.5, 0.3), (D1, 2.0, 2.0, 1.0)))
-    decodes = (NodeLoad(D0, running=2.0),)
-
-    def local(turn: TurnFacts) -> float:
-        d = choose(turn, D0, (NodeLoad(P0),), decodes, MOE, PolicyKnobs())
-        return next(o for o in d.options if o.option == "decode_local").ttft_s
-
-    assert local(busy) == pytest.approx(local(free) + 0.5)
-    assert busy.prefill_backlog(D0) == pytest.approx(0.5) and busy.prefill_backlog(P0) == 0.0
 
 
 def test_a_prefill_unseen_past_its_estimated_end_is_expected_to_run_as_much_again() -> None:
@@ -189,8 +174,7 @@ def test_a_prefill_unseen_past_its_estimated_end_is_expected_to_run_as_much_agai
     assert run.as_of(10.2) is run  # within its estimate: as placed
     overdue = run.as_of(10.7)  # 0.2 s overdue and not seen to end: still running, for 0.2 s more
     assert overdue.ends_at == pytest.approx(10.9) and overdue.duration_s == pytest.approx(0.9)
-    assert overdue.remaining_run_s(10.7) == pytest.approx(0.2)
     assert overdue.remaining_s(10.7) == pytest.approx(0.3 * 0.2 / 0.5)  # its stall at the same rate
     assert overdue.remaining_s(10.9) == 0.0
     hung = run.as_of(12.0)  # a prefill of 0.5 s that has not ended 1.5 s after it should have
-    assert hung.remaining_run_s(12.0) == pytest.approx(1.5) and hung.remaining_s(12.0) == pytest.approx(0.9)
+    assert hung.ends_at == pytest.approx(13.5) and hung.remaining_s(12.0) == pytest.approx(0.9)
