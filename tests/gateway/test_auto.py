@@ -17,7 +17,16 @@ from kvtether.cli.simstack import sim_stack
 from kvtether.gateway.turn import orchestrator as orchestrator_room
 from kvtether.gateway.turn import remember as remember_room
 
-from tests.support.gateway_agent import chat, comparable, first_messages, next_messages, request_body, tool_result
+from tests.support.gateway_agent import (
+    chat,
+    comparable,
+    first_messages,
+    next_messages,
+    request_body,
+    short_sessions,
+    tool_result,
+    turn_until,
+)
 from tests.support.sim_rig import LIMITS, RIG_SIM, Rig, metric, p2p_tokens, rig, stack_spec
 from tests.support.upstream_hooks import on_send
 
@@ -256,21 +265,12 @@ async def test_a_local_prefill_must_fit_a_request_still_prefilling_on_d() -> Non
     async with rig(**_AUTO, request_stall_share=0.5, tpot_budget_s=objective, seed_prefill_overhead_s=0.2,
                    seed_tpot_base_s=0.001, seed_tpot_s_per_seq=1e-4, seed_transfer_latency_s=0.1,
                    tuning={"interference_weight": 0.0}, read_timeout_s=3.0) as r:
-        histories = {}
-        for s, seed in (("x", 63), ("y", 64)):
-            first = first_messages(seed)
-            got = await chat(r.client, r.url, request_body(first, stream=False, max_tokens=10), {"x-session-id": s})
-            histories[s] = next_messages(first, got, seed, 0, result_words=10)
+        histories = await short_sessions(r.client, r.url, {"x": 63, "y": 64})
         orch = r.gw.orchestrator
         d = r.cluster.decode_urls[0]
         await r.client.post(f"{d}/admin/fault", json={"hang_next": 1})
         async with anyio.create_task_group() as tg:
-            async def hung_turn() -> None:
-                with anyio.move_on_after(30):
-                    await r.client.post(f"{r.url}/v1/chat/completions", headers={"x-session-id": "x"},
-                                        json=request_body(histories["x"], stream=False, max_tokens=10))
-
-            tg.start_soon(hung_turn)
+            tg.start_soon(turn_until, r.client, r.url, "x", histories["x"])
             for _ in range(200):  # x is placed (locally, D idle) and hangs there before its first token
                 if orch.learning.exposures.get(d):
                     break

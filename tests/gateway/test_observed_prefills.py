@@ -10,7 +10,7 @@ import anyio
 import pytest
 from kvtether.gateway.turn import place as place_room
 
-from tests.support.gateway_agent import chat, first_messages, next_messages, request_body
+from tests.support.gateway_agent import chat, first_messages, next_messages, request_body, short_sessions, turn_until
 from tests.support.sim_rig import rig
 
 pytestmark = pytest.mark.anyio
@@ -25,22 +25,13 @@ async def test_a_local_prefill_runs_on_d_until_its_first_token_is_seen_not_until
     it). Once x's leg has ended (the gateway gives up on D at its read timeout and retries x through P), nothing
     of it is left."""
     async with rig(**_AUTO, request_stall_share=0.5, read_timeout_s=3.0) as r:
-        histories = {}
-        for s, seed in (("x", 63), ("y", 64)):
-            first = first_messages(seed)
-            got = await chat(r.client, r.url, request_body(first, stream=False, max_tokens=10), {"x-session-id": s})
-            histories[s] = next_messages(first, got, seed, 0, result_words=10)
+        histories = await short_sessions(r.client, r.url, {"x": 63, "y": 64})
         orch = r.gw.orchestrator
         learning, clock = orch.learning, orch.sv.clock
         d = r.cluster.decode_urls[0]
         await r.client.post(f"{d}/admin/fault", json={"hang_next": 1})
         async with anyio.create_task_group() as tg:
-            async def hung_turn() -> None:
-                with anyio.move_on_after(30):
-                    await r.client.post(f"{r.url}/v1/chat/completions", headers={"x-session-id": "x"},
-                                        json=request_body(histories["x"], stream=False, max_tokens=10))
-
-            tg.start_soon(hung_turn)
+            tg.start_soon(turn_until, r.client, r.url, "x", histories["x"])
             for _ in range(200):  # x is placed locally (D idle) and hangs there before its first token
                 if learning.running_prefills.get(d):
                     break

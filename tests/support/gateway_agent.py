@@ -7,6 +7,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
 import httpx
 
 MODEL = "kvtether-sim"
@@ -136,3 +137,24 @@ def _assert_clean(obj: Mapping[str, Any], body: Mapping[str, Any]) -> None:
     assert "kv_transfer_params" not in text, text
     if not body.get("return_token_ids"):
         assert "token_ids" not in text, text
+
+
+async def short_sessions(client: httpx.AsyncClient, url: str,
+                         sessions: Mapping[str, int]) -> dict[str, list[dict[str, Any]]]:
+    """Each session's first turn (non-streamed, 10-token answers), by session id and its seed; the messages of
+    each one's next turn (a 10-word tool result)."""
+    histories = {}
+    for sid, seed in sessions.items():
+        first = first_messages(seed)
+        got = await chat(client, url, request_body(first, stream=False, max_tokens=10), {"x-session-id": sid})
+        histories[sid] = next_messages(first, got, seed, 0, result_words=10)
+    return histories
+
+
+async def turn_until(client: httpx.AsyncClient, url: str, session: str, messages: list[dict[str, Any]],
+                     timeout_s: float = 30.0) -> None:
+    """One non-streamed turn (10-token answer) that the client gives up on after `timeout_s`: the turn a test
+    leaves hanging on a node (the simulator's `hang_next` fault) while it looks at the gateway."""
+    with anyio.move_on_after(timeout_s):
+        await client.post(f"{url}/v1/chat/completions", headers={"x-session-id": session},
+                          json=request_body(messages, stream=False, max_tokens=10))
