@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import heapq
 import itertools
 import selectors
 import socket
@@ -63,6 +64,28 @@ class _Selector(selectors.DefaultSelector):
         return []
 
 
+class _Timer(asyncio.TimerHandle):
+    """A timer that, due at the same instant as another, runs after the ones scheduled before it. asyncio's own
+    compare their times only, so a tie's order is the heap's shape, which every other timer pending (an idle
+    server's tick, say) changes. Ties are common in virtual time, where no time passes while callbacks run: at
+    scale an unrelated timer then moved turns between engine steps and changed a replay's figures."""
+
+    __slots__ = ("_seq",)
+
+    def __init__(self, when: float, callback: Callable[..., Any], args: tuple[Any, ...], loop: VirtualLoop,
+                 context: Any, seq: int) -> None:
+        super().__init__(when, callback, args, loop, context)
+        self._seq = seq
+
+    def __lt__(self, other: object) -> bool:
+        if isinstance(other, _Timer):
+            return (self.when(), self._seq) < (other.when(), other._seq)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self.when(), self._seq))
+
+
 class VirtualLoop(asyncio.SelectorEventLoop):
     """An event loop on virtual time (module docstring). ``network``: the in-memory network its servers and clients
     meet on (a new one by default); ``horizon_s``: virtual seconds after which the run is stopped as stuck."""
@@ -79,6 +102,7 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         self.leaked: str | None = None  # what ran beside virtual time (a thread): the run stops with it
         self.network = network or MemoryNetwork()
         self.jumps = 0  # how often time moved forward: a measure of the run's event count
+        self._timer_seq = itertools.count()
         super().__init__(selector)
 
     # -- time ----------------------------------------------------------------------------------------------
@@ -101,6 +125,17 @@ class VirtualLoop(asyncio.SelectorEventLoop):
             raise VirtualTimeError(f"the run passed its horizon of {self._horizon - VIRTUAL_EPOCH:g} virtual seconds")
         self._now = when
         self.jumps += 1
+
+    def call_at(self, when: float, callback: Callable[..., Any], *args: Any,  # type: ignore[override]
+                context: Any = None) -> asyncio.TimerHandle:
+        """asyncio's, with a timer whose ties go in the order they were scheduled (:class:`_Timer`)."""
+        if when is None:
+            raise TypeError("when cannot be None")
+        self._check_closed()  # type: ignore[attr-defined]
+        timer = _Timer(when, callback, args, self, context, next(self._timer_seq))
+        heapq.heappush(self._scheduled, timer)  # type: ignore[attr-defined]
+        timer._scheduled = True  # type: ignore[attr-defined]
+        return timer
 
     # -- refused: whatever would run beside the loop on the wall clock -------------------------------------
     def call_soon_threadsafe(  # type: ignore[override]
