@@ -241,6 +241,10 @@ class GatewayConfig:
     metrics_poll_interval_s: float = 2.0
     health_backoff_s: float = 0.25
     health_backoff_max_s: float = 5.0
+    # The nodes' vLLM --stream-interval. Above 1 a stream's chunks come every that many decode steps, not one per
+    # step, so their arrivals do not mark the engine's steps and are not read as such (policy/steps.py); a
+    # request's own `stream_interval` above 1 does the same for its stream.
+    stream_interval: int = 1
     # Client side.
     max_body_bytes: int = 16 * 1024 * 1024
     # Tracing: OTLP endpoint (http/protobuf); None = spans go to whatever tracer provider is set.
@@ -368,6 +372,8 @@ class GatewayConfig:
             raise ConfigError("min_reuse_tokens must be >= 1")
         if self.block_size is not None and self.block_size < 1:
             raise ConfigError("block_size must be >= 1")
+        if self.stream_interval < 1:
+            raise ConfigError("stream_interval must be >= 1")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be >= 1024")
         if self.max_sessions < 1:

@@ -125,6 +125,8 @@ class Completion:
             cache_salt=req.cache_salt,
         )
         self.output_ids: list[int] = []
+        # A request may raise the server's --stream-interval, never lower it (vLLM clamps it up).
+        self.stream_interval = max(node.cfg.stream_interval, req.stream_interval or 1)
 
     def usage(self) -> dict[str, Any]:
         r = self.engine_request
@@ -322,6 +324,10 @@ async def _stream(c: Completion) -> AsyncIterator[bytes]:
         return _sse(chunk(first, **extra))
 
     pending_ids: list[int] = []
+    # --stream-interval (vLLM's output processor): the first token goes out at once, then a chunk once `interval`
+    # tokens have gathered since the last one, and the rest with the finish. With 1, every token is a chunk.
+    interval = c.stream_interval
+    gathered, since_sent, first_sent = Delta(), 0, False
     # vLLM's serving_chat sends the role chunk on the first engine output (its stream generator's
     # `first_iteration`, after prefill or the KV load and the first token), not on acceptance; an error
     # before any output is the stream's first event instead. So the first chunk marks the first token,
@@ -334,6 +340,12 @@ async def _stream(c: Completion) -> AsyncIterator[bytes]:
         if isinstance(ev, TokenEvent):
             d = c.delta_for(ev.token_id)
             pending_ids.append(ev.token_id)
+            if interval > 1:
+                gathered.extend(d)
+                since_sent += 1
+                if first_sent and since_sent < interval:
+                    continue
+                d, gathered, since_sent, first_sent = gathered, Delta(), 0, True
             if d.empty() and not c.req.return_token_ids:
                 continue
             ids = pending_ids if c.req.return_token_ids else None
@@ -351,6 +363,8 @@ async def _stream(c: Completion) -> AsyncIterator[bytes]:
                 tail = c.parser.finish()
                 tail.content = "" if streamed else c.trimmer.push(tail.content)
             tail.content += c.trimmer.flush()
+            gathered.extend(tail)
+            tail = gathered
             ch = choice_of(tail, pending_ids if c.req.return_token_ids else None, c.finish_reason(ev))
             ch["stop_reason"] = ev.stop_reason
             handle = c.handle_for_stream(ev)

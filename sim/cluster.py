@@ -55,6 +55,7 @@ class ClusterSpec:
     decode_num_gpu_blocks: int | None = None
     tool_call_parser: str | None = None  # vLLM --tool-call-parser on every node; None: the preset's
     callable_tools: tuple[str, ...] | None = None  # the functions the simulated model may call (NodeConfig)
+    stream_interval: int = 1  # vLLM --stream-interval on every node (NodeConfig)
     # The simulated model's seed (NodeConfig.seed), and what the nodes' engine ids are drawn from: the same spec
     # makes the same cluster, answers and ids included.
     seed: int = 0
@@ -83,6 +84,7 @@ class ClusterSpec:
                 }.get(role),
                 tool_call_parser=self.tool_call_parser,
                 callable_tools=self.callable_tools,
+                stream_interval=self.stream_interval,
                 seed=self.seed,
                 engine_id=engine_id(self.seed, i),
             )

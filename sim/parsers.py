@@ -86,6 +86,20 @@ class Delta:
     def empty(self) -> bool:
         return not (self.content or self.reasoning or self.tool_calls)
 
+    def extend(self, later: Delta) -> None:
+        """Appends the delta of the tokens after this one's: what vLLM's parsers give for the text of both at once
+        (a chunk of several tokens under --stream-interval). A call's later argument fragments join its earlier
+        one; a call's head (its id and name) always opens a fragment of its own."""
+        self.content += later.content
+        self.reasoning += later.reasoning
+        for call in later.tool_calls:
+            last = self.tool_calls[-1] if self.tool_calls else None
+            if last is not None and last.index == call.index and call.id is None and call.name is None:
+                self.tool_calls[-1] = ToolCallDelta(last.index, last.id, last.name,
+                                                    (last.arguments or "") + (call.arguments or ""))
+            else:
+                self.tool_calls.append(call)
+
 
 def tool_call_ids(seed: bytes) -> Callable[[], str]:
     """vLLM's tool-call ids (``chatcmpl-tool-`` + 32 hex), drawn in order from `seed`: the request's (sim/api.py),

@@ -36,6 +36,8 @@ class ParsedRequest:
     parse_tools: bool
     cache_salt: str | None = None
     tool_format: str = HERMES
+    # vLLM's per-request `stream_interval` (tokens per streamed chunk); None: the server's --stream-interval.
+    stream_interval: int | None = None
 
 
 def _int(body: Mapping[str, Any], key: str, default: int | None, *, minimum: int = 0) -> int | None:
@@ -165,6 +167,7 @@ def parse_request(
     cache_salt = body.get("cache_salt")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise BadRequest("cache_salt must be a non-empty string", "cache_salt")
+    stream_interval = _int(body, "stream_interval", None, minimum=1)
     stop_token_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_token_ids, list):
         raise BadRequest("stop_token_ids must be a list of integers", "stop_token_ids")
@@ -194,4 +197,5 @@ def parse_request(
         parse_tools=bool(tools) and tool_choice != "none",
         cache_salt=cache_salt,
         tool_format=tool_format,
+        stream_interval=stream_interval,
     )

@@ -51,6 +51,10 @@ _VIRTUAL = typer.Option(
     False, "--virtual/--no-virtual", metavar=FLAG,
     help="--sim: run the cluster, the gateway and the clients on one virtual clock (exact, repeatable figures, as "
     "fast as the CPU allows; the gateway's own CPU is modelled). --no-virtual (default): the wall clock × --speed.")
+_STREAM_INTERVAL = typer.Option(
+    1, "--stream-interval", min=1,
+    help="--sim: the nodes' vLLM --stream-interval (a chunk every N tokens; the same token times, a fraction of "
+    "the chunks to relay: for long replays).")
 _FORMAT = typer.Option(
     SESSION_FORMAT, "--format", help=f"Input format: session, {', '.join(FORMATS)} (imported on the fly).")
 _CONCURRENCY = typer.Option(8, "--concurrency", "-c", min=1, help="Sessions in flight (--arrivals closed).")
@@ -103,7 +107,8 @@ _ENGINE_LOG = typer.Option(
 def replay(
     file: str = _FILE, policies_given: list[str] | None = _POLICIES, gateway: str | None = _GATEWAY,
     sim: str | None = _SIM, compare: bool = _COMPARE, policy: str = _POLICY, prefill: int = _PREFILL,
-    decode: int = _DECODE, speed: float = _SPEED, virtual: bool = _VIRTUAL, input_format: str = _FORMAT,
+    decode: int = _DECODE, speed: float = _SPEED, virtual: bool = _VIRTUAL,
+    stream_interval: int = _STREAM_INTERVAL, input_format: str = _FORMAT,
     concurrency: int = _CONCURRENCY,
     arrivals: str = _ARRIVALS, rate: float = _RATE, objective: list[str] | None = _OBJECTIVE,
     goodput_rates: str | None = _GOODPUT, think_time: str = _THINK_TIME, max_think_ms: float | None = _MAX_THINK_MS,
@@ -171,6 +176,8 @@ def _check_target(err: Console, f: ReplayFlags) -> None:
         fail(err, EXIT_USAGE, "--virtual needs --sim: only a simulated cluster runs on a virtual clock")
     if f.virtual and f.speed != 1.0:
         fail(err, EXIT_USAGE, "--virtual runs at speed 1 (as fast as the CPU allows): --speed is for --no-virtual runs")
+    if f.stream_interval != 1 and f.sim is None:
+        fail(err, EXIT_USAGE, "--stream-interval needs --sim: a gateway given by URL streams as its vLLM servers do")
     if f.engine_log is not None and f.sim is None:
         fail(err, EXIT_USAGE, "--engine-log needs --sim: a gateway given by URL logs where it runs")
     if f.policy not in KNOWN_POLICIES:
@@ -216,7 +223,8 @@ def check(err: Console, f: ReplayFlags) -> ReplayPlan:
         max_think_ms=f.max_think_ms, timeout_s=f.timeout, model=f.model,
         time_scale=f.speed if f.sim is not None else 1.0, arrivals="trace" if open_loop else "closed", rate=f.rate)
     target = (SimTarget(preset=f.sim, prefill=f.prefill, decode=f.decode, speed=f.speed,
-                        prefill_prefix_caching=f.prefill_prefix_caching, virtual=f.virtual)
+                        prefill_prefix_caching=f.prefill_prefix_caching, virtual=f.virtual,
+                        stream_interval=f.stream_interval)
               if f.sim is not None else None)
     policies = (words.policies or list(DEFAULT_COMPARE)) if f.compare else [f.policy]
     return ReplayPlan(flags=f, path=Path(words.file), target=target, opts=opts, policies=policies, rates=rates,

@@ -31,6 +31,7 @@ class ReplayFlags:
     decode: int
     speed: float
     virtual: bool
+    stream_interval: int
     input_format: str
     concurrency: int
     arrivals: str

@@ -29,13 +29,16 @@ class SimTarget:
     prefill_prefix_caching: bool = DEFAULT_PREFILL_PREFIX_CACHING
     # On one virtual clock (sim/virtual.py): the cluster, the gateway and the clients; speed 1, exact figures.
     virtual: bool = False
+    # The nodes' vLLM --stream-interval (and the gateway's setting of it): a chunk every this many tokens.
+    stream_interval: int = 1
 
     def describe(self) -> str:
         caching = "on" if self.prefill_prefix_caching else "off"
         clock = "virtual clock" if self.virtual else f"clock = real × {self.speed:g}"
+        chunks = f", a chunk every {self.stream_interval} tokens" if self.stream_interval > 1 else ""
         return (
             f"simulated {self.preset}, {self.prefill} prefill + {self.decode} decode, "
-            f"prefix caching on P {caching}, {clock}"
+            f"prefix caching on P {caching}, {clock}{chunks}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -45,7 +48,8 @@ class SimTarget:
         """The simulated stack this target stands for: the stack's times (the gateway's TTLs ÷ speed) and seeds
         (calibrated on the preset), as `assess` runs it (there, too, with the estimator's learning off)."""
         return StackSpec(preset=self.preset, prefill=self.prefill, decode=self.decode, speed=self.speed,
-                         prefill_prefix_caching=self.prefill_prefix_caching)
+                         prefill_prefix_caching=self.prefill_prefix_caching,
+                         cluster={"stream_interval": self.stream_interval} if self.stream_interval > 1 else {})
 
 
 async def replay_sim(

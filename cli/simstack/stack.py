@@ -269,7 +269,9 @@ def _config(spec: StackSpec, option: str, urls: Mapping[str, list[str]],
                              else {"nodes": list(urls["aggregated"])} if option == HYBRID
                              else {"prefill": list(urls["prefill"]), "decode": list(urls["decode"])})
     stack = gateway_settings(spec, option) if calibrated else _policy_settings(option)
-    settings: dict[str, Any] = {**nodes, **stack, **overrides}
+    # The gateway knows the nodes' --stream-interval, as an operator sets it to what vLLM runs with.
+    chunks = {"stream_interval": spec.cluster["stream_interval"]} if "stream_interval" in spec.cluster else {}
+    settings: dict[str, Any] = {**nodes, **stack, **chunks, **overrides}
     return dataclasses.replace(GatewayConfig(), **settings).validate()
 
 

@@ -89,6 +89,9 @@ class _Reader:
         # The next turn's message-chain key needs the answer only for a session identified by hash.
         self.want_answer = ctx.kind == "chat" and ctx.session_source in ("new", "prefix")
         self.first_data = True
+        # A chunk per decode step, so that its arrival marks the end of one (policy/steps.py): not when the node
+        # or the request streams every few tokens (--stream-interval).
+        self.chunk_per_step = sv.config.stream_interval == 1 and _stream_interval(ctx.body) == 1
 
     def read(self, batch: Batch) -> tuple[bytes, bytes | None]:
         """Reads a batch of lines (internal fields cut from them); returns the text to forward, split before
@@ -123,7 +126,7 @@ class _Reader:
         """A network read's lines are here: one timestamp for them all, and (past the stream's first chunk) one
         arrival on D's record of step boundaries (policy/steps.py): the chunks of one read are one arrival."""
         now = self.sv.clock()
-        if self.result.first_chunk is not None:
+        if self.result.first_chunk is not None and self.chunk_per_step:
             self.sv.learning.chunk_arrived(self.leg.node, now)
         return now
 
@@ -162,7 +165,8 @@ class _Reader:
             sent_at = self.leg.sent_at
             if sent_at is not None and self.leg.plan.action is HandleAction.DECODE_LOCAL:
                 result.arrivals_before_first = self.sv.learning.arrivals_since(node, sent_at)
-            self.sv.learning.chunk_arrived(node, now)
+            if self.chunk_per_step:
+                self.sv.learning.chunk_arrived(node, now)
             if not B.has_first_token(chunk):
                 # D produced the first token but the client sees nothing yet (a tool-call parser holds the name
                 # back): a local prefill's stall now delays this turn's TTFT itself.
@@ -173,6 +177,12 @@ class _Reader:
             self.span.add_event(T.EVENT_FIRST_TOKEN)
             ctx.span.add_event(T.EVENT_FIRST_TOKEN)
             self.release_hold_back()
+
+
+def _stream_interval(body: Any) -> int:
+    """The tokens per chunk a request asked for (vLLM's `stream_interval`; 1 when unset or unreadable)."""
+    value = body.get("stream_interval") if isinstance(body, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
 def _must_parse(payload: bytes) -> bool:
