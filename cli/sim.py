@@ -84,6 +84,10 @@ _TOOL_CALL_PARSER = typer.Option(
     None, "--tool-call-parser",
     help=f"How the model writes tool calls ({', '.join(TOOL_FORMATS)}; default: the preset's model's, glm47 for "
     "GLM-5, else hermes).")
+_STREAM_INTERVAL = typer.Option(
+    1, "--stream-interval", min=1,
+    help="vLLM --stream-interval: a streamed answer sends its first token at once, then a chunk every N tokens (give "
+    "the gateway the same stream_interval).")
 _JSON = typer.Option(False, "--json/--no-json", metavar=FLAG, help="Print the node URLs as one JSON line on stdout.")
 
 
@@ -93,7 +97,7 @@ def sim(
     decode_ttl: float = _DECODE_TTL, threshold: int = _THRESHOLD, failure_policy: str = _FAILURE_POLICY,
     bidirectional: bool = _BIDIRECTIONAL, prefill_prefix_caching: bool = _PREFILL_PREFIX_CACHING,
     side_channel_host: str = _SIDE_CHANNEL_HOST, tool_call_parser: str | None = _TOOL_CALL_PARSER,
-    as_json: bool = _JSON,
+    stream_interval: int = _STREAM_INTERVAL, as_json: bool = _JSON,
 ) -> None:
     """Run a simulated vLLM P/D cluster (bidirectional KV transfer) until Ctrl-C."""
     err = Console(stderr=True)
@@ -108,7 +112,7 @@ def sim(
         prefill=prefill, decode=decode, aggregated=aggregated, preset=preset, speed=speed, host=host, emulate=emulate,
         bidirectional=bidirectional, prefill_prefix_caching=prefill_prefix_caching, decoder_kv_blocks_ttl=decode_ttl,
         kv_recompute_threshold=threshold, kv_load_failure_policy=failure_policy, side_channel_host=side_channel_host,
-        base_port=port, tool_call_parser=tool_call_parser)
+        base_port=port, tool_call_parser=tool_call_parser, stream_interval=stream_interval)
     try:
         with stop_signals_interrupt():  # until _serve takes them over
             asyncio.run(_serve(spec, as_json))
