@@ -34,7 +34,7 @@ from typing import Any
 
 from kvtether.sim.clock import Pacer, SimClock
 from kvtether.sim.config import NodeConfig
-from kvtether.sim.kv import GARBAGE_TOKEN, Block, BlockPool, Hold, HoldTable, block_hashes, salted_root
+from kvtether.sim.kv import GARBAGE_TOKEN, Block, BlockPool, Hold, HoldTable, extend_block_hashes, salted_root
 from kvtether.sim.metrics import NodeMetrics
 from kvtether.sim.model import ROOT_DIGEST, GenerationSpec, Model, Plan, chain
 from kvtether.sim.nixl import BlockData, KVLoadError, KVTransport, RemoteRef
@@ -213,6 +213,9 @@ class Step:
     items: list[tuple[EngineRequest, int]] = field(default_factory=list)
     prefill_chunks: list[tuple[int, int]] = field(default_factory=list)
     decode_contexts: list[int] = field(default_factory=list)
+    # What the step cost on the cost model (before a node's slow-down), once it has run: observers read it here
+    # rather than price the step again.
+    seconds: float = 0.0
 
     def add(self, r: EngineRequest, n: int) -> None:
         self.items.append((r, n))
@@ -461,7 +464,7 @@ class Engine:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wakeup.wait(), timeout=self._idle_timeout())
                     continue
-                seconds = self.preset.cost.step_seconds(step.prefill_chunks, step.decode_contexts)
+                step.seconds = seconds = self.preset.cost.step_seconds(step.prefill_chunks, step.decode_contexts)
                 await self._pacer.sleep(seconds * self.slow_factor)
                 self._apply(step)
         finally:
@@ -527,7 +530,6 @@ class Engine:
                 continue  # loading from a remote node
             step.add(r, chunk)
             budget -= chunk
-        self._update_gauges()
         return step
 
     def _ensure_blocks(self, r: EngineRequest, upto: int) -> bool:
@@ -737,7 +739,6 @@ class Engine:
                 self.metrics.series.prompt_by_source["local_compute"].inc(in_prompt)
             if r.num_computed == r.num_tokens:
                 self._sample(r)
-        self._update_gauges()
 
     def _compute(self, r: EngineRequest, start: int, n: int) -> None:
         """Write the KV of positions [start, start+n): content = these tokens, after the block before."""
@@ -756,7 +757,9 @@ class Engine:
                 self.pool.register(blk, r.hashes[bi])
 
     def _hashes(self, r: EngineRequest, tokens: Sequence[int]) -> list[bytes]:
-        return block_hashes(tokens, self.bs, r.hashes, salted_root(r.cache_salt))
+        # Extended in place: a long prompt completes a block thousands of times, and a copy each time was
+        # quadratic. Nothing else holds a request's list.
+        return extend_block_hashes(r.hashes, tokens, self.bs, salted_root(r.cache_salt))
 
     def _state(self, r: EngineRequest) -> bytes:
         """The sampling state: digest of the KV content this request attends to."""
@@ -905,6 +908,8 @@ class Engine:
         task.add_done_callback(self._tasks.discard)
 
     def _update_gauges(self) -> None:
+        # Set where a request comes or goes, and before every scrape (sim/api.py), which is all that reads them: not
+        # per step, where it cost more than the step's own scheduling on a long replay.
         s = self.metrics.series
         s.running.set(len(self.running))
         s.waiting.set(len(self.waiting) + len(self.loading))

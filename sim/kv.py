@@ -64,12 +64,17 @@ def block_hashes(
     tokens: Sequence[int], block_size: int, start: Sequence[bytes] = (), root: bytes = ROOT_DIGEST
 ) -> list[bytes]:
     """Chained hashes of the full blocks of `tokens`, continuing `start` (already computed ones)."""
-    out = list(start)
-    parent = out[-1] if out else root
-    for i in range(len(out), len(tokens) // block_size):
+    return extend_block_hashes(list(start), tokens, block_size, root)
+
+
+def extend_block_hashes(hashes: list[bytes], tokens: Sequence[int], block_size: int,
+                        root: bytes = ROOT_DIGEST) -> list[bytes]:
+    """`block_hashes(tokens, block_size, hashes, root)`, appended to `hashes` itself (returned)."""
+    parent = hashes[-1] if hashes else root
+    for i in range(len(hashes), len(tokens) // block_size):
         parent = chain(parent, tokens[i * block_size : (i + 1) * block_size])
-        out.append(parent)
-    return out
+        hashes.append(parent)
+    return hashes
 
 
 class BlockPool:

@@ -25,12 +25,11 @@ class DecodeTimes:
     def watch(self, engine: Engine) -> None:
         from kvtether.sim.engine import State
 
-        cost = engine.preset.cost
         clock = [0.0]
 
         def on_step(step: Step) -> None:
             # Called once the step's time has passed, before its tokens are sampled (Engine._apply).
-            clock[0] += cost.step_seconds(step.prefill_chunks, step.decode_contexts) * engine.slow_factor
+            clock[0] += step.seconds * engine.slow_factor
             for r, n in step.items:
                 if r.state is not State.RUNNING or r.num_computed + n < r.num_tokens:
                     continue  # a prefill chunk short of the prompt's end: no token this step
