@@ -95,8 +95,8 @@ class TurnFacts:
     # absorb that leg's stall as they would a local prefill's.
     stall_credits: tuple[tuple[str, float, float], ...] = ()
     # Prefills admitted earlier and still running beside a node's decodes (url, seconds until each should end,
-    # its whole run, its stall): an answer that starts decoding there meanwhile takes the rest of their stall,
-    # which its TPOT objective must absorb (stallquota.RunningPrefill).
+    # the time before that its stall comes in, its stall): an answer that starts decoding there meanwhile takes
+    # the rest of their stall, which its TPOT objective must absorb (stallquota.RunningPrefill).
     running_prefills: tuple[tuple[str, float, float, float], ...] = ()
 
     def pending_stall(self, url: str, after_s: float) -> float:

@@ -116,9 +116,9 @@ class Learning:
     # ---- what the shell reports ------------------------------------------------------------------
 
     def prefills_running(self, now: float) -> tuple[tuple[str, float, float, float], ...]:
-        """The prefills still running beside decodes, per node: (url, seconds until each should end, its whole
-        run, its stall), for the policy (TurnFacts.running_prefills). One runs until the shell sees it end, even
-        past its estimated end (stallquota.RunningPrefill.as_of)."""
+        """The prefills still running beside decodes, per node: (url, seconds until each should end, the window
+        its stall comes in, its stall), for the policy (TurnFacts.running_prefills). One runs until the shell
+        sees it end, even past its estimated end (stallquota.RunningPrefill.as_of)."""
         out = []
         for url, runs in list(self.running_prefills.items()):
             for key, (admitted, r) in list(runs.items()):
@@ -175,7 +175,12 @@ class Learning:
                 run = chosen.ttft_s if p.action is HandleAction.DECODE_LOCAL else chosen.arrive_s
                 if run > 0.0 and math.isfinite(run):
                     key = next(self._running_keys)
-                    self.running_prefills.setdefault(where, {})[key] = (now, SQ.RunningPrefill(now + run, run, beside))
+                    # Its stall comes with its compute, the end of its run: not while a leg's history is read in,
+                    # nor while a local turn waits to be admitted. One answer beside it is stalled about as long
+                    # as it computes, so that is the window its stall comes in.
+                    window = min(run, beside)
+                    self.running_prefills.setdefault(where, {})[key] = (now, SQ.RunningPrefill(now + run, window,
+                                                                                              beside))
                     running = (where, key)
         if d is not None and not d.forced:
             self.tail.observe(d.estimates_s.get(d.option, math.inf))

@@ -70,8 +70,11 @@ def quota_s(share: float, answer_tokens: int, step_s: float, tpot_objective_s: f
 @dataclass(frozen=True, slots=True)
 class RunningPrefill:
     """A prefill admitted on a node and still running there (a decode-local turn, or a pool instance's prefill
-    leg), as placed: when it should end (the caller's clock), how long it runs in all, and the stall it spreads
-    over the requests decoding beside it.
+    leg), as placed: when it should end (the caller's clock), how long before that its stall comes (its compute,
+    `duration_s`: the end of its run, after a leg's read or a local turn's admission, which stall nobody), and
+    the stall it spreads over the requests decoding beside it in that time. A request that starts decoding
+    before the window opens takes all of it: spread evenly over the whole run instead, a leg whose read took
+    most of it showed an answer placed meanwhile a fraction of a stall it then took whole.
 
     It runs until the gateway sees it end (the local turn's first token, the prefill leg's answer), not until
     its estimate says so (:meth:`as_of`)."""

@@ -232,18 +232,22 @@ def test_a_prefill_placed_is_remembered_while_it_runs_and_charged_to_answers_pla
     p = plan(turn, ClusterView(ps, ds), MOE, KNOBS)
     assert p.prefill == B
     stall, running = learning.admitted(p, now=100.0)
-    (url, ends_in, run, charged), = learning.prefills_running(100.0)
-    assert url == B and charged == pytest.approx(stall) and ends_in == pytest.approx(run) and run > 0
-    # An answer placed on B halfway through starts with half that stall already against its quota.
-    key = learning.decoding(B, 512, 4.0, now=100.0 + run / 2, share=1.0)
-    assert key is not None
-    assert learning.exposures[B][key].absorbed_s == pytest.approx(stall / 2)
+    (url, ends_in, window, charged), = learning.prefills_running(100.0)
+    # Its stall comes with its compute, the last `window` of its run (after the history is read in).
+    assert url == B and charged == pytest.approx(stall) and 0 < window < ends_in
+    # An answer placed on B while the leg still reads its history starts with all of that stall against its
+    # quota; one placed halfway through its compute, with half.
+    reading = learning.decoding(B, 512, 4.0, now=100.0 + (ends_in - window) / 2, share=1.0)
+    computing = learning.decoding(B, 512, 4.0, now=100.0 + ends_in - window / 2, share=1.0)
+    assert reading is not None and computing is not None
+    assert learning.exposures[B][reading].absorbed_s == pytest.approx(stall)
+    assert learning.exposures[B][computing].absorbed_s == pytest.approx(stall / 2)
     # Past its estimated end, not seen to end, it still runs: expected to end as much later as it overran.
-    (url, ends_in, _, _), = learning.prefills_running(100.0 + run + 0.25)
-    assert url == B and ends_in == pytest.approx(0.25)
+    (url, ends_in_late, _, _), = learning.prefills_running(100.0 + ends_in + 0.25)
+    assert url == B and ends_in_late == pytest.approx(0.25)
     # Once seen to end it is forgotten.
     learning.prefill_seen(running)
-    assert learning.prefills_running(100.0 + run + 0.25) == ()
+    assert learning.prefills_running(100.0 + ends_in + 0.25) == ()
     learning.prefill_seen(running)  # seen again (the turn's end): harmless
 
 
@@ -257,17 +261,20 @@ def test_a_prefill_on_an_idle_instance_is_remembered_for_the_answers_placed_besi
     p = plan(turn, ClusterView(ps, ds), MOE, KNOBS)
     assert p.prefill == B and p.decode == A
     assert learning.planned(p, now=100.0) == 0.0  # nobody decoding on B to charge
-    (url, ends_in, run, beside), = learning.prefills_running(100.0)
-    assert url == B and beside > 0 and ends_in == pytest.approx(run)
+    (url, ends_in, window, beside), = learning.prefills_running(100.0)
+    assert url == B and beside > 0 and window == pytest.approx(beside) and ends_in > window
     # A short answer of another session pinned to B, placed now: its local turn would decode beside the leg.
     short = history_turn(8000, 100, expected_output_tokens=6, running_prefills=learning.prefills_running(100.0))
     knobs = replace(KNOBS, tpot_budget_s=0.025)
     local = next(o for o in choose(short, B, ps, ds, MOE, knobs).options if o.option == "decode_local")
     assert not local.feasible and f"prefills running on {B} would stall this answer" in local.why_not
-    # Placed anyway (forced), its quota starts with the leg's stall still to come when its first token is due.
-    key = learning.decoding(B, 6, 1.0, now=100.0, share=1.0, starts_in_s=run / 2)
-    assert key is not None
-    assert learning.exposures[B][key].absorbed_s == pytest.approx(beside / 2)
+    # Placed anyway (forced), its quota starts with the leg's stall still to come when its first token is due:
+    # all of it while the leg reads its history, half halfway through the leg's compute.
+    early = learning.decoding(B, 6, 1.0, now=100.0, share=1.0, starts_in_s=(ends_in - window) / 2)
+    late = learning.decoding(B, 6, 1.0, now=100.0, share=1.0, starts_in_s=ends_in - window / 2)
+    assert early is not None and late is not None
+    assert learning.exposures[B][early].absorbed_s == pytest.approx(beside)
+    assert learning.exposures[B][late].absorbed_s == pytest.approx(beside / 2)
 
 
 def test_a_local_turns_own_prefill_is_not_charged_to_its_answer() -> None:
