@@ -141,7 +141,7 @@ async def run_option(option: str, sessions: Sequence[SessionRecord], shape: Clus
                               settings.tpot_objective_ms, settings.ttft_objective_ms) as (url, model):
         opts.model = model
         run = await run_replay(sessions, url, opts, on_result,
-                               clock_ns=loop_clock_ns() if settings.virtual else now_ns)
+                               clock_ns=loop_clock_ns() if settings.virtual else now_ns, lean_http=settings.virtual)
     join_engine_tpot(run.results, decode_times.tpot_by_request())  # each turn judged by its engine TPOT
     return OptionRun(run, decode_times.tpot_ms())
 

@@ -31,6 +31,7 @@ import anyio
 import httpx
 from kvtether.cli.replay.history import DEFAULT_HISTORY, SessionHistory
 from kvtether.cli.streaming import CHAT, PATHS, StreamedAnswer, StreamFailure, now_ns, stream_answer
+from kvtether.gateway.transport.upstream import Upstream, UpstreamLimits
 from kvtether.protocol.contract import SESSION_HEADER, stamps_for_body
 from kvtether.sdk.sessionfile import History, SessionRecord
 
@@ -219,7 +220,7 @@ def _measured(res: TurnResult, answer: StreamedAnswer, scale: float) -> None:
 
 
 async def _one_turn(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncClient | Upstream,
     url: str,
     sid: str,
     turn_index: int,
@@ -233,10 +234,13 @@ async def _one_turn(
     """One turn streamed and timed (kvtether.cli.streaming); a failure is recorded, never raised out of the run."""
     body, stamped = _request(model, messages, tools, params)
     headers = {**opts.extra_headers, SESSION_HEADER: sid, **stamps_for_body(stamped).headers()}
+    if isinstance(client, Upstream) and not any(k.lower() == "authorization" for k in headers):
+        headers["authorization"] = f"Bearer {opts.api_key}"  # what the httpx client sends by default
     res = TurnResult(session_id=sid, turn=turn_index, ok=False, prompt_messages=len(messages))
     res.start_ms = clock.since_ms() * opts.time_scale
     try:
-        answer = await stream_answer(client, url, body, headers, clock_ns=clock.now_ns)
+        answer = await stream_answer(client, url, body, headers, request_timeout_s=opts.timeout_s,
+                                     clock_ns=clock.now_ns)
     except StreamFailure as e:
         res.error_kind, res.error = e.kind, e.message
         res.reuse = _reuse_headers(e.headers)
@@ -249,7 +253,7 @@ async def _one_turn(
 
 
 async def _one_session(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncClient | Upstream,
     url: str,
     session: SessionRecord,
     opts: ReplayOptions,
@@ -316,9 +320,12 @@ async def run_replay(
     on_result: Callable[[TurnResult], None] | None = None,
     *,
     clock_ns: Callable[[], int] = now_ns,
+    lean_http: bool = False,
 ) -> ReplayRun:
     """Replay `sessions` against `base_url`. `clock_ns`: the clock every time is read on (nanoseconds), the
-    arrivals' schedule included: the wall clock live, the virtual loop's in virtual time (``loop_clock_ns``)."""
+    arrivals' schedule included: the wall clock live, the virtual loop's in virtual time (``loop_clock_ns``).
+    `lean_http`: stream through the gateway's own lean HTTP/1.1 client instead of httpx, for a run in virtual
+    time, where the client's CPU is no part of any figure but was a sixth of a long replay's."""
     if opts.concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     if opts.time_scale <= 0:
@@ -336,8 +343,15 @@ async def run_replay(
             on_result(r)
 
     # Room for every session of an open loop at once (OPEN_LOOP_CAP), as many idle ones as a closed loop keeps.
-    client = httpx.AsyncClient(timeout=opts.timeout_s, headers={"Authorization": f"Bearer {opts.api_key}"},
-                               limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+    client: httpx.AsyncClient | Upstream
+    if lean_http:
+        client = Upstream(UpstreamLimits(connect_timeout_s=opts.timeout_s, write_timeout_s=opts.timeout_s,
+                                         pool_timeout_s=opts.timeout_s, max_connections=1000,
+                                         max_keepalive_connections=100),
+                          clock=lambda: clock_ns() / 1e9)
+    else:
+        client = httpx.AsyncClient(timeout=opts.timeout_s, headers={"Authorization": f"Bearer {opts.api_key}"},
+                                   limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
     url = openai_base_url(base_url) + PATHS[CHAT]
     open_loop = opts.arrivals == "trace"
     limit = anyio.Semaphore(OPEN_LOOP_CAP if open_loop else opts.concurrency)

@@ -76,7 +76,7 @@ async def replay_sim(
         run_opts = dataclasses.replace(opts, model=opts.model or stack.model, time_scale=target.speed)
         cpu0 = time.process_time()
         run = await run_replay(sessions, stack.url, run_opts, on_result,
-                               clock_ns=loop_clock_ns() if stack.virtual else now_ns)
+                               clock_ns=loop_clock_ns() if stack.virtual else now_ns, lean_http=stack.virtual)
         run.counters = stack.counters()
         if stack.virtual:
             run.cpu_s, run.gateway_model = time.process_time() - cpu0, stack.gateway_model()

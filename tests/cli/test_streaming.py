@@ -3,6 +3,7 @@ TPOT by its one definition, the answer as the next turn resends it, and how a re
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from collections.abc import Iterable
@@ -17,6 +18,7 @@ from kvtether.cli.streaming import (
     RESPONSES,
     StreamFailure,
     TokenClock,
+    loop_clock_ns,
     reader_for,
     stream_answer,
 )
@@ -173,3 +175,45 @@ async def test_stream_answer_reads_a_stream_and_names_each_failure() -> None:
         with pytest.raises(StreamFailure) as e:
             await stream_answer(client, f"http://127.0.0.1:{port}/v1/chat/completions", {})
         assert e.value.kind == "connection"
+
+
+def test_the_lean_client_reads_the_same_stream_and_names_the_same_failures() -> None:
+    """The gateway's lean HTTP/1.1 client (a virtual-time replay's) against the same app under uvicorn on a
+    virtual loop: the same answer, the same times, and the same failure kinds as httpx."""
+    import uvicorn
+    from kvtether.gateway.transport.upstream import Upstream
+    from kvtether.sim.virtual import current_virtual_loop, run_virtual
+
+    async def both() -> None:
+        loop = current_virtual_loop()
+        assert loop is not None
+        server = uvicorn.Server(uvicorn.Config(_app(), host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+        task = asyncio.ensure_future(server.serve())
+        while not server.started:
+            assert not task.done(), "the server did not start"
+            await asyncio.sleep(0.01)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/chat/completions"
+        body = {"model": "m", "messages": [], "stream": True}
+        lean, clock = Upstream(clock=loop.time), loop_clock_ns()
+        try:
+            async with httpx.AsyncClient() as http:
+                slow = await stream_answer(http, url, body, clock_ns=clock)
+            fast = await stream_answer(lean, url, body, clock_ns=clock)
+            assert fast.reader.text == slow.reader.text == "ab"
+            assert fast.reader.completion_tokens == 2 and fast.clock.events == slow.clock.events == 4
+            assert fast.headers["X-Kvtether-Reuse-Source"] == "none"  # case-insensitive, as httpx's
+            assert (fast.ttfc_ms(), fast.ttft_ms(), fast.tpot_ms(), fast.e2e_ms()) == \
+                (slow.ttfc_ms(), slow.ttft_ms(), slow.tpot_ms(), slow.e2e_ms())
+            for bad, kind in (({"fail": True}, "http_404"), ({"break": True}, "server_error")):
+                with pytest.raises(StreamFailure) as e:
+                    await stream_answer(lean, url, bad, clock_ns=clock)
+                assert e.value.kind == kind
+            with pytest.raises(StreamFailure) as e:
+                await stream_answer(lean, "http://127.0.0.1:1/v1/chat/completions", body, clock_ns=clock)
+            assert e.value.kind == "connection"
+        finally:
+            await lean.aclose()
+            server.should_exit = True
+            await task
+
+    run_virtual(both)
