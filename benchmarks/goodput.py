@@ -142,7 +142,8 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
     async with option_gateway(option, shape, speed, False, decode_times, st.tpot_ms, st.ttft_ms) as (url, model):
         opts = ReplayOptions(arrivals="trace", rate=rate, time_scale=speed, model=model, history="live",
                              timeout_s=300.0, session_suffix="" if st.virtual else new_session_suffix())
-        run = await run_replay(sessions, url, opts, clock_ns=loop_clock_ns() if st.virtual else now_ns)
+        run = await run_replay(sessions, url, opts, clock_ns=loop_clock_ns() if st.virtual else now_ns,
+                               lean_http=st.virtual)
     join_engine_tpot(run.results, decode_times.tpot_by_request())
     objectives = Objectives(st.ttft_ms, st.tpot_ms)
     a = attainment(run.results, objectives, "engine")
@@ -216,8 +217,11 @@ def main_sync(args: argparse.Namespace) -> dict[str, Any]:
     if jobs_at_once > 1:
         import multiprocessing
 
+        rows = []
         with multiprocessing.get_context("spawn").Pool(jobs_at_once) as procs:
-            rows = list(procs.imap(run_job, jobs))
+            for job, row in zip(jobs, procs.imap(run_job, jobs), strict=True):  # in order, each as it is done
+                rows.append(row)
+                _say(job[0], row)
     else:
         rows = []
         for job in jobs:
@@ -225,9 +229,6 @@ def main_sync(args: argparse.Namespace) -> dict[str, Any]:
             _say(job[0], rows[-1])
     for w in args.workloads.split(","):
         mine = [r for (jw, *_), r in zip(jobs, rows, strict=True) if jw == w]
-        if jobs_at_once > 1:
-            for r in mine:
-                _say(w, r)
         sessions = workload(w, st)
         gp = {o: goodput([(r["rate"], r["attainment"]) for r in mine if r["option"] == o]) for o in options}
         out["workloads"][w] = {"sessions": len(sessions), "turns": sum(len(s.turns) for s in sessions),

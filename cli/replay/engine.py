@@ -325,7 +325,7 @@ async def run_replay(
     """Replay `sessions` against `base_url`. `clock_ns`: the clock every time is read on (nanoseconds), the
     arrivals' schedule included: the wall clock live, the virtual loop's in virtual time (``loop_clock_ns``).
     `lean_http`: stream through the gateway's own lean HTTP/1.1 client instead of httpx, for a run in virtual
-    time, where the client's CPU is no part of any figure but was a sixth of a long replay's."""
+    time, where the client's CPU is no part of any figure but was a sixth of a long replay's (profiled)."""
     if opts.concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     if opts.time_scale <= 0:

@@ -118,7 +118,13 @@ def gateway_settings(spec: StackSpec, option: str) -> dict[str, Any]:
     times, knobs = spec.times, PolicyKnobs()
     defer_max = knobs.defer_max_s if times.defer_max_s is None else times.defer_max_s
     defer_step = knobs.defer_step_s if times.defer_step_s is None else times.defer_step_s
+    from kvtether.sim.presets import get_preset
+
+    # The engines' step budget (vLLM --max-num-batched-tokens), as an operator sets chunk_tokens to it: with the
+    # gateway's 2,048 against the presets' 8,192, a 5k-token prefill leg was planned as three steps of a third of
+    # its stall each, and an answer placed beside it took all of it in one.
     return {"policy": policy, **time_settings(times, spec.speed), **seed_settings(spec.preset, spec.speed),
+            "chunk_tokens": get_preset(spec.preset).max_num_batched_tokens,
             "defer_max_s": defer_max / spec.speed, "tuning": {"defer_step_s": defer_step / spec.speed}}
 
 

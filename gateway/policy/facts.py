@@ -95,14 +95,15 @@ class TurnFacts:
     # absorb that leg's stall as they would a local prefill's.
     stall_credits: tuple[tuple[str, float, float], ...] = ()
     # Prefills admitted earlier and still running beside a node's decodes (url, seconds until each should end,
-    # the time before that its stall comes in, its stall): an answer that starts decoding there meanwhile takes
-    # the rest of their stall, which its TPOT objective must absorb (stallquota.RunningPrefill).
-    running_prefills: tuple[tuple[str, float, float, float], ...] = ()
+    # the time before that its stall comes in, its stall, the engine steps it comes in): an answer that starts
+    # decoding there meanwhile takes the rest of their stall, which its TPOT objective must absorb
+    # (stallquota.RunningPrefill).
+    running_prefills: tuple[tuple[str, float, float, float, int], ...] = ()
 
     def pending_stall(self, url: str, after_s: float) -> float:
         """The stall an answer that starts decoding on `url` in `after_s` seconds takes from those prefills."""
-        return pending_s((RunningPrefill(end, run, stall) for u, end, run, stall in self.running_prefills
-                          if u == url), after_s)
+        return pending_s((RunningPrefill(end, run, stall, steps) for u, end, run, stall, steps
+                          in self.running_prefills if u == url), after_s)
 
     def stall_credit(self, url: str, pinned: str | None) -> tuple[float, float]:
         """(credit, quota) of the requests decoding on `url`: the pinned D's, or a pool instance's."""

@@ -115,9 +115,9 @@ class Learning:
 
     # ---- what the shell reports ------------------------------------------------------------------
 
-    def prefills_running(self, now: float) -> tuple[tuple[str, float, float, float], ...]:
+    def prefills_running(self, now: float) -> tuple[tuple[str, float, float, float, int], ...]:
         """The prefills still running beside decodes, per node: (url, seconds until each should end, the window
-        its stall comes in, its stall), for the policy (TurnFacts.running_prefills). One runs until the shell
+        its stall comes in, its stall, its steps), for the policy (TurnFacts.running_prefills). One runs until the shell
         sees it end, even past its estimated end (stallquota.RunningPrefill.as_of)."""
         out = []
         for url, runs in list(self.running_prefills.items()):
@@ -126,7 +126,7 @@ class Learning:
                     del runs[key]
                 else:
                     r = r.as_of(now)  # unseen past its estimated end: it is still running
-                    out.append((url, r.ends_at - now, r.duration_s, r.stall_s))
+                    out.append((url, r.ends_at - now, r.duration_s, r.stall_s, r.steps))
             if not runs:
                 del self.running_prefills[url]
         return tuple(out)
@@ -179,8 +179,9 @@ class Learning:
                     # nor while a local turn waits to be admitted. One answer beside it is stalled about as long
                     # as it computes, so that is the window its stall comes in.
                     window = min(run, beside)
-                    self.running_prefills.setdefault(where, {})[key] = (now, SQ.RunningPrefill(now + run, window,
-                                                                                              beside))
+                    steps = max(1, math.ceil(chosen.computed_tokens / self.knobs.chunk_tokens))
+                    self.running_prefills.setdefault(where, {})[key] = (
+                        now, SQ.RunningPrefill(now + run, window, beside, steps))
                     running = (where, key)
         if d is not None and not d.forced:
             self.tail.observe(d.estimates_s.get(d.option, math.inf))

@@ -78,8 +78,9 @@ class Turn:
     request_stall_credit_s: float = math.inf
     request_stall_quota_s: float = math.inf
     stall_credits: tuple[tuple[str, float, float], ...] = ()  # the same per other pool instance (url, credit, quota)
-    # Prefills running beside decodes (url, ends in s, run s, stall s): what an answer placed there still takes.
-    running_prefills: tuple[tuple[str, float, float, float], ...] = ()
+    # Prefills running beside decodes (url, ends in s, stall window s, stall s, steps): what an answer placed there
+    # still takes.
+    running_prefills: tuple[tuple[str, float, float, float, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

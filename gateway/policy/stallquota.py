@@ -82,6 +82,10 @@ class RunningPrefill:
     ends_at: float
     duration_s: float
     stall_s: float
+    # The engine steps it computes in (its tokens over the step budget): each stalls everyone decoding then by its
+    # part of `stall_s`, whole, so an answer decoding through any part of a step takes all of it. 0: evenly, as
+    # over very many steps.
+    steps: int = 0
 
     def as_of(self, now: float) -> RunningPrefill:
         """Itself as known at `now`, still unseen: past its estimated end by `x`, it was underestimated by at least
@@ -94,13 +98,16 @@ class RunningPrefill:
         if self.duration_s <= 0.0:
             return replace(self, ends_at=now + x)
         run = self.duration_s + 2.0 * x
-        return RunningPrefill(now + x, run, self.stall_s * run / self.duration_s)
+        return RunningPrefill(now + x, run, self.stall_s * run / self.duration_s, self.steps)
 
     def remaining_share(self, at: float) -> float:
-        """The share of its run still to come at `at`."""
+        """The share of its stall still to come at `at`: its steps not yet over, the one in flight whole."""
         if self.duration_s <= 0.0:
             return 0.0 if at >= self.ends_at else 1.0
-        return min(1.0, max(0.0, (self.ends_at - at) / self.duration_s))
+        left = min(1.0, max(0.0, (self.ends_at - at) / self.duration_s))
+        if self.steps < 1:
+            return left
+        return math.ceil(left * self.steps - 1e-9) / self.steps
 
     def remaining_s(self, at: float) -> float:
         """The part of its stall still to come at `at` (spread evenly over its run)."""

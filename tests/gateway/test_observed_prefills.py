@@ -36,15 +36,15 @@ async def test_a_local_prefill_runs_on_d_until_its_first_token_is_seen_not_until
                 if learning.running_prefills.get(d):
                     break
                 await anyio.sleep(0.01)
-            [(url, _, run, _)] = learning.prefills_running(clock())
-            assert url == d and 0.0 < run < 1.0, run
-            await anyio.sleep(run + 1.0)  # well past its estimated end, and not seen to end
-            [(url, ends_in, _, _)] = learning.prefills_running(clock())
+            [(url, until_end, _, _, _)] = learning.prefills_running(clock())
+            assert url == d and 0.0 < until_end < 1.0, until_end
+            await anyio.sleep(until_end + 1.0)  # well past its estimated end, and not seen to end
+            [(url, ends_in, _, _, _)] = learning.prefills_running(clock())
             assert url == d and ends_in >= 1.0, "an unseen prefill past its estimate counts as running for its overrun"
             # y's turn, planned now, is planned with x's prefill still running on D: an answer placed there would
             # decode beside what is left of it (stallquota.pending_s), however long ago its estimate said it ended.
             plan = place_room.plan
-            seen: list[tuple[tuple[str, float, float, float], ...]] = []
+            seen: list[tuple[tuple[str, float, float, float, int], ...]] = []
 
             def spy(turn: Any, *args: Any) -> Any:
                 seen.append(turn.running_prefills)
@@ -57,7 +57,7 @@ async def test_a_local_prefill_runs_on_d_until_its_first_token_is_seen_not_until
             finally:
                 place_room.plan = plan  # type: ignore[assignment]
             assert seen, "y's turn was not planned"
-            [(url, ends_in, _, _)] = [p for p in seen[0] if p[0] == d]
+            [(url, ends_in, _, _, _)] = [p for p in seen[0] if p[0] == d]
             assert ends_in >= 1.0, seen
             tg.cancel_scope.cancel()  # x's client gives up
         for _ in range(500):  # the gateway gives up on D at its read timeout and retries x through P

@@ -14,7 +14,7 @@ from tests.support.policy_facts import D0, D1, MOE, P0, history_turn
 KNOBS = PolicyKnobs(tpot_budget_s=0.025, defer_max_s=0.2, defer_step_s=0.01)
 # A 2,000-token prefill still running on D0 with 0.3 s of its stall to come: a six-token answer there cannot
 # take it within a 25 ms objective.
-SHORT = history_turn(8000, 100, expected_output_tokens=6, running_prefills=((D0, 0.5, 0.5, 0.3),))
+SHORT = history_turn(8000, 100, expected_output_tokens=6, running_prefills=((D0, 0.5, 0.5, 0.3, 0),))
 
 
 def test_a_turn_forced_over_a_limit_that_clears_waits_a_step_at_a_time_up_to_the_maximum() -> None:

@@ -84,7 +84,7 @@ CASES: list[tuple[str, Turn, ClusterView, EstimatorSnapshot | None, str, str]] =
      "forced"),
     # A two-token answer cannot take what a prefill still running on D0 would stall it within the TPOT objective:
     # the pull (to D0) is over that limit; the cold prefill, whose answer arrives later, is not.
-    ("auto pull over a limit", follow_up("auto", expected_output_tokens=2, running_prefills=((D0, 0.5, 0.5, 0.3),)),
+    ("auto pull over a limit", follow_up("auto", expected_output_tokens=2, running_prefills=((D0, 0.5, 0.5, 0.3, 0),)),
      ClusterView((NodeLoad(P0),), (NodeLoad(D0, running=2),)), None, "none", "pull_over_limit"),
     # auto without a verified prompt length goes the pull rule's way.
     ("auto unverified", follow_up("auto", prompt_tokens=None), VIEW, None, "none", "guard_refused"),

@@ -232,18 +232,19 @@ def test_a_prefill_placed_is_remembered_while_it_runs_and_charged_to_answers_pla
     p = plan(turn, ClusterView(ps, ds), MOE, KNOBS)
     assert p.prefill == B
     stall, running = learning.admitted(p, now=100.0)
-    (url, ends_in, window, charged), = learning.prefills_running(100.0)
-    # Its stall comes with its compute, the last `window` of its run (after the history is read in).
-    assert url == B and charged == pytest.approx(stall) and 0 < window < ends_in
+    (url, ends_in, window, charged, steps), = learning.prefills_running(100.0)
+    # Its stall comes with its compute, the last `window` of its run (after the history is read in), in engine
+    # steps of KNOBS.chunk_tokens: 6,000 new tokens in 3.
+    assert url == B and charged == pytest.approx(stall) and 0 < window < ends_in and steps == 3
     # An answer placed on B while the leg still reads its history starts with all of that stall against its
-    # quota; one placed halfway through its compute, with half.
+    # quota; one placed halfway through its compute, with the step then in flight and the last: two thirds.
     reading = learning.decoding(B, 512, 4.0, now=100.0 + (ends_in - window) / 2, share=1.0)
     computing = learning.decoding(B, 512, 4.0, now=100.0 + ends_in - window / 2, share=1.0)
     assert reading is not None and computing is not None
     assert learning.exposures[B][reading].absorbed_s == pytest.approx(stall)
-    assert learning.exposures[B][computing].absorbed_s == pytest.approx(stall / 2)
+    assert learning.exposures[B][computing].absorbed_s == pytest.approx(stall * 2 / 3)
     # Past its estimated end, not seen to end, it still runs: expected to end as much later as it overran.
-    (url, ends_in_late, _, _), = learning.prefills_running(100.0 + ends_in + 0.25)
+    (url, ends_in_late, _, _, _), = learning.prefills_running(100.0 + ends_in + 0.25)
     assert url == B and ends_in_late == pytest.approx(0.25)
     # Once seen to end it is forgotten.
     learning.prefill_seen(running)
@@ -261,20 +262,20 @@ def test_a_prefill_on_an_idle_instance_is_remembered_for_the_answers_placed_besi
     p = plan(turn, ClusterView(ps, ds), MOE, KNOBS)
     assert p.prefill == B and p.decode == A
     assert learning.planned(p, now=100.0) == 0.0  # nobody decoding on B to charge
-    (url, ends_in, window, beside), = learning.prefills_running(100.0)
-    assert url == B and beside > 0 and window == pytest.approx(beside) and ends_in > window
+    (url, ends_in, window, beside, steps), = learning.prefills_running(100.0)
+    assert url == B and beside > 0 and window == pytest.approx(beside) and ends_in > window and steps == 3
     # A short answer of another session pinned to B, placed now: its local turn would decode beside the leg.
     short = history_turn(8000, 100, expected_output_tokens=6, running_prefills=learning.prefills_running(100.0))
     knobs = replace(KNOBS, tpot_budget_s=0.025)
     local = next(o for o in choose(short, B, ps, ds, MOE, knobs).options if o.option == "decode_local")
     assert not local.feasible and f"prefills running on {B} would stall this answer" in local.why_not
     # Placed anyway (forced), its quota starts with the leg's stall still to come when its first token is due:
-    # all of it while the leg reads its history, half halfway through the leg's compute.
+    # all of it while the leg reads its history; in its last step, that whole step.
     early = learning.decoding(B, 6, 1.0, now=100.0, share=1.0, starts_in_s=(ends_in - window) / 2)
-    late = learning.decoding(B, 6, 1.0, now=100.0, share=1.0, starts_in_s=ends_in - window / 2)
+    late = learning.decoding(B, 6, 1.0, now=100.0, share=1.0, starts_in_s=ends_in - window / 6)
     assert early is not None and late is not None
     assert learning.exposures[B][early].absorbed_s == pytest.approx(beside)
-    assert learning.exposures[B][late].absorbed_s == pytest.approx(beside / 2)
+    assert learning.exposures[B][late].absorbed_s == pytest.approx(beside / 3)
 
 
 def test_a_local_turns_own_prefill_is_not_charged_to_its_answer() -> None:
@@ -287,7 +288,7 @@ def test_a_local_turns_own_prefill_is_not_charged_to_its_answer() -> None:
     p = plan(turn, ClusterView(ps, ds), MOE, KNOBS)
     assert p.action is HandleAction.DECODE_LOCAL and p.decode == A
     learning.planned(p, now=100.0)
-    (url, ends_in, _run, beside), = learning.prefills_running(100.0)
+    (url, ends_in, _run, beside, _), = learning.prefills_running(100.0)
     assert url == A and beside > 0
     own = learning.decoding(A, 300, 1.0, now=100.0, share=1.0, starts_in_s=ends_in)
     assert own is not None and learning.exposures[A][own].absorbed_s == 0.0

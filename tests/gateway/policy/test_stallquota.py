@@ -149,7 +149,7 @@ def test_an_answer_placed_beside_a_running_prefill_must_absorb_its_rest_within_t
     # A 2,000-token local prefill on D was admitted a moment ago: 0.3 s of its stall is still to come. A short
     # answer (6 tokens: 5 × 18 ms = 90 ms within a 25 ms objective) cannot take that; a long one can.
     knobs = PolicyKnobs(tpot_budget_s=0.025)
-    running = ((D0, 0.5, 0.5, 0.3),)
+    running = ((D0, 0.5, 0.5, 0.3, 0),)
     short = history_turn(8000, 100, expected_output_tokens=6, running_prefills=running)
     decodes = (NodeLoad(D0, running=2.0), NodeLoad(D1))
     d = choose(short, D0, (NodeLoad(P0),), decodes, MOE, knobs)
@@ -163,10 +163,25 @@ def test_an_answer_placed_beside_a_running_prefill_must_absorb_its_rest_within_t
     d = choose(long, D0, (NodeLoad(P0),), (NodeLoad(D0, running=2.0),), MOE, knobs)
     assert next(o for o in d.options if o.option == "decode_local").feasible
     # Long after that prefill ends, nothing is left of it.
-    late = replace(short, running_prefills=((D0, 0.0, 0.5, 0.3),))
+    late = replace(short, running_prefills=((D0, 0.0, 0.5, 0.3, 0),))
     d = choose(late, D0, (NodeLoad(P0),), (NodeLoad(D0, running=2.0),), MOE, knobs)
     assert next(o for o in d.options if o.option == "decode_local").feasible
 
+
+
+def test_a_prefill_in_one_step_stalls_an_answer_decoding_through_any_part_of_it_whole() -> None:
+    # A 5,000-token prefill leg computes in one engine step (0.2 s of stall) at the end of a 0.5 s run (its read
+    # first). An answer whose first token comes 0.1 s before the leg ends decodes through that step: all of it.
+    one = RunningPrefill(ends_at=10.5, duration_s=0.2, stall_s=0.2, steps=1)
+    assert one.remaining_s(10.2) == pytest.approx(0.2)  # still reading: all of it to come
+    assert one.remaining_s(10.4) == pytest.approx(0.2)  # in its one step: all of it, not half
+    assert one.remaining_s(10.5) == 0.0
+    # In four steps, halfway: the step in flight and the one after.
+    four = RunningPrefill(ends_at=10.5, duration_s=0.2, stall_s=0.2, steps=4)
+    assert four.remaining_s(10.4) == pytest.approx(0.1)
+    assert four.remaining_s(10.39) == pytest.approx(0.15)
+    # Past its estimate the same steps come over a longer run.
+    assert one.as_of(10.6).steps == 1 and one.as_of(10.6).remaining_s(10.6) == pytest.approx(0.2 * 0.4 / 0.2)
 
 
 def test_a_prefill_unseen_past_its_estimated_end_is_expected_to_run_as_much_again() -> None:
