@@ -90,8 +90,8 @@ class RunningPrefill:
     def as_of(self, now: float) -> RunningPrefill:
         """Itself as known at `now`, still unseen: past its estimated end by `x`, it was underestimated by at least
         that, and with nothing else known as much again is the median of what remains (the Copernican estimate).
-        So it is expected to end `x` after `now`, its whole run to last ``duration_s + 2x``, and its stall to
-        keep its rate over that run."""
+        So it is expected to end `x` after `now`, the time its stall comes in to last ``duration_s + 2x``, and its
+        stall to keep its rate over that time, in as many steps."""
         x = now - self.ends_at
         if x <= 0.0:
             return self
