@@ -78,8 +78,10 @@ class _Timer(asyncio.TimerHandle):
         self._seq = seq
 
     def __lt__(self, other: object) -> bool:
+        # The heap compares timers millions of times in a long run: attributes, not when() and tuples.
         if isinstance(other, _Timer):
-            return (self.when(), self._seq) < (other.when(), other._seq)
+            a, b = self._when, other._when  # type: ignore[attr-defined]
+            return bool(a < b or (a == b and self._seq < other._seq))
         return NotImplemented
 
     def __hash__(self) -> int:
