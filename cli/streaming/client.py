@@ -63,50 +63,35 @@ def _data(line: str) -> Any:
     return orjson.loads(payload)
 
 
+def _take(line: str, now: int, reader: AnswerReader, headers: httpx.Headers) -> None:
+    """One line of the stream, arrived at `now`: its event read, an error event raised as the server's."""
+    data = _data(line)
+    if not isinstance(data, Mapping):
+        return
+    reader.clock.event(now)
+    reader.read(data, now)
+    if reader.error is not None:
+        raise StreamFailure("server_error", reader.error[:300], headers)
+
+
 async def _read(resp: httpx.Response, reader: AnswerReader, clock_ns: Callable[[], int]) -> None:
-    clock = reader.clock
     async for line in resp.aiter_lines():
-        now = clock_ns()  # first: nothing else may sit between arrival and stamp
-        data = _data(line)
-        if not isinstance(data, Mapping):
-            continue
-        clock.event(now)
-        reader.read(data, now)
-        if reader.error is not None:
-            raise StreamFailure("server_error", reader.error[:300], resp.headers)
-
-
-def _data_bytes(line: bytes) -> Any:
-    """:func:`_data` of a line still in bytes (orjson reads them as they are)."""
-    if not line.startswith(b"data:"):
-        return None
-    payload = line[5:].strip()
-    if not payload or payload == b"[DONE]":
-        return None
-    return orjson.loads(payload)
+        _take(line, clock_ns(), reader, resp.headers)  # stamped first: nothing may sit between arrival and stamp
 
 
 async def _read_pieces(resp: UpstreamResponse, reader: AnswerReader, clock_ns: Callable[[], int]) -> None:
-    """:func:`_read` over the pieces the network delivered: one arrival stamp per piece, its lines cut here."""
-    clock = reader.clock
+    """:func:`_read` over the pieces the network delivered: one arrival stamp per piece, its lines cut here (as
+    bytes: a newline byte is never inside a UTF-8 character, a piece's end may be)."""
+    headers = httpx.Headers(resp.headers)
     rest = b""
     async for piece in resp.pieces():
         now = clock_ns()
         lines = (rest + piece).split(b"\n")
         rest = lines.pop()
         for line in lines:
-            data = _data_bytes(line.rstrip(b"\r"))
-            if not isinstance(data, Mapping):
-                continue
-            clock.event(now)
-            reader.read(data, now)
-            if reader.error is not None:
-                raise StreamFailure("server_error", reader.error[:300], httpx.Headers(resp.headers))
-    data = _data_bytes(rest.rstrip(b"\r"))
-    if isinstance(data, Mapping):  # a last line without its newline
-        now = clock_ns()
-        clock.event(now)
-        reader.read(data, now)
+            _take(line.decode(), now, reader, headers)
+    if rest:  # a last line without its newline
+        _take(rest.decode(), clock_ns(), reader, headers)
 
 
 async def _stream_lean(client: Upstream, url: str, body: bytes, headers: dict[str, str], read_timeout_s: float | None,
