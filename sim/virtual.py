@@ -84,9 +84,6 @@ class _Timer(asyncio.TimerHandle):
             return bool(a < b or (a == b and self._seq < other._seq))
         return NotImplemented
 
-    def __hash__(self) -> int:
-        return hash((self.when(), self._seq))
-
 
 class VirtualLoop(asyncio.SelectorEventLoop):
     """An event loop on virtual time (module docstring). ``network``: the in-memory network its servers and clients

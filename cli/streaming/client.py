@@ -79,10 +79,10 @@ async def _read(resp: httpx.Response, reader: AnswerReader, clock_ns: Callable[[
         _take(line, clock_ns(), reader, resp.headers)  # stamped first: nothing may sit between arrival and stamp
 
 
-async def _read_pieces(resp: UpstreamResponse, reader: AnswerReader, clock_ns: Callable[[], int]) -> None:
+async def _read_pieces(resp: UpstreamResponse, reader: AnswerReader, clock_ns: Callable[[], int],
+                       headers: httpx.Headers) -> None:
     """:func:`_read` over the pieces the network delivered: one arrival stamp per piece, its lines cut here (as
     bytes: a newline byte is never inside a UTF-8 character, a piece's end may be)."""
-    headers = httpx.Headers(resp.headers)
     rest = b""
     async for piece in resp.pieces():
         now = clock_ns()
@@ -99,13 +99,13 @@ async def _stream_lean(client: Upstream, url: str, body: bytes, headers: dict[st
                        clock_ns: Callable[[], int]) -> StreamedAnswer:
     resp = await client.send("POST", url, body, headers, read_timeout=read_timeout_s)
     try:
+        resp_headers = httpx.Headers(resp.headers)
         if resp.status_code != 200:
             text = (await resp.read()).decode("utf-8", "replace")
-            raise StreamFailure(f"http_{resp.status_code}", f"HTTP {resp.status_code}: {text}"[:300],
-                                httpx.Headers(resp.headers))
-        answer = StreamedAnswer(api, clock, reader, httpx.Headers(resp.headers))
+            raise StreamFailure(f"http_{resp.status_code}", f"HTTP {resp.status_code}: {text}"[:300], resp_headers)
+        answer = StreamedAnswer(api, clock, reader, resp_headers)
         try:
-            await _read_pieces(resp, reader, clock_ns)
+            await _read_pieces(resp, reader, clock_ns, resp_headers)
         except StreamFailure:
             raise
         except Exception as e:  # the stream broke after its head: never a connection failure
