@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import anyio
@@ -31,6 +32,9 @@ from kvtether.gateway.nodes.discovery.members import DRAINING, JOINING, READY, C
 from kvtether.gateway.nodes.health import next_backoff
 from kvtether.gateway.policy.placement import ClusterView, NodeLoad
 from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from kvtether.gateway.transport.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -235,11 +239,21 @@ def parse_metrics(text: str) -> dict[str, float | int]:
     return out
 
 
+def poll_timeout_s(config: GatewayConfig) -> float:
+    """How long one poll of a node may take: two intervals and a second, at most 5 s."""
+    return min(5.0, config.metrics_poll_interval_s * 2 + 1)
+
+
 class Cluster:
     def __init__(self, config: GatewayConfig, client: httpx.AsyncClient,
-                 on_poll_failure: Callable[[str], None] | None = None, clock: Clock = DEFAULT_CLOCK) -> None:
+                 on_poll_failure: Callable[[str], None] | None = None, clock: Clock = DEFAULT_CLOCK,
+                 poller: Upstream | None = None) -> None:
         self.config = config
         self.client = client
+        # The /metrics polls' own keep-alive connections (the lean client, transport/upstream.py): a poll per
+        # node every interval is the gateway's steadiest traffic, and httpx's layers cost ~1 ms of CPU a poll.
+        # None: they go through `client` like the rarer /version, /v1/models and /health.
+        self.poller = poller
         self.clock = clock  # the gateway's (clock.py): health backoffs, expected arrivals
         self.on_poll_failure = on_poll_failure  # a node's /metrics poll failed (its URL): counted by the app
         self._arrival_ids = itertools.count()
@@ -446,11 +460,10 @@ class Cluster:
 
     async def refresh(self, node: Node) -> None:
         """One poll of a node; any failure marks it unhealthy until a later poll succeeds."""
-        timeout = httpx.Timeout(min(5.0, self.config.metrics_poll_interval_s * 2 + 1))
+        timeout = httpx.Timeout(poll_timeout_s(self.config))
         try:
-            resp = await self.client.get(f"{node.url}/metrics", timeout=timeout)
-            resp.raise_for_status()
-            if _KVTETHER_METRIC in resp.text and "vllm:" not in resp.text:
+            text = await self._scrape(node.url, timeout)
+            if _KVTETHER_METRIC in text and "vllm:" not in text:
                 # Another kvtether gateway (e.g. --prefill pointed at `kvtether up`'s gateway port): it would
                 # answer, and refuse every leg's kv_transfer_params.
                 why = (f"{node.url} is a kvtether gateway, not a vLLM server: give the gateway the vLLM "
@@ -458,7 +471,7 @@ class Cluster:
                 node.last_error = why
                 self.take_out(node, why)
                 return
-            parsed = parse_metrics(resp.text)
+            parsed = parse_metrics(text)
             node.running = float(parsed["running"])
             node.inflight_at_poll = node.inflight
             node.waiting = float(parsed["waiting"])
@@ -502,6 +515,20 @@ class Cluster:
             # out only if its /health fails too.
             if not await self.alive(node):
                 self.take_out(node, node.last_error)
+
+    async def _scrape(self, url: str, bound: httpx.Timeout) -> str:
+        """A node's /metrics text; an answer other than 200 raises httpx.HTTPStatusError, as httpx's would."""
+        if self.poller is None:
+            resp = await self.client.get(f"{url}/metrics", timeout=bound)
+            resp.raise_for_status()
+            return resp.text
+        answer = await self.poller.send("GET", f"{url}/metrics", read_timeout=bound.read)
+        body = await answer.read()
+        if answer.status_code != 200:
+            request = httpx.Request("GET", f"{url}/metrics")
+            raise httpx.HTTPStatusError(f"/metrics answered {answer.status_code}", request=request,
+                                        response=httpx.Response(answer.status_code, request=request))
+        return body.decode("utf-8", "replace")
 
     async def alive(self, node: Node) -> bool:
         """One /health probe: the node's own word on whether it serves (vLLM answers 200 once its engine runs)."""

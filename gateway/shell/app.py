@@ -26,7 +26,7 @@ from kvtether.gateway.api.serving import Serving, request_headers
 from kvtether.gateway.clock import Clock, running_clock
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
-from kvtether.gateway.nodes.cluster import Cluster
+from kvtether.gateway.nodes.cluster import Cluster, poll_timeout_s
 from kvtether.gateway.nodes.discovery import Change, Discovery, open_discovery
 from kvtether.gateway.nodes.discovery.runner import discover_forever
 from kvtether.gateway.nodes.health import probe_forever
@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 # Every client-facing API, a room each: its turns' paths and its own other routes.
 API_ROOMS = (chat, messages, responses)
+# How long an idle poll connection is kept: above the default 2 s poll interval, below vLLM's 5 s idle close.
+POLL_KEEPALIVE_S = 4.0
 
 
 class Gateway:
@@ -90,9 +92,17 @@ class Gateway:
             pool_timeout_s=config.pool_timeout_s, max_connections=config.max_connections,
             max_keepalive_connections=config.max_keepalive_connections,
             keepalive_expiry_s=config.keepalive_expiry_s), clock=clock)
+        # The /metrics polls: a lean client of their own, so that a poll never waits for a slot behind turns.
+        # Its idle connections live longer than the legs' (one poll interval is 2 s by default), yet below
+        # the 5 s after which vLLM's uvicorn closes an idle connection (VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
+        poll_s = poll_timeout_s(config)
+        self.poller = Upstream(UpstreamLimits(
+            connect_timeout_s=min(poll_s, config.connect_timeout_s), write_timeout_s=poll_s, pool_timeout_s=poll_s,
+            max_connections=config.max_connections, max_keepalive_connections=config.max_keepalive_connections,
+            keepalive_expiry_s=max(config.keepalive_expiry_s, POLL_KEEPALIVE_S)), clock=clock)
         self.cluster = Cluster(config, self.client,
                                on_poll_failure=lambda url: self.metrics.upstream_errors.labels(url, "metrics").inc(),
-                               clock=clock)
+                               clock=clock, poller=self.poller)
         for node in self.cluster.nodes.values():  # every series from the start, so a rate() sees the first error
             for phase in T.PHASES:
                 self.metrics.upstream_errors.labels(node.url, phase)
@@ -275,6 +285,7 @@ def create_app(config: GatewayConfig, *, store: SessionStore | None = None,
         await gw.client.aclose()
         await gw.tokenize_client.aclose()
         await gw.upstream.aclose()
+        await gw.poller.aclose()
         if gw.own_store:
             await gw.store.aclose()
         if gw.worker_metrics:
