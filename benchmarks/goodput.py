@@ -1,10 +1,14 @@
 """Goodput at equal GPU count: which serving option keeps the most turns within their objectives, and up to which load.
 
-For each workload and each option, the sessions are replayed open loop on a fresh simulated cluster: sessions
-arrive at their start offsets divided by the load multiplier, think times stay as recorded. Per run: the share of
-turns that meet both objectives (TTFT from the client, TPOT from the decoding engine's own step times, which this
-machine's load does not inflate), late-turn TTFT p50/p95/p99 and engine TPOT p95. Goodput is the highest load
-multiplier at which at least 90 % of turns meet both (DistServe's measure).
+For each workload and each option, the sessions are replayed open loop on a fresh simulated cluster. Load ×k is
+k times the users: k × --sessions sessions (the workload's generator or trace, further on) arriving k times as
+densely, so in the same window, each with its think times as recorded. (Compressing arrivals alone, or think
+times too, stops raising the load once every session is under way: each has one request out at a time, so 64
+coding sessions all at once still met every objective on three nodes and no knee could be measured.)
+
+Per run: the share of turns that meet both objectives (TTFT from the client, TPOT from the decoding engine's own
+step times, which this machine's load does not inflate), late-turn TTFT p50/p95/p99 and engine TPOT p95. Goodput
+is the highest load multiplier at which at least 90 % of turns meet both (DistServe's measure).
 
 Clock. By default every run is on a virtual clock (sim/virtual.py): the cluster, the gateway and the clients in
 one process, time jumping from event to event, the gateway's own CPU modelled (cli/simstack/gateway_cost.py). So
@@ -42,6 +46,7 @@ Writes benchmarks/results/goodput.json (or goodput-pooled.json) and goodput.png.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -74,6 +79,9 @@ class Settings:
     tpot_ms: float = 25.0
     sessions: int = 8
     seed: int = 1
+    # The trace workload's file (mooncake_trace format): by default the synthetic sample committed here; the
+    # whole published conversation trace for the table in docs/pool.md (--trace).
+    trace: str = str(ROOT / "examples/traces/mooncake-conversation-sample.jsonl")
 
 
 def _with_arrivals(sessions: list[Any], mean_gap_ms: float, seed: int) -> list[Any]:
@@ -85,11 +93,14 @@ def _with_arrivals(sessions: list[Any], mean_gap_ms: float, seed: int) -> list[A
     return out
 
 
-def workload(name: str, st: Settings) -> list[Any]:
+def workload(name: str, st: Settings, load: float = 1.0) -> list[Any]:
+    """The sessions of `name` at `load`: round(load × st.sessions) of them, their start offsets as at load 1 (the
+    replay divides them by the load)."""
     from kvtether.cli.gen.generate import GenParams, generate_sessions
     from kvtether.cli.gen.importers import import_file
 
     model = "kvtether-sim"
+    st = replace(st, sessions=max(1, round(st.sessions * load)))
     if name == "chat":
         s = generate_sessions(GenParams(sessions=st.sessions, turns=8, new_tokens="20-200", output_tokens="30-200",
                                         system_tokens=1500, think_ms=4000.0, user_message_prob=1.0, seed=st.seed))
@@ -109,19 +120,33 @@ def workload(name: str, st: Settings) -> list[Any]:
         return _with_arrivals(s, 3000.0, st.seed + 3)
     if name == "long-docs":
         s = import_file(ROOT / "examples/sessions/aiperf-long-docs.jsonl", "aiperf", model=model)
+        if st.sessions > len(s):
+            # More sessions than the file's four: generated in its shape (a 4k-token system prompt, five
+            # appends of 5-6.5k tokens a few hundred ms apart, six-token answers), each session its own text.
+            s = generate_sessions(GenParams(sessions=st.sessions, turns=5, new_tokens="5000-6500",
+                                            output_tokens="6", system_tokens=4000, think_ms=200.0,
+                                            user_message_prob=1.0, seed=st.seed + 2, id_prefix="doc"))
         return _with_arrivals(s[: st.sessions], 4000.0, st.seed + 2)
     if name == "trace":
         return _trace_window(st)
     raise SystemExit(f"unknown workload {name!r}")
 
 
+@functools.lru_cache(maxsize=1)
+def _trace_sessions(path: str) -> list[Any]:
+    """The trace's sessions, rebuilt once per process (the whole published trace takes ~10 s)."""
+    from kvtether.cli.gen.importers import import_file
+
+    return import_file(path, "mooncake", model="kvtether-sim")
+
+
 def _trace_window(st: Settings) -> list[Any]:
     """`st.sessions` consecutive sessions of the trace, the seed-th window (wrapping), their arrivals as
     recorded from the window's first; think times capped so a run fits here."""
-    from kvtether.cli.gen.importers import import_file
-
-    every = import_file(ROOT / "examples/traces/mooncake-conversation-sample.jsonl", "mooncake", model="kvtether-sim")
-    start = ((st.seed - 1) * st.sessions) % max(1, len(every))
+    every = _trace_sessions(st.trace)
+    # Seeds take windows far apart in a large trace (a sixth of it), so a seed's larger loads do not replay
+    # another seed's sessions; in a small one, consecutive windows, wrapping.
+    start = ((st.seed - 1) * max(st.sessions, len(every) // 6)) % max(1, len(every))
     window = (every + every)[start: start + min(st.sessions, len(every))]
     t0 = min((x.metadata or {}).get("start_offset_ms", 0.0) for x in window)
     return [replace(x, metadata={**(x.metadata or {}),
@@ -181,12 +206,13 @@ def _pct(xs: list[float], q: str) -> float | None:
 def settings_of(args: argparse.Namespace) -> Settings:
     return Settings(preset=args.preset, speed=args.speed, ttft_ms=args.ttft, tpot_ms=args.tpot,
                     sessions=args.sessions, seed=args.seed, virtual=not getattr(args, "realtime", False),
+                    trace=str(getattr(args, "trace", Settings.trace)),
                     prefill=getattr(args, "prefill", Settings.prefill), decode=getattr(args, "decode", Settings.decode))
 
 
 def run_job(job: tuple[str, str, float, Settings]) -> dict[str, Any]:
     """One run (workload, option, load) in an event loop of its own: a fresh virtual one in virtual time. A
-    process of a pool runs it as well as this one: the workload is rebuilt from its seed."""
+    process of a pool runs it as well as this one: the workload is rebuilt from its seed and load."""
     from kvtether.cli.assess.cluster import build_shape
     from kvtether.cli.simstack.logs import ClusterLogs
 
@@ -197,8 +223,8 @@ def run_job(job: tuple[str, str, float, Settings]) -> dict[str, Any]:
         if st.virtual:
             from kvtether.sim.virtual import run_virtual
 
-            return run_virtual(run_one, option, workload(w, st), shape, rate, st)
-        return anyio.run(run_one, option, workload(w, st), shape, rate, st)
+            return run_virtual(run_one, option, workload(w, st, rate), shape, rate, st)
+        return anyio.run(run_one, option, workload(w, st, rate), shape, rate, st)
 
 
 def main_sync(args: argparse.Namespace) -> dict[str, Any]:
@@ -286,7 +312,7 @@ def render(out: dict[str, Any]) -> str:
     lines = []
     loads = out["loads"]
     for w, res in out["workloads"].items():
-        lines.append(f"\n## {w} ({res['sessions']} sessions, {res['turns']} turns)\n")
+        lines.append(f"\n## {w} ({res['sessions']} sessions, {res['turns']} turns at ×1; ×k: k times the users)\n")
         lines.append("| option | " + " | ".join(f"attain. ×{x:g}" for x in loads)
                      + " | goodput | late TTFT p50/p95/p99 ms (×1) | TPOT p95 ms (×1) |")
         lines.append("|---" * (len(loads) + 4) + "|")
@@ -346,6 +372,9 @@ def main() -> int:
     ap.add_argument("--tpot", type=float, default=Settings.tpot_ms, help="TPOT objective, ms")
     ap.add_argument("--sessions", type=int, default=Settings.sessions)
     ap.add_argument("--seed", type=int, default=Settings.seed)
+    ap.add_argument("--trace", type=Path, default=Path(Settings.trace),
+                    help="the trace workload's file, mooncake_trace format (default: the synthetic sample; the "
+                         "table in docs/pool.md used the whole published conversation trace)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
                     help="pool the goodput.json of runs with different --seed into one table and plot")

@@ -96,7 +96,8 @@ def test_a_tiny_run_gives_attainment_and_goodput_per_option(tmp_path: Path) -> N
     res = out["workloads"]["chat"]
     assert [(r["option"], r["rate"]) for r in res["runs"]] == [("auto", 1.0), ("auto", 4.0), ("colocated", 1.0),
                                                                ("colocated", 4.0)]
-    assert all(r["errors"] == 0 and r["turns"] == 16 for r in res["runs"]), res["runs"]
+    # Load ×k is k times the users: ×4 replays four times the sessions (in the same window).
+    assert [r["turns"] for r in res["runs"]] == [16, 64, 16, 64] and not any(r["errors"] for r in res["runs"])
     # Objectives this loose are met by every turn: goodput is the highest load tried.
     assert all(r["attainment"] == 1.0 for r in res["runs"]) and res["goodput"] == {"auto": 4.0, "colocated": 4.0}
     assert all(r["tpot_p95_ms"] is not None for r in res["runs"])
@@ -118,3 +119,17 @@ def test_a_run_lists_the_turns_it_missed_with_the_gateways_choice() -> None:
     assert len(first) == 2 and all(m["reason"] == "first_turn" and m["plan"] == "none" for m in first), first
     assert all(m["ttft_ms"] is not None and m["ttft_ms"] > 0.001 and m["error"] is None for m in row["missed"])
     assert {m["session"] for m in row["missed"]} == {s.session_id for s in sessions}
+
+
+@pytest.mark.parametrize("name", ["chat", "coding", "long-docs", "trace", "coding-long"])
+def test_a_load_is_that_many_times_the_sessions_arriving_in_the_same_window(name: str) -> None:
+    """×k must raise the load past the point where every session of ×1 is under way (each has one request out
+    at a time): k times the sessions, whose offsets the replay divides by k, so they arrive in ×1's window."""
+    g = _bench()
+    st = g.Settings(sessions=16, seed=2)
+    base, four = g.workload(name, st), g.workload(name, st, 4.0)
+    assert len(four) == 4 * len(base) or (name == "trace" and len(four) == 40)  # the sample has 40 conversations
+    assert len({s.session_id for s in four}) == len(four)
+    window = max(s.metadata.get("start_offset_ms", 0.0) for s in base)
+    four_window = max(s.metadata.get("start_offset_ms", 0.0) for s in four) / 4.0
+    assert 0.5 * window < four_window < 2.0 * window
