@@ -24,6 +24,14 @@ GATEWAY_OWN_KEYS: frozenset[str] = frozenset(
 
 
 @dataclass(frozen=True)
+class GpuInfo:
+    """Device 0 as vLLM sees it when it picks its defaults (step_budget.py): total memory and name."""
+
+    memory_mib: int
+    name: str
+
+
+@dataclass(frozen=True)
 class ChildCommand:
     """One child process: a name for logs, its argv, env additions, and (for servers) its base URL."""
 
@@ -142,6 +150,8 @@ class ClusterOptions:
     gateway_log_level: str = DEFAULT_GATEWAY_LOG_LEVEL
     served_model_name: str | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    # The GPU the instances will see (--device cuda; None: not known), for vLLM's default step budget.
+    gpu: GpuInfo | None = None
 
     @property
     def prefill_count(self) -> int:

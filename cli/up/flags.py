@@ -14,6 +14,7 @@ from kvtether.cli.common.failures import fail_as
 from kvtether.cli.common.options import checked_log_level
 from kvtether.cli.up.cluster_spec import DEFAULT_GATEWAY_LOG_LEVEL, ClusterOptions
 from kvtether.cli.up.gateway_child import GatewaySettingError, parse_gateway_set
+from kvtether.cli.up.step_budget import query_gpu
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,4 +106,5 @@ def cluster_options(f: UpFlags) -> ClusterOptions:
         # Absolute: the gateway child is told the path, and it must mean the same file wherever it runs.
         gateway_config_file=str(f.config.expanduser().absolute()) if f.config is not None else None,
         gateway_settings=settings, gateway_log_level=log_level or DEFAULT_GATEWAY_LOG_LEVEL,
+        gpu=query_gpu() if f.device == "cuda" and f.with_gateway else None,
     )

@@ -29,6 +29,7 @@ from kvtether.cli.up.cluster_spec import (
     Role,
     url_host,
 )
+from kvtether.cli.up.step_budget import vllm_step_budget
 from kvtether.cli.up.vllm_instance import cpu_binds_for, vllm_arg, vllm_instance_command
 
 
@@ -67,6 +68,11 @@ def gateway_config(
         # The guard tokenizes with the served model's own tokenizer (checked against /tokenize at start-up);
         # `--gateway-set tokenizer=` (empty) turns that off.
         cfg["tokenizer"] = served_tokenizer(opts)
+    if "chunk_tokens" not in cfg and not _file_sets(opts.gateway_config_file, "chunk_tokens"):
+        # The instances' step budget, so that the gateway prices prefills in the steps they run in.
+        budget = vllm_step_budget(opts.extra_vllm_args, opts.device, opts.gpu)
+        if budget is not None:
+            cfg["chunk_tokens"] = budget
     return cfg
 
 

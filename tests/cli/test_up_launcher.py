@@ -162,6 +162,7 @@ def test_gateway_command_in_front() -> None:
         "session_ttl_s": 50,
         "engine_kv_ttl_s": 60,
         "tokenizer": "/m/tiny",  # the guard tokenizes with the served model's own tokenizer
+        "chunk_tokens": 2048,  # vLLM's step budget on CPU (step_budget.py)
     }
     # The gateway accepts exactly these settings (its TTL below the engine's).
     from kvtether.gateway.config import load_config
