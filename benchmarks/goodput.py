@@ -274,7 +274,8 @@ def pool(outs: list[dict[str, Any]]) -> dict[str, Any]:
 
     first = outs[0]
     pooled: dict[str, Any] = {**first, "seeds": sorted({o["settings"]["seed"] for o in outs}), "workloads": {}}
-    for w in first["workloads"]:
+    # Every workload any file has (a seed's workloads may come from several runs, at loads of their own).
+    for w in dict.fromkeys(w for o in outs for w in o["workloads"]):
         groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
         for o in outs:
             for r in o["workloads"].get(w, {}).get("runs", []):
@@ -310,8 +311,8 @@ def _share(x: float | None) -> str:
 
 def render(out: dict[str, Any]) -> str:
     lines = []
-    loads = out["loads"]
     for w, res in out["workloads"].items():
+        loads = sorted({r["rate"] for r in res["runs"]})  # a workload's own loads (runs may differ per workload)
         lines.append(f"\n## {w} ({res['sessions']} sessions, {res['turns']} turns at ×1; ×k: k times the users)\n")
         lines.append("| option | " + " | ".join(f"attain. ×{x:g}" for x in loads)
                      + " | goodput | late TTFT p50/p95/p99 ms (×1) | TPOT p95 ms (×1) |")

@@ -133,3 +133,24 @@ def test_a_load_is_that_many_times_the_sessions_arriving_in_the_same_window(name
     window = max(s.metadata.get("start_offset_ms", 0.0) for s in base)
     four_window = max(s.metadata.get("start_offset_ms", 0.0) for s in four) / 4.0
     assert 0.5 * window < four_window < 2.0 * window
+
+
+def test_workloads_run_at_loads_of_their_own_pool_and_render_each_with_its_loads() -> None:
+    """A seed's workloads may come from separate runs at different loads (a workload past its knee at ×2 need
+    not run ×4): the pooled table has every workload, each with the loads it ran."""
+    g = _bench()
+
+    def out(seed: int, w: str, rates: list[float]) -> dict[str, object]:
+        runs = [{"option": "auto", "rate": r, "attainment": 1.0, "met": 4, "turns": 4, "errors": 0,
+                 "late_ttft_samples": [1.0], "tpot_samples": [1.0], "late_ttft_ms": {"p50": 1, "p95": 1, "p99": 1},
+                 "tpot_p95_ms": 1.0} for r in rates]
+        return {"settings": {"seed": seed}, "loads": rates,
+                "workloads": {w: {"sessions": 1, "turns": 4, "runs": runs, "goodput": {"auto": max(rates)}}}}
+
+    pooled = g.pool([out(1, "chat", [1.0, 2.0, 4.0]), out(1, "coding-long", [1.0, 2.0]),
+                     out(2, "chat", [1.0, 2.0, 4.0]), out(2, "coding-long", [1.0, 2.0])])
+    assert list(pooled["workloads"]) == ["chat", "coding-long"] and pooled["seeds"] == [1, 2]
+    assert {r["rate"]: r["turns"] for r in pooled["workloads"]["coding-long"]["runs"]} == {1.0: 8, 2.0: 8}
+    text = g.render(pooled)
+    chat, long = text.split("## coding-long")
+    assert "attain. ×4" in chat and "attain. ×4" not in long and "| auto | 100.0 % | 100.0 % | ×2 |" in long
