@@ -128,6 +128,8 @@ class Gateway:
         if change.before is None:
             for phase in T.PHASES:
                 self.metrics.upstream_errors.labels(change.url, phase)
+            if change.role in ("decode", "both"):
+                self.metrics.decode_stall.labels(change.url)  # at zero from its join, as a configured node's
         if change.after is None:
             for gauge, labels in ((self.metrics.node_healthy, (change.url, change.role)),
                                   (self.metrics.held_kv_tokens, (change.url,)),

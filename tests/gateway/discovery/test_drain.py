@@ -99,6 +99,9 @@ async def test_a_decode_node_joins_drains_and_leaves_without_a_failed_turn() -> 
             resolver.srv_records[DECODE] = [_srv(d0), _srv(d1)]
             await until(lambda: gw.cluster.nodes.get(d1) is not None and gw.cluster.nodes[d1].state == "ready")
             assert await metric("kvtether_nodes", role="decode", state="ready") == 2
+            # Its series are there from its join, at zero, as a configured node's are from the start.
+            series = f'kvtether_decode_stall_seconds_total{{node="{d1}"}} 0.0'
+            assert series in (await client.get(f"{url}/metrics")).text
 
             # A turn of the first session runs on d0, slowly; while it runs, d0 leaves DNS and drains.
             await client.post(f"{d0}/admin/fault", json={"slow_factor": 2000})
