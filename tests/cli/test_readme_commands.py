@@ -127,9 +127,17 @@ def _lines(text: str, first: int) -> list[tuple[int, str]]:
     return out
 
 
+def _redirection(word: str) -> bool:
+    """>, >>, <, &>, >& … (the lexer groups the operator's characters, not the descriptor before it)."""
+    return word in REDIRECTIONS or (bool(word) and set(word) <= set("<>&") and ("<" in word or ">" in word))
+
+
 def _simple_commands(line: str) -> list[tuple[str, ...]]:
     """The simple commands of a shell line: split at ; & && || |, without redirections, loop keywords and
     leading VAR=value assignments."""
+    # A descriptor written against its operator (`2> file`, `2>&1`) is the shell's; the lexer would split it off
+    # as an argument, and `--seed 2 > f` (spaced) must keep its 2.
+    line = re.sub(r"(^|\s)\d+(?=[<>])", r"\1", line)
     lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|<>")
     lexer.whitespace_split = True
     lexer.commenters = "#"
@@ -140,8 +148,8 @@ def _simple_commands(line: str) -> list[tuple[str, ...]]:
         w = words[i]
         if w in SHELL_SEPARATORS:
             commands.append([])
-        elif w in REDIRECTIONS:
-            i += 1  # and its target
+        elif _redirection(w):
+            i += 1  # and its target (a file, or the descriptor of >&)
         else:
             commands[-1].append(w)
         i += 1
@@ -274,3 +282,8 @@ def test_the_checker_catches_what_does_not_run() -> None:
     assert _simple_commands("kvtether gen -o a.jsonl && kvtether replay a.jsonl --sim toy  # then") == [
         ("kvtether", "gen", "-o", "a.jsonl"), ("kvtether", "replay", "a.jsonl", "--sim", "toy")]
     assert shlex.split('--vllm-python "$(which python)"')[1] == "$(which python)"
+    # A descriptor before a redirection is the shell's, not an argument.
+    assert _simple_commands("kvtether replay a.jsonl --sim toy --json > r.json 2> notes.txt") == [
+        ("kvtether", "replay", "a.jsonl", "--sim", "toy", "--json")]
+    assert _simple_commands("python x.py --seed 2 >log 2>&1") == [("python", "x.py", "--seed", "2")]
+    assert _simple_commands("python x.py --seed 2 > log") == [("python", "x.py", "--seed", "2")]
