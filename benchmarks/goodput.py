@@ -315,15 +315,17 @@ def render(out: dict[str, Any]) -> str:
         loads = sorted({r["rate"] for r in res["runs"]})  # a workload's own loads (runs may differ per workload)
         lines.append(f"\n## {w} ({res['sessions']} sessions, {res['turns']} turns at ×1; ×k: k times the users)\n")
         lines.append("| option | " + " | ".join(f"attain. ×{x:g}" for x in loads)
-                     + " | goodput | late TTFT p50/p95/p99 ms (×1) | TPOT p95 ms (×1) |")
-        lines.append("|---" * (len(loads) + 4) + "|")
+                     + " | goodput | late TTFT p50/p95/p99 ms (×1) | TPOT p95 ms (×1) | failed turns |")
+        lines.append("|---" * (len(loads) + 5) + "|")
         for o, g in res["goodput"].items():
             runs = {r["rate"]: r for r in res["runs"] if r["option"] == o}
             base = runs.get(1.0) or next(iter(runs.values()))
             t = base["late_ttft_ms"]
+            # Completion: turns that got no answer (an error, a timeout), per load.
+            failed = " / ".join(str(runs[x].get("errors", 0)) if x in runs else "–" for x in loads)
             lines.append(f"| {o} | " + " | ".join(_share(runs[x]["attainment"]) if x in runs else "–" for x in loads)
                          + f" | {_load(g)} | {t['p50']} / {t['p95']} / {t['p99']} | "
-                         f"{base['tpot_p95_ms']} |")
+                         f"{base['tpot_p95_ms']} | {failed} |")
     return "\n".join(lines)
 
 

@@ -48,8 +48,9 @@ def test_the_table_names_each_options_goodput_and_late_turn_figures() -> None:
         "sessions": 2, "turns": 8, "runs": [row("auto", 1.0, 0.95), row("auto", 2.0, 0.5), row("no-pull", 1.0, 0.2),
                                             row("no-pull", 2.0, 0.1)],
         "goodput": {"auto": 1.0, "no-pull": None}}}}
+    out["workloads"]["chat"]["runs"][1]["errors"] = 3  # type: ignore[index]
     text = g.render(out)
-    assert "| auto | 95.0 % | 50.0 % | ×1 | 1 / 2 / 3 | 7.0 |" in text
+    assert "| auto | 95.0 % | 50.0 % | ×1 | 1 / 2 / 3 | 7.0 | 0 / 3 |" in text  # turns that got no answer
     assert "| no-pull | 20.0 % | 10.0 % | none |" in text
 
 
