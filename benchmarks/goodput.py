@@ -2,7 +2,8 @@
 
 For each workload and each option, the sessions are replayed open loop on a fresh simulated cluster. Load ×k is
 k times the users: k × --sessions sessions (the workload's generator or trace, further on) arriving k times as
-densely, so in the same window, each with its think times as recorded. (Compressing arrivals alone, or think
+densely, so in the same window, each with its think times as recorded; below ×1, --sessions sessions arriving
+1/k times further apart. (Compressing arrivals alone, or think
 times too, stops raising the load once every session is under way: each has one request out at a time, so 64
 coding sessions all at once still met every objective on three nodes and no knee could be measured.)
 
@@ -94,13 +95,13 @@ def _with_arrivals(sessions: list[Any], mean_gap_ms: float, seed: int) -> list[A
 
 
 def workload(name: str, st: Settings, load: float = 1.0) -> list[Any]:
-    """The sessions of `name` at `load`: round(load × st.sessions) of them, their start offsets as at load 1 (the
-    replay divides them by the load)."""
+    """The sessions of `name` at `load`: round(load × st.sessions) of them (below load 1, st.sessions: the same
+    users arriving further apart), their start offsets as at load 1 (the replay divides them by the load)."""
     from kvtether.cli.gen.generate import GenParams, generate_sessions
     from kvtether.cli.gen.importers import import_file
 
     model = "kvtether-sim"
-    st = replace(st, sessions=max(1, round(st.sessions * load)))
+    st = replace(st, sessions=max(1, round(st.sessions * max(1.0, load))))
     if name == "chat":
         s = generate_sessions(GenParams(sessions=st.sessions, turns=8, new_tokens="20-200", output_tokens="30-200",
                                         system_tokens=1500, think_ms=4000.0, user_message_prob=1.0, seed=st.seed))

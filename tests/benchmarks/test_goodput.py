@@ -134,6 +134,8 @@ def test_a_load_is_that_many_times_the_sessions_arriving_in_the_same_window(name
     window = max(s.metadata.get("start_offset_ms", 0.0) for s in base)
     four_window = max(s.metadata.get("start_offset_ms", 0.0) for s in four) / 4.0
     assert 0.5 * window < four_window < 2.0 * window
+    # Below ×1: the same users, further apart (the replay divides their offsets by the load).
+    assert [s.session_id for s in g.workload(name, st, 0.25)] == [s.session_id for s in base]
 
 
 def test_workloads_run_at_loads_of_their_own_pool_and_render_each_with_its_loads() -> None:
