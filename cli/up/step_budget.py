@@ -28,9 +28,10 @@ def vllm_step_budget(args: Sequence[str], device: Device, gpu: GpuInfo | None) -
     given = vllm_arg(args, "--max-num-batched-tokens")
     if given is not None:
         try:
-            return int(given) if int(given) > 0 else None
+            value = int(given)
         except ValueError:
             return None  # vLLM refuses it at start-up and says why; the gateway keeps its default meanwhile
+        return value if value > 0 else None
     if device == "cpu":
         budget = 2048 * _world_size(args)
     elif gpu is None:
