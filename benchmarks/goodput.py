@@ -351,7 +351,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
         ax.axhline(90, color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_title(w)
-        ax.set_xlabel("load (arrival-rate multiplier)")
+        ax.set_xlabel("load (× the users, in one window)")
         ax.set_ylim(0, 102)
     axes[0][0].set_ylabel("turns meeting TTFT and TPOT (%)")
     axes[0][-1].legend(list(shown.values()), list(shown), fontsize=7, loc="lower left")
