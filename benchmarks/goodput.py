@@ -3,9 +3,9 @@
 For each workload and each option, the sessions are replayed open loop on a fresh simulated cluster. Load ×k is
 k times the users: k × --sessions sessions (the workload's generator or trace, further on) arriving k times as
 densely, so in the same window, each with its think times as recorded; below ×1, --sessions sessions arriving
-1/k times further apart. (Compressing arrivals alone, or think
-times too, stops raising the load once every session is under way: each has one request out at a time, so 64
-coding sessions all at once still met every objective on three nodes and no knee could be measured.)
+1/k times further apart. (Compressing arrivals alone, or think times too, stops raising the load once every
+session is under way: each has one request out at a time, so 64 coding sessions all at once still met every
+objective on three nodes and no knee could be measured.)
 
 Per run: the share of turns that meet both objectives (TTFT from the client, TPOT from the decoding engine's own
 step times, which this machine's load does not inflate), late-turn TTFT p50/p95/p99 and engine TPOT p95. Goodput
