@@ -29,12 +29,47 @@ class ChildDied(RuntimeError):
         self.log_path = log_path
 
 
+class ChildStuck(ChildDied):
+    """A child that logged a failure it does not exit on: vLLM's API server stays up, never healthy, when a
+    worker cannot bind its NIXL side-channel port."""
+
+    def __init__(self, name: str, line: str, log_path: Path | None) -> None:
+        RuntimeError.__init__(self, f"{name} cannot start: {line}" + (f" (log: {log_path})" if log_path else ""))
+        self.name = name
+        self.returncode = None
+        self.log_path = log_path
+        self.line = line
+
+
+# Log lines after which a starting child never becomes healthy, though it keeps running.
+STUCK_MARKERS = ("Address already in use",)
+
+
 @dataclass
 class Child:
     command: ChildCommand
     proc: subprocess.Popen[bytes]
     log_path: Path | None
     log_file: IO[bytes] | None = None
+    log_scanned: int = 0  # bytes of the log already searched for STUCK_MARKERS
+
+    def stuck_line(self) -> str | None:
+        """The first new log line with a STUCK_MARKERS entry, reading only what was written since last asked."""
+        if self.log_path is None:
+            return None
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_scanned)
+                chunk = f.read()
+        except OSError:
+            return None
+        # Only whole lines: a marker split across two reads is found on the next.
+        end = chunk.rfind(b"\n") + 1
+        self.log_scanned += end
+        for line in chunk[:end].decode(errors="replace").splitlines():
+            if any(m in line for m in STUCK_MARKERS):
+                return line.strip()
+        return None
 
     @property
     def name(self) -> str:
@@ -94,13 +129,18 @@ class Supervisor:
                 raise ChildDied(c.name, rc, c.log_path)
 
     def wait_healthy(self, child: Child, timeout_s: float = 300.0, interval_s: float = 0.5) -> float:
-        """Poll the child's health URL until 200; raise ChildDied if any child exits, TimeoutError on timeout."""
+        """Poll the child's health URL until 200; raise ChildDied if any child exits, ChildStuck when one logs a
+        failure it stays up through (a port taken), TimeoutError on timeout."""
         assert child.command.url is not None
         url = child.command.url + child.command.health_path
         t0 = time.monotonic()
         with httpx.Client(timeout=5.0, trust_env=False) as client:
             while True:
                 self.check()
+                for c in self.children:
+                    line = c.stuck_line()
+                    if line is not None:
+                        raise ChildStuck(c.name, line, c.log_path)
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(url).status_code == 200:
                         return time.monotonic() - t0

@@ -17,7 +17,7 @@ import pytest
 from kvtether.cli.up.cluster_spec import ChildCommand, ClusterOptions
 from kvtether.cli.up.command import running_cluster
 from kvtether.cli.up.launcher import dry_run_text, gateway_session_ttl, plan_cluster
-from kvtether.cli.up.supervisor import ChildDied, Supervisor
+from kvtether.cli.up.supervisor import Child, ChildDied, ChildStuck, Supervisor
 from kvtether.cli.up.vllm_instance import cpu_binds_for, kv_transfer_config
 
 from tests.support.processes import Spawn, read_line, start_with_sigint_default, start_with_sigint_ignored, wait_exit
@@ -474,6 +474,38 @@ def test_one_child_dying_stops_the_others(tmp_path: Path) -> None:
     assert ei.value.name == "flaky"
     assert ei.value.returncode == 3
     assert _wait_dead(_all_pids(pids)) == []
+
+
+def test_a_child_that_logs_a_taken_port_fails_its_start_at_once_not_at_the_health_timeout(tmp_path: Path) -> None:
+    """vLLM's API server stays up, never healthy, when a worker cannot bind its NIXL side channel: the start
+    fails on that log line, naming the child and the line, instead of waiting out the health timeout."""
+    line = "zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:38535')"
+    hung = f"import sys, time; print('starting', flush=True); time.sleep(0.5); print({line!r}, flush=True); "
+    hung += "time.sleep(600)"
+    sup = Supervisor(log_dir=tmp_path / "logs")
+    port = _free_port()
+    child = sup.start(ChildCommand(name="prefill-0", argv=(sys.executable, "-c", hung), env={},
+                                   url=f"http://127.0.0.1:{port}"))
+    try:
+        with pytest.raises(ChildStuck) as ei:
+            sup.wait_healthy(child, timeout_s=60, interval_s=0.1)
+        assert ei.value.name == "prefill-0" and ei.value.line == line
+        assert isinstance(ei.value, ChildDied)  # `up` reports it as it does a death: the message and the log's tail
+        assert child.alive()  # it had not exited: only its log told
+    finally:
+        sup.stop_all()
+
+
+def test_a_taken_port_in_a_log_is_found_however_the_lines_arrive(tmp_path: Path) -> None:
+    log = tmp_path / "node.log"
+    child = Child(command=ChildCommand(name="n", argv=("x",), env={}), proc=None, log_path=log)  # type: ignore[arg-type]
+    assert child.stuck_line() is None  # no log yet
+    log.write_bytes(b"INFO starting\nERROR bind: Address alre")
+    assert child.stuck_line() is None  # half a line: not yet
+    with open(log, "ab") as f:
+        f.write(b"ady in use\nINFO more\n")
+    assert child.stuck_line() == "ERROR bind: Address already in use"
+    assert child.stuck_line() is None  # each line once
 
 
 def test_a_second_stop_signal_hurries_stop_all_instead_of_breaking_it_off(spawn: Spawn, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ import pytest
 from kvtether.cli.up.cluster_spec import ClusterOptions
 from kvtether.cli.up.command import running_cluster
 from kvtether.cli.up.launcher import plan_cluster
+from kvtether.cli.up.supervisor import ChildStuck
 from kvtether.gateway.nodes.cluster import sample_sum
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -349,16 +350,28 @@ async def metric_names(client: httpx.AsyncClient, url: str) -> set[str]:
 # ---- the real pair ---------------------------------------------------------------------------------
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports bound to 0 and for outgoing connections' local ends."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def _free_port_run(n: int) -> int:
-    """A base port with n consecutive free ports."""
+    """A base port with n consecutive free ports, below the kernel's ephemeral range.
+
+    A run picked inside that range is free when picked but not when vLLM binds it a minute later: vLLM's own
+    internal sockets (bound to port 0) and every outgoing connection's local end take ports from that range,
+    and a NIXL side channel that loses its port leaves the node unhealthy until the start times out."""
     import socket
 
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n >= 65535:
-            continue
+    low, _ = _ephemeral_range()
+    top = max(low, 20000) - n  # a kernel whose range starts lower still leaves 10000-20000 to pick from
+    pick = random.SystemRandom()  # not the seeded module RNG: two runs on one host must not pick alike
+    for _ in range(200):
+        base = pick.randrange(10000, top)
         ok = True
         for p in range(base, base + n):
             with socket.socket() as t:
@@ -426,16 +439,23 @@ def _start_pair() -> Backend:
         # A pair someone already started (e.g. `kvtether up --no-gateway --decode-ttl 30`): use it, stop nothing.
         model = os.environ.get("KVTETHER_TEST_MODEL", str(TINY_MODEL.resolve()))
         return Backend(name="vllm", prefill_url=ext_p, decode_url=ext_d, model=model, notes=["external pair"])
-    opts = pair_options()
-    plan = plan_cluster(opts)
     log_dir = Path(os.environ.get("KVTETHER_TEST_LOG_DIR") or tempfile.mkdtemp(prefix="kvtether-vllm-test-"))
-    stack = contextlib.ExitStack()
     t0 = time.monotonic()
-    try:
-        stack.enter_context(running_cluster(plan, log_dir=log_dir, health_timeout_s=240.0))
-    except Exception:
-        stack.close()
-        raise
+    for attempt in (1, 2):
+        opts = pair_options()
+        plan = plan_cluster(opts)
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(running_cluster(plan, log_dir=log_dir / f"start-{attempt}", health_timeout_s=240.0))
+            break
+        except ChildStuck:
+            stack.close()
+            # A port free when picked, taken by another process before vLLM bound it: once more, on new ports.
+            if attempt == 2 or _VLLM_PORT_ENV or _SIDE_PORT_ENV:
+                raise
+        except Exception:
+            stack.close()
+            raise
     took = time.monotonic() - t0
     _PAIR.stack = stack
     b = Backend(
