@@ -96,6 +96,7 @@ ATTR_SUFFIX_TOKENS = "kvtether.suffix.tokens"  # prompt tokens prefill computes 
 ATTR_GUARD_VERDICT = "kvtether.guard.verdict"  # match | partial | refused
 ATTR_GATEWAY_OVERHEAD = "kvtether.gateway.overhead_s"
 ATTR_MODE = "kvtether.mode"  # pd | aggregated
+ATTR_STREAM_END = "kvtether.stream.end"  # complete | client_left | broken (streamed answers)
 ATTR_TOKENIZE_SOURCE = "kvtether.tokenize.source"  # local | remote (the engine's /tokenize)
 # ---- cost-based placement ----
 ATTR_DECODE_HELD_KV_TOKENS = "kvtether.decode.held_kv_tokens"  # handles the plan's D held (last review)
@@ -136,6 +137,11 @@ PHASES = ("tokenize", "prefill", "decode", "aggregated", "metrics")
 M_TTFT = "kvtether_ttft_seconds"
 M_GATEWAY_OVERHEAD = "kvtether_gateway_overhead_seconds"
 M_REQUESTS = "kvtether_requests_total"
+# Streamed answers by how they ended: whole (`[DONE]` sent), the client left before that, or the stream broke
+# (the node's stream failed or ended without `[DONE]`; the client got an error event). A stream's request is
+# counted 2xx at its start whatever follows, so only this series shows agents that stopped reading.
+M_STREAMS = "kvtether_streams_total"
+STREAM_ENDS = ("complete", "client_left", "broken")
 M_HANDLE_OUTCOMES = "kvtether_handle_outcomes_total"
 M_PINNED_SESSIONS = "kvtether_pinned_sessions"
 M_UPSTREAM_ERRORS = "kvtether_upstream_errors_total"
@@ -185,7 +191,7 @@ DROPPED_TOOL_TYPES = ("web_search", "file_search", "code_interpreter", "computer
 M_DROPPED_ITEMS = "kvtether_dropped_items_total"
 DROPPED_ITEM_TYPES = ("mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "web_search_call",
                       "document", "search_result", "browser_state")
-ROUTES = ("chat", "completions", "messages")
+ROUTES = ("chat", "completions", "messages", "responses")
 STATUS_CLASSES = ("2xx", "4xx", "5xx")
 # The guard's local tokenizer: ids that differed from the engine's /tokenize (check = startup | turn; each
 # switches that model back to /tokenize), and guarded turns by which tokenizer gave their ids.
@@ -221,6 +227,8 @@ class Metrics:
             "tokenize, prefill and the decode leg's first token)", ["mode"], buckets=OVERHEAD_BUCKETS, registry=r)
         self.requests = Counter(M_REQUESTS, "Client requests by route and status class", ["route", "status"],
                                 registry=r)
+        self.streams = Counter(M_STREAMS, "Streamed answers by route and how they ended", ["route", "end"],
+                               registry=r)
         self.handle_outcomes = Counter(M_HANDLE_OUTCOMES, "What happened to a session's handle on a turn",
                                        ["outcome"], registry=r)
         # Gauges under several workers (`kvtether serve --workers N`: their metrics merged at each scrape,
@@ -279,6 +287,8 @@ class Metrics:
         for route in ROUTES:  # every series from the start, so a rate() sees the first error
             for status in STATUS_CLASSES:
                 self.requests.labels(route, status)
+            for end in STREAM_ENDS:
+                self.streams.labels(route, end)
         self.held_kv_share = Gauge(M_HELD_KV_SHARE, "Share of a decode node's KV capacity its held handles take",
                                    ["node"], registry=r, multiprocess_mode="livemostrecent")
         self.placement_decisions = Counter(M_PLACEMENT_DECISIONS, "P/D turns' placements, by option and reason",

@@ -145,7 +145,16 @@ def _close(gw: Serving, route: TurnRoute, span: trace.Span, response: Response |
     span.set_attribute(T.HTTP_STATUS, status)
     gw.metrics.requests.labels(route.name, f"{status // 100}xx").inc()
     if isinstance(response, RelayResponse):
-        response.on_close.append(span.end)
+        relayed = response
+
+        def ended() -> None:
+            gw.metrics.streams.labels(route.name, relayed.end).inc()
+            span.set_attribute(T.ATTR_STREAM_END, relayed.end)
+            if relayed.end == "broken":
+                span.set_status(trace.Status(trace.StatusCode.ERROR))
+            span.end()
+
+        response.on_close.append(ended)
     else:
         if status >= 500:
             span.set_status(trace.Status(trace.StatusCode.ERROR))

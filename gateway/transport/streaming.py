@@ -31,11 +31,14 @@ class RelayResponse(Response):
         self.background = None
         self.init_headers(headers)
         self.on_close: list[Callable[[], None]] = []  # run once the answer is over, however it ended
+        # How it ended, for on_close: complete ([DONE] went out), client_left, or broken (it ended without [DONE]).
+        self.end = "broken"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
         state = {"over": False, "left": False}
+        last = False  # [DONE] reached the client
 
         async def watch() -> None:
             # uvicorn's receive() returns http.disconnect when the client leaves, and also once the answer is
@@ -53,7 +56,7 @@ class RelayResponse(Response):
                 if state["over"]:
                     continue  # past [DONE]: the relay finishes reading the node (keep-alive), the client is done
                 if type(chunk) is LastChunk:
-                    state["over"] = True
+                    state["over"] = last = True
                 await send({"type": "http.response.body", "body": chunk, "more_body": not state["over"]})
             if not state["over"]:
                 state["over"] = True
@@ -63,6 +66,7 @@ class RelayResponse(Response):
                 raise
             task.uncancel()  # the cancellation was ours: the client left, nothing failed
         finally:
+            self.end = "client_left" if state["left"] else "complete" if last else "broken"
             state["over"] = True
             watcher.cancel()
             await self.body_iterator.aclose()  # the relay's clean-up, if the answer stopped half-way

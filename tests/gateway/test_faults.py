@@ -209,6 +209,71 @@ async def test_a_client_that_leaves_mid_stream_leaks_no_quota_pin_or_connection(
         assert comparable(got) == comparable(want)
 
 
+def _break_streams_to(upstream: Upstream, node: str, after: int) -> list[int]:
+    """Every streamed answer from `node` breaks after `after` network reads (the connection dropped); returns
+    the list the broken streams are counted in."""
+    broken: list[int] = []
+    real = upstream.send
+
+    async def send(method: str, url: str, body: bytes = b"", headers: Mapping[str, str] | None = None,
+                   **kw: Any) -> Any:
+        resp = await real(method, url, body, headers, **kw)
+        if url.startswith(node) and b'"stream":true' in body.replace(b" ", b""):
+            pieces = resp.pieces
+
+            async def cut() -> Any:
+                n = 0
+                async for piece in pieces():
+                    if n == after:
+                        broken.append(1)
+                        raise httpx.RemoteProtocolError("peer closed connection without sending complete body")
+                    n += 1
+                    yield piece
+
+            resp.pieces = cut
+        return resp
+
+    upstream.send = send  # type: ignore[method-assign]
+    return broken
+
+
+async def test_streams_are_counted_by_how_they_ended_whole_left_or_broken() -> None:
+    """A stream's request is counted 2xx when it starts; kvtether_streams_total says how it ended: whole, the
+    client gone before [DONE], or the node's stream broken (the client gets an error event, the span an error)."""
+    async with rig(prefill=1, decode=1) as r:
+        async def streams(end: str) -> float:
+            return await metric(r.client, r.url, "kvtether_streams_total", route="chat", end=end)
+
+        msgs = first_messages(3)
+        got = await chat(r.client, r.url, request_body(msgs, stream=True), {"x-session-id": "whole"})
+        assert got["content"]
+        await chat(r.client, r.url, request_body(msgs, stream=False), {"x-session-id": "unstreamed"})
+        assert [await streams(e) for e in ("complete", "client_left", "broken")] == [1, 0, 0]
+
+        body = {**request_body(msgs, stream=True), "max_tokens": 3000, "min_tokens": 3000, "ignore_eos": True}
+        async with r.client.stream("POST", f"{r.url}/v1/chat/completions", json=body,
+                                   headers={"x-session-id": "leaver"}) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data:") and '"content"' in line:
+                    break  # the answer is decoding: the client walks away
+        with anyio.fail_after(10):
+            while await streams("client_left") < 1:  # noqa: ASYNC110 - the gateway's own metric
+                await anyio.sleep(0.02)
+
+        cut = _break_streams_to(r.gw.upstream, r.cluster.decode_urls[0], after=3)
+        async with r.client.stream("POST", f"{r.url}/v1/chat/completions", json=body,
+                                   headers={"x-session-id": "broken"}) as resp:
+            assert resp.status_code == 200
+            text = (await resp.aread()).decode()
+        assert cut == [1] and "upstream stream failed" in text and "[DONE]" not in text
+        with anyio.fail_after(10):
+            while await streams("broken") < 1:  # noqa: ASYNC110 - the gateway's own metric
+                await anyio.sleep(0.02)
+        assert [await streams(e) for e in ("complete", "client_left", "broken")] == [1, 1, 1]
+        assert await metric(r.client, r.url, "kvtether_requests_total", route="chat", status="2xx") == 4
+
+
 KEYS = {"key-tenant-a-0001": "A", "key-tenant-b-0002": "B"}
 
 
