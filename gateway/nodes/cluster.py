@@ -271,6 +271,11 @@ class Cluster:
         for url in config.aggregated:
             self.nodes.setdefault(url, Node(url, "aggregated"))
 
+    def session_nodes(self) -> tuple[str, ...]:
+        """The nodes a session may be pinned to now: those that decode (decode, pool, aggregated ones), in
+        service and neither joining nor draining."""
+        return tuple(n.url for n in self.nodes.values() if n.role != "prefill" and n.routable)
+
     def pool_urls(self) -> tuple[str, ...]:
         """The pool instances (kv_both) the cluster knows, configured or discovered."""
         return tuple(n.url for n in self.nodes.values() if n.role == "both")

@@ -33,7 +33,7 @@ from kvtether.gateway.nodes.health import probe_forever
 from kvtether.gateway.nodes.retention import Retention
 from kvtether.gateway.policy.retention import ReleaseReason
 from kvtether.gateway.shell.workers import merged_metrics, worker_exited
-from kvtether.gateway.stores import open_store
+from kvtether.gateway.stores import FailSafeStore, open_store
 from kvtether.gateway.stores.sessions import SessionStore
 from kvtether.gateway.tenancy import Auth, scoped
 from kvtether.gateway.transport.upstream import Upstream, UpstreamLimits
@@ -109,6 +109,9 @@ class Gateway:
         # Where the nodes are (nodes/discovery/): the configured lists, DNS or the Kubernetes API.
         self.discovery = discovery or open_discovery(config.discovery)
         self.cluster.on_change = self.node_changed
+        if self.own_store and isinstance(self.store, FailSafeStore):
+            # While the shared store is down, sessions are pinned by hash among the nodes that take them now.
+            self.store.pins = self.cluster.session_nodes
         self.count_nodes()
         # Releases go out on the polls' client: a one-token prefill each, off the request path.
         self.retention = Retention(config, self.cluster, self.store, self.metrics, self.client, clock=clock)

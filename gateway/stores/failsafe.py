@@ -6,8 +6,10 @@ so none is used twice), no session found by prefix, a dropped put. A stored reco
 state) has no safe stand-in: reading one raises :class:`StoreUnavailable`, which its caller answers with a
 503; nor has a scan of every session (the retention review's), which raises it too, and the review skips a
 round. ``get`` answers a session *pinned by hash*: its decode node chosen by rendezvous hashing of the session
-id over the configured nodes, so every replica sends the session's turns to the same node while the store is
-away, and that node's prefix cache keeps serving its history. Nothing else raises into the request path.
+id over the nodes that take sessions (in service and neither joining nor draining, discovered ones included), so
+every replica that sees the same nodes sends the session's turns to the same node while the store is away, and
+that node's prefix cache keeps serving its history; a node leaving moves only its own sessions. Nothing else
+raises into the request path.
 
 After a failure the store is not asked again for a short, growing pause (``cooldown_s`` doubling up to
 ``max_cooldown_s``): a store that hangs costs one timeout per pause, not one per call. The first call after the
@@ -57,12 +59,19 @@ class FailSafeStore:
     """Wraps a shared store: every call bounded, counted, and answered safely when the store fails."""
 
     def __init__(self, inner: SessionStore, *, timeout_s: float, metrics: Metrics | None = None,
-                 pins: Sequence[str] = (), clock: Clock = DEFAULT_CLOCK,
+                 pins: Sequence[str] | Callable[[], Sequence[str]] = (), clock: Clock = DEFAULT_CLOCK,
                  cooldown_s: float = 0.1, max_cooldown_s: float = 2.0) -> None:
         self.inner = inner
         self.timeout_s = timeout_s
         self.metrics = metrics
-        self.pins = tuple(pins)
+        # The nodes a session is pinned among by hash while the store is down: a fixed list, or (the gateway's)
+        # the nodes that take sessions now, so that discovered nodes count and drained or failed ones do not.
+        self.pins: Callable[[], Sequence[str]]
+        if callable(pins):
+            self.pins = pins
+        else:
+            fixed = tuple(pins)
+            self.pins = lambda: fixed
         self.clock = clock
         self.cooldown_s = cooldown_s
         self.max_cooldown_s = max_cooldown_s
@@ -111,7 +120,7 @@ class FailSafeStore:
 
     def _pinned(self, session_id: str) -> SessionState:
         now = self.clock()
-        return SessionState(session_id, decode=pin_by_hash(session_id, self.pins), expires_at=now, created_at=now)
+        return SessionState(session_id, decode=pin_by_hash(session_id, self.pins()), expires_at=now, created_at=now)
 
     async def get(self, session_id: str) -> SessionState | None:
         return await self._call("get", lambda: self.inner.get(session_id), lambda: self._pinned(session_id))

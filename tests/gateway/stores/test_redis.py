@@ -289,6 +289,49 @@ async def test_a_store_that_is_down_answers_cold_at_once_and_never_raises() -> N
     await store.aclose()
 
 
+@pytest.mark.wall_clock  # a real socket to a Redis that is down
+@pytest.mark.anyio
+async def test_with_the_store_down_sessions_are_pinned_among_the_nodes_that_take_them_now() -> None:
+    """The gateway's fail-safe store hashes a session over the nodes in service now: a discovered node once it is
+    ready, not a prefill node, nor one draining, joining or taken out; a node leaving moves only its sessions."""
+    from kvtether.gateway.nodes.discovery.members import Member
+    from kvtether.gateway.shell.app import Gateway
+
+    d0, d1, new = "http://d0:8000", "http://d1:8000", "http://10.0.0.9:8000"
+    gw = Gateway(load_config(None, prefill=["http://p0:8000"], decode=[d0, d1], store_timeout_s=0.1,
+                             store=f"redis://127.0.0.1:{free_port()}/0"))
+    store = gw.store
+    assert isinstance(store, FailSafeStore)
+    sessions = [f"s{i}" for i in range(60)]
+
+    async def pins() -> dict[str, str | None]:
+        store._paused_until = 0.0  # ask the (down) store every time: each answer is the fallback's
+        out = {}
+        for s in sessions:
+            state = await store.get(s)
+            assert state is not None and state.handle is None
+            out[s] = state.decode
+        return out
+
+    try:
+        before = await pins()
+        assert set(before.values()) == {d0, d1}
+        gw.cluster.apply_members({new: Member("decode")})  # discovered: joining, no sessions yet
+        assert await pins() == before
+        gw.cluster.nodes[new].state = "ready"
+        joined = await pins()
+        assert new in joined.values()
+        assert all(joined[s] == before[s] for s in sessions if joined[s] != new)  # only the newcomer's moved
+        gw.cluster.take_out(gw.cluster.nodes[d1], "failing")
+        out = await pins()
+        assert d1 not in out.values() and all(out[s] == joined[s] for s in sessions if joined[s] != d1)
+        assert out == {s: pin_by_hash(s, [d0, new]) for s in sessions}
+    finally:
+        await store.aclose()
+        for client in (gw.client, gw.tokenize_client, gw.upstream, gw.poller):
+            await client.aclose()
+
+
 @pytest.mark.anyio
 async def test_a_slow_store_is_cut_off_at_its_timeout_and_used_again_when_it_answers(server: RedisServer) -> None:
     metrics = T.Metrics()
