@@ -16,7 +16,7 @@ from kvtether.gateway.transport.upstream import Upstream
 
 from tests.support.gateway_agent import MODEL, chat, comparable, first_messages, next_messages, request_body
 from tests.support.sim_rig import metric, outcome, rig
-from tests.support.upstream_hooks import on_send
+from tests.support.upstream_hooks import break_streams, on_send
 
 pytestmark = pytest.mark.anyio
 
@@ -209,34 +209,6 @@ async def test_a_client_that_leaves_mid_stream_leaks_no_quota_pin_or_connection(
         assert comparable(got) == comparable(want)
 
 
-def _break_streams_to(upstream: Upstream, node: str, after: int) -> list[int]:
-    """Every streamed answer from `node` breaks after `after` network reads (the connection dropped); returns
-    the list the broken streams are counted in."""
-    broken: list[int] = []
-    real = upstream.send
-
-    async def send(method: str, url: str, body: bytes = b"", headers: Mapping[str, str] | None = None,
-                   **kw: Any) -> Any:
-        resp = await real(method, url, body, headers, **kw)
-        if url.startswith(node) and b'"stream":true' in body.replace(b" ", b""):
-            pieces = resp.pieces
-
-            async def cut() -> Any:
-                n = 0
-                async for piece in pieces():
-                    if n == after:
-                        broken.append(1)
-                        raise httpx.RemoteProtocolError("peer closed connection without sending complete body")
-                    n += 1
-                    yield piece
-
-            resp.pieces = cut
-        return resp
-
-    upstream.send = send  # type: ignore[method-assign]
-    return broken
-
-
 async def test_streams_are_counted_by_how_they_ended_whole_left_or_broken() -> None:
     """A stream's request is counted 2xx when it starts; kvtether_streams_total says how it ended: whole, the
     client gone before [DONE], or the node's stream broken (the client gets an error event, the span an error)."""
@@ -261,7 +233,7 @@ async def test_streams_are_counted_by_how_they_ended_whole_left_or_broken() -> N
             while await streams("client_left") < 1:  # noqa: ASYNC110 - the gateway's own metric
                 await anyio.sleep(0.02)
 
-        cut = _break_streams_to(r.gw.upstream, r.cluster.decode_urls[0], after=3)
+        cut = break_streams(r.gw.upstream, r.cluster.decode_urls[0], after=3)
         async with r.client.stream("POST", f"{r.url}/v1/chat/completions", json=body,
                                    headers={"x-session-id": "broken"}) as resp:
             assert resp.status_code == 200
