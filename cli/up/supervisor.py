@@ -22,8 +22,9 @@ from kvtether.cli.up.cluster_spec import ChildCommand
 
 
 class ChildDied(RuntimeError):
-    def __init__(self, name: str, returncode: int | None, log_path: Path | None) -> None:
-        super().__init__(f"{name} exited with code {returncode}" + (f" (log: {log_path})" if log_path else ""))
+    def __init__(self, name: str, returncode: int | None, log_path: Path | None, what: str | None = None) -> None:
+        what = what or f"exited with code {returncode}"
+        super().__init__(f"{name} {what}" + (f" (log: {log_path})" if log_path else ""))
         self.name = name
         self.returncode = returncode
         self.log_path = log_path
@@ -34,10 +35,7 @@ class ChildStuck(ChildDied):
     worker cannot bind its NIXL side-channel port."""
 
     def __init__(self, name: str, line: str, log_path: Path | None) -> None:
-        RuntimeError.__init__(self, f"{name} cannot start: {line}" + (f" (log: {log_path})" if log_path else ""))
-        self.name = name
-        self.returncode = None
-        self.log_path = log_path
+        super().__init__(name, None, log_path, f"cannot start: {line}")
         self.line = line
 
 
