@@ -177,7 +177,9 @@ MOVE_REASONS = ("draining", "gone", "unhealthy", "rebalance", "kv_pressure")
 M_PLACEMENT_DECISIONS = "kvtether_placement_decisions_total"
 M_DEFERRED_TURNS = "kvtether_deferred_turns_total"
 M_DEFERRED_SECONDS = "kvtether_deferred_seconds_total"
-DEFER_OUTCOMES = ("cleared", "forced")  # placed within the limits after waiting, or run over one when the wait ran out
+# Placed within the limits after waiting; run over one when the wait ran out; run over one at once, without
+# waiting, because recent waits seldom cleared (policy/deferral.py).
+DEFER_OUTCOMES = ("cleared", "forced", "skipped")
 # Hosted tools left out of /v1/responses and /v1/messages turns, by type without its version (web_search_20250305
 # and web_search_preview are web_search): the closed set the translations drop (kvtether.protocol).
 M_DROPPED_TOOLS = "kvtether_dropped_tools_total"
@@ -293,8 +295,9 @@ class Metrics:
                                    ["node"], registry=r, multiprocess_mode="livemostrecent")
         self.placement_decisions = Counter(M_PLACEMENT_DECISIONS, "P/D turns' placements, by option and reason",
                                            ["option", "reason"], registry=r)
-        self.deferred_turns = Counter(M_DEFERRED_TURNS, "Turns that waited for a limit to clear before they were "
-                                      "placed, by how they then ran", ["outcome"], registry=r)
+        self.deferred_turns = Counter(M_DEFERRED_TURNS, "Turns over a limit that clears: those that waited for it "
+                                      "before they were placed, by how they then ran, and those that did not wait",
+                                      ["outcome"], registry=r)
         self.deferred_seconds = Counter(M_DEFERRED_SECONDS, "Seconds turns waited for a limit to clear", registry=r)
         for outcome in DEFER_OUTCOMES:
             self.deferred_turns.labels(outcome)

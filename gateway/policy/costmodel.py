@@ -128,6 +128,10 @@ def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs) -> tuple[OptionEst
     if objective is not None and any(o.ttft_s <= objective for o in feasible):
         # The look-ahead's trade stops at the TTFT objective: options over it go only when none is within it.
         feasible = [o for o in feasible if o.ttft_s <= objective]
+    elif objective is not None and knobs.ttft_over_quota:
+        rescue = _within_objective_over_a_quota(opts, objective)
+        if rescue is not None:
+            return rescue, None, True
     pick = min(feasible, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
     greedy: Option | None = None
     if pick is not None and knobs.horizon_turns > 0:
@@ -139,6 +143,22 @@ def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs) -> tuple[OptionEst
     if not (local.feasible or local.soft):
         raise NoFeasibleOption("; ".join(f"{o.option}: {o.why_not}" for o in opts))
     return local, greedy, True
+
+
+def _within_objective_over_a_quota(opts: Sequence[OptionEstimate], objective: float) -> OptionEstimate | None:
+    """When every option within the limits is estimated over the TTFT objective, the cheapest option that is
+    within it and over a TPOT quota (or beside a running prefill) only, if any.
+
+    Such a turn is lost to goodput whichever option within the limits runs it, and under load it is lost twice:
+    its prefill joins a queue that every turn placed after it waits behind, so one turn over the objective makes
+    the next ones over it too (the long documents at ×8 in the pool: legs estimated at 8 s, then taking 11 s).
+    Run within the objective, it keeps its own turn at the price of a stall over the quota of the answers
+    decoding beside it. A quota is a share of each answer's decode time capped at the TPOT objective, so going
+    over it costs those answers TPOT, not necessarily their objective. Never over a fixed cap (the operator's)
+    or the KV-pressure veto (a preempted answer is recomputed whole)."""
+    within = [o for o in opts if not o.feasible and o.soft and not o.fixed_limit and not o.kv_limit
+              and o.ttft_s <= objective]
+    return min(within, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
 
 
 def _reason(pick: OptionEstimate, opts: Sequence[OptionEstimate], turn: TurnFacts, c: Nodes, forced: bool,
@@ -162,7 +182,11 @@ def _reason(pick: OptionEstimate, opts: Sequence[OptionEstimate], turn: TurnFact
     objective = c.knobs.ttft_objective_s
     over = [o.option for o in feasible if objective is not None and o.ttft_s > objective]
     if objective is not None and over and pick.ttft_s <= objective:
-        detail.append(f"held to the TTFT objective {objective:.3f}s: {', '.join(over)} over it")
+        if pick.feasible:
+            detail.append(f"held to the TTFT objective {objective:.3f}s: {', '.join(over)} over it")
+        else:
+            detail.append(f"over its limit to keep the TTFT objective {objective:.3f}s: {', '.join(over)} "
+                          "within the limits but over it")
     facts = [f"suffix {turn.suffix_tokens} tok", f"reuse {turn.reuse_tokens if turn.handle_valid else 0} tok"]
     d = c.decode(pick.decode_url)
     if d is not None:

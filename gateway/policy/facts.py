@@ -168,6 +168,9 @@ class OptionEstimate:
     # soft only: the limit is a fixed cap (max_local_suffix_tokens), which no wait clears; the others (TPOT
     # quotas, prefills running, KV pressure) clear as the requests running there finish (policy/deferral.py).
     fixed_limit: bool = False
+    # soft only: the limit is the KV-pressure veto: over it, the prefill may preempt the requests decoding there,
+    # whose recompute costs them far more than any stall (never run over it to save this turn's TTFT).
+    kv_limit: bool = False
 
     @property
     def score_s(self) -> float:

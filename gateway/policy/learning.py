@@ -227,7 +227,8 @@ class Learning:
         pending = SQ.pending_s((r.as_of(now) for _, r in self.running_prefills.get(node, {}).values()),
                                now + max(0.0, starts_in_s))
         self.exposures.setdefault(node, {})[key] = SQ.Exposure(
-            SQ.quota_s(share, expected_output_tokens, step, self.knobs.tpot_budget_s), pending)
+            SQ.quota_s(share, expected_output_tokens, step, self.knobs.tpot_budget_s), pending,
+            SQ.objective_s(expected_output_tokens, step, self.knobs.tpot_budget_s))
         return key
 
     def done_decoding(self, node: str, key: int) -> None:

@@ -115,8 +115,8 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     base = OptionEstimate("decode_local", True, "", False, ttft, interference, 0.0, None, d.url, 0, n, 0, stall,
                           beside_stall_s=beside_stall(d, n, cached, steps, c), tail_s=tail_term(ttft, turn, c),
                           pressure_s=preemption_risk_s(turn, d, c), blocks_s=blocks)
-    if d.kv_usage >= c.knobs.local_kv_veto:
-        return replace(base, feasible=False, soft=True,
+    if kv_pressed(d, c):
+        return replace(base, feasible=False, soft=True, kv_limit=True,
                        why_not=f"D's KV usage {d.kv_usage:.2f} >= {c.knobs.local_kv_veto:g}: a local prefill may "
                                "preempt its running requests")
     limit, knob = ((c.knobs.pool_max_local_suffix_tokens, "pool_max_local_suffix_tokens") if d.both
@@ -239,7 +239,11 @@ def pd_option(option: Option, turn: TurnFacts, p: NodeLoad, d: NodeLoad, holder:
                          tail_s=tail_term(ttft, turn, c), pressure_s=preemption_risk_s(turn, d, c),
                          arrive_s=arrive, d_read_s=d_read)
     over = over or answer_stalled(turn, d, ttft, c)
-    return replace(est, feasible=False, soft=True, why_not=over) if over else est
+    if not over:
+        return est
+    # The leg's own instance short of memory is the KV-pressure veto (prefill_leg), whatever else is over.
+    kv = p.both and p.decoding > 0 and kv_pressed(p, c)
+    return replace(est, feasible=False, soft=True, why_not=over, kv_limit=kv)
 
 
 def prefill_leg(turn: TurnFacts, p: NodeLoad, computed: int, context: int, pinned: NodeLoad | None,
@@ -250,7 +254,7 @@ def prefill_leg(turn: TurnFacts, p: NodeLoad, computed: int, context: int, pinne
     seconds = c.est.prefill_s(p.url, computed, context)
     if not p.both or p.decoding <= 0:
         return seconds, 0.0, 0.0, ""
-    if p.kv_usage >= c.knobs.local_kv_veto:
+    if kv_pressed(p, c):
         return seconds, 0.0, 0.0, (f"{p.url}'s KV usage {p.kv_usage:.2f} >= {c.knobs.local_kv_veto:g}: a prefill "
                                    "there may preempt its decoding requests")
     steps = math.ceil(computed / c.knobs.chunk_tokens)

@@ -40,10 +40,17 @@ class Exposure:
 
     quota_s: float
     absorbed_s: float = 0.0
+    # The most stall it can take and still meet the TPOT objective (objective_s); past it the answer is lost to
+    # goodput whatever comes next, so its quota no longer holds other turns back (credit). inf: no objective.
+    lost_after_s: float = math.inf
 
     @property
     def headroom_s(self) -> float:
         return self.quota_s - self.absorbed_s
+
+    @property
+    def lost(self) -> bool:
+        return self.absorbed_s > self.lost_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +135,11 @@ def objective_s(answer_tokens: int, step_s: float, tpot_objective_s: float) -> f
 
 
 def credit(exposures: Iterable[Exposure]) -> Credit:
-    tightest = min(exposures, key=lambda e: e.headroom_s, default=None)
+    """The tightest headroom among the answers that can still meet their TPOT objective. One already past it
+    (charged more stall than its objective allows) is not protected any more: refusing a turn for its sake
+    would save nothing and cost the turn (on the long documents at ×8, quotas seconds overspent held every
+    turn of an instance off it)."""
+    tightest = min((e for e in exposures if not e.lost), key=lambda e: e.headroom_s, default=None)
     return Credit() if tightest is None else Credit(tightest.headroom_s, tightest.quota_s)
 
 

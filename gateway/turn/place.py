@@ -13,7 +13,7 @@ from dataclasses import replace
 from kvtether.gateway import telemetry as T
 from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.errors import GatewayError
-from kvtether.gateway.policy.deferral import deferral_s
+from kvtether.gateway.policy.deferral import DeferralRecord, could_wait, deferral_s
 from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
 from kvtether.gateway.policy.knobs import PolicyKnobs
 from kvtether.gateway.policy.peers import PeerKnobs
@@ -44,6 +44,7 @@ class Placer:
     def __init__(self, sv: Services, knobs: PolicyKnobs, peers: PeerKnobs) -> None:
         self.sv, self.knobs, self.peer_knobs = sv, knobs, peers
         self._rr = 0
+        self.deferrals = DeferralRecord()  # how this gateway's recent waits ended (policy/deferral.py)
 
     def next_rr(self) -> int:
         self._rr += 1
@@ -77,7 +78,7 @@ class Placer:
             except NoCapacity as exc:
                 span.set_attribute(T.ERROR_TYPE, "no_capacity")
                 raise self.no_capacity(exc) from None
-            wait = deferral_s(p.decision, waited_s, self.knobs) if waited_s is not None else 0.0
+            wait = self._wait_s(p, waited_s)
             if wait > 0.0:  # a wait is no error: the span ends as it is, then the turn is told to wait
                 T.set_attrs(span, {T.ATTR_POLICY: turn.policy, T.ATTR_PLAN_DEFERS: True,
                                    T.ATTR_PLAN_DEFERRED_S: wait, T.ATTR_PLAN_REASON: p.reason})
@@ -92,6 +93,18 @@ class Placer:
         T.set_attrs(ctx.span, {T.ATTR_PLAN_ACTION: p.action.value, T.ATTR_PLAN_REASON: p.reason,
                                T.ATTR_DECODE_HELD_KV_TOKENS: held.held_kv_tokens if held is not None else None})
         return p, view, exposure, running
+
+    def _wait_s(self, p: Plan, waited_s: float | None) -> float:
+        """How long the turn waits before it is placed again (0: it runs now). A turn that has not waited yet
+        waits only as the record of recent waits allows; one already waiting waits its time out."""
+        if waited_s is None or not could_wait(p.decision, self.knobs):
+            return 0.0
+        if waited_s <= 0.0:
+            waits, self.deferrals = self.deferrals.waits(self.knobs)
+            if not waits:
+                self.sv.metrics.deferred_turns.labels("skipped").inc()
+                return 0.0
+        return deferral_s(p.decision, waited_s, self.knobs)
 
     def _placed(self, span: trace.Span, turn: Turn, p: Plan, now: float,
                 waited_s: float | None) -> tuple[str, int] | None:
@@ -130,6 +143,7 @@ class Placer:
     def _deferred(self, p: Plan, waited_s: float) -> None:
         """A turn placed after waiting for a limit to clear: counted by whether it then ran within the limits."""
         forced = p.decision is not None and p.decision.forced
+        self.deferrals = self.deferrals.ended(not forced, self.knobs)
         self.sv.metrics.deferred_turns.labels("forced" if forced else "cleared").inc()
         self.sv.metrics.deferred_seconds.inc(waited_s)
 

@@ -239,3 +239,33 @@ async def test_a_turn_that_would_break_a_running_answers_tpot_waits_for_it_to_en
         assert (cleared, forced) == (0, 1) and done["y"] < done["x left"] and 0.3 <= waited < 0.9
     else:
         assert (cleared, forced, waited) == (0, 0, 0) and done["y"] < done["x left"]
+
+
+def test_the_gateway_stops_waiting_once_its_waits_seldom_clear_and_counts_the_turns_it_ran_at_once() -> None:
+    """The shell keeps the record of how its waits ended (policy/deferral.py): after a run of waits that each
+    ran out forced, a turn that could wait runs at once (counted `skipped`), but for one in
+    ``defer_probe_every``; a wait that clears again restores waiting."""
+    from kvtether.gateway.policy import NodeLoad, PolicyKnobs, choose
+    from kvtether.gateway.policy.placement import HandleAction, Plan
+
+    from tests.support.policy_facts import D0, MOE, P0, history_turn
+
+    cfg = load_config(None, nodes=["http://a:1"], policy="auto")
+    placer = create_app(cfg).state.gateway.orchestrator.placer
+    short = history_turn(8000, 100, expected_output_tokens=6, running_prefills=((D0, 0.5, 0.5, 0.3, 0),))
+    forced = choose(short, D0, (NodeLoad(P0),), (NodeLoad(D0, running=2.0),), MOE,
+                    PolicyKnobs(tpot_budget_s=0.025))
+    assert forced.forced
+    plan = Plan(None, D0, HandleAction.DECODE_LOCAL, 0, forced.reason, decision=forced)
+    skipped = placer.sv.metrics.deferred_turns.labels("skipped")
+    waits = []
+    for _ in range(16):
+        waits.append(placer._wait_s(plan, 0.0) > 0.0)
+        if waits[-1]:
+            placer._deferred(plan, 0.2)  # the wait ran out: placed forced
+    assert waits == [True] * 12 + [False, False, False, True]
+    assert skipped._value.get() == 3
+    cleared = Plan(None, D0, HandleAction.DECODE_LOCAL, 0, "", decision=None)
+    placer._deferred(cleared, 0.05)  # the probe's wait cleared
+    assert placer._wait_s(plan, 0.0) > 0.0
+    assert placer._wait_s(plan, 0.1) > 0.0  # a turn already waiting waits its time out, whatever the record

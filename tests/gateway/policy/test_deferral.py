@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 from kvtether.gateway.policy import NodeLoad, PolicyKnobs, choose
-from kvtether.gateway.policy.deferral import deferral_s
+from kvtether.gateway.policy.deferral import DeferralRecord, deferral_s
 
 from tests.support.policy_facts import D0, D1, MOE, P0, history_turn
 
@@ -39,3 +39,40 @@ def test_a_turn_within_the_limits_or_over_a_fixed_cap_alone_never_waits() -> Non
     assert d.forced and local.fixed_limit and "max_local_suffix_tokens" in local.why_not
     assert deferral_s(d, 0.0, capped) == 0.0
     assert deferral_s(None, 0.0, KNOBS) == 0.0  # a fixed policy's plan has no decision to wait on
+
+
+def test_waits_that_seldom_clear_are_skipped_but_for_one_in_a_few_that_keeps_observing() -> None:
+    """In a burst every option stays over a limit for seconds, and a wait that ends forced anyway only adds its
+    time to the turn's TTFT. The record of how waits ended decides: each wait that ends forced lowers the moving
+    share that clear; under `defer_min_clear_rate`, three turns in four run at once and the fourth still waits,
+    and once such a wait clears again, every turn waits again."""
+    knobs = replace(KNOBS, defer_min_clear_rate=0.3, defer_probe_every=4, defer_clear_alpha=0.1)
+    record = DeferralRecord()
+    waited = []
+    for _ in range(20):
+        waits, record = record.waits(knobs)
+        waited.append(waits)
+        if waits:
+            record = record.ended(False, knobs)  # the burst holds: every wait runs out
+    # 0.9^11 = 0.31 still waits; after the twelfth forced wait the share is 0.28.
+    assert waited[:12] == [True] * 12
+    assert waited[12:20] == [False, False, False, True] * 2
+    assert record.clear_rate < 0.3
+    # The burst is over: the next probe clears, which brings the share back over the mark.
+    while not (step := record.waits(knobs))[0]:
+        record = step[1]
+    record = step[1].ended(True, knobs)
+    assert record.clear_rate >= 0.3
+    assert all(record.waits(knobs)[0] for _ in range(4))
+    # Waits that clear keep the share up: nothing is skipped.
+    steady = DeferralRecord()
+    for _ in range(50):
+        waits, steady = steady.waits(knobs)
+        assert waits
+        steady = steady.ended(True, knobs)
+
+
+def test_the_deferral_record_knobs_are_checked() -> None:
+    for bad in ({"defer_min_clear_rate": 1.5}, {"defer_clear_alpha": 0.0}, {"defer_probe_every": 0}):
+        with pytest.raises(ValueError, match="defer_"):
+            PolicyKnobs(**bad)  # type: ignore[arg-type]

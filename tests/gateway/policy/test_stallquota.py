@@ -48,6 +48,37 @@ def test_the_credit_is_the_tightest_requests_headroom_with_its_quota() -> None:
     assert c.quota_s == pytest.approx(0.30)
 
 
+def test_an_answer_already_past_its_tpot_objective_holds_no_turn_back() -> None:
+    """An answer charged more stall than its TPOT objective allows has missed it, whatever comes next: its quota
+    no longer binds, the tightest of the answers that can still meet theirs does."""
+    lost = Exposure(0.04, absorbed_s=0.5, lost_after_s=0.09)
+    savable = Exposure(0.20, absorbed_s=0.05, lost_after_s=0.30)
+    c = credit([lost, savable])
+    assert c.credit_s == pytest.approx(0.15) and c.quota_s == pytest.approx(0.20)
+    assert credit([lost]) == Credit()  # nobody left to protect
+    # Over its quota (a share of its decode time) but within its objective, an answer still binds.
+    over_share = Exposure(0.04, absorbed_s=0.06, lost_after_s=0.09)
+    assert credit([over_share, savable]).credit_s == pytest.approx(-0.02)
+    # Without an objective nothing is ever lost.
+    assert credit([Exposure(0.04, absorbed_s=0.5), savable]).credit_s == pytest.approx(-0.46)
+
+
+def test_the_learning_gives_each_answer_its_objective_and_forgets_it_once_past_it() -> None:
+    from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
+    from kvtether.gateway.policy.learning import Learning
+
+    knobs = PolicyKnobs(tpot_budget_s=0.025)
+    learning = Learning(EstimatorSeeds(), LearningParams(), knobs, request_stall_share=0.2)
+    learning.decoding(D0, 6, 1.0, now=0.0)
+    (answer,) = learning.exposures[D0].values()
+    step = learning.snapshot(0.0).tpot_s(D0, 1.0)
+    assert answer.lost_after_s == pytest.approx(objective_s(6, step, 0.025))  # (0.025 - step) x 5 intervals
+    assert 0.0 < answer.quota_s <= answer.lost_after_s < 5 * 0.025
+    assert learning.quota_credit(D0).credit_s == pytest.approx(answer.quota_s)
+    learning.exposures[D0] = absorb(learning.exposures[D0], answer.lost_after_s + 0.001)
+    assert learning.quota_credit(D0) == Credit()
+
+
 def test_a_local_prefill_charges_every_decoding_request() -> None:
     after = absorb({1: Exposure(0.2), 2: Exposure(0.2, 0.1)}, 0.07)
     assert after[1].absorbed_s == pytest.approx(0.07)
@@ -77,6 +108,31 @@ def test_a_request_near_its_quota_sends_a_turn_that_would_stall_it_through_p() -
     assert spent.option == "pull", spent.reason
     assert "TPOT quota" in spent.trace_attributes()["rejected.decode_local"]
     assert "tightest TPOT quota" in spent.reason
+
+
+def test_a_turn_lost_to_the_ttft_objective_within_the_limits_runs_over_a_quota_within_it() -> None:
+    """A spent quota sends the turn through P, but P's queue puts the pull past the TTFT objective: the turn
+    would be lost whatever happens, and its prefill would lengthen the queue for the turns behind it. With the
+    objective set, it runs locally over the quota instead, forced and saying why; not when the pull is within
+    the objective, not over the KV-pressure veto, and not with the rule off."""
+    stall = _local_stall(history_turn(16000, 300, expected_output_tokens=32))
+    tight = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=stall * 0.9,
+                         request_stall_quota_s=0.5)
+    queued = (NodeLoad(P0, waiting=6.0),)
+    through_p = choose(tight, D0, queued, BUSY, MOE, QUOTA_ONLY)
+    local = next(o for o in through_p.options if o.option == "decode_local")
+    pull_s = through_p.estimates_s["pull"]
+    assert through_p.option == "pull" and not local.feasible and local.ttft_s < pull_s, through_p.reason
+    objective = (local.ttft_s + pull_s) / 2
+    kept = choose(tight, D0, queued, BUSY, MOE, replace(QUOTA_ONLY, ttft_objective_s=objective))
+    assert kept.option == "decode_local" and kept.forced, kept.reason
+    assert f"over its limit to keep the TTFT objective {objective:.3f}s: pull" in kept.reason
+    off = replace(QUOTA_ONLY, ttft_objective_s=objective, ttft_over_quota=False)
+    assert choose(tight, D0, queued, BUSY, MOE, off).option == "pull"
+    assert choose(tight, D0, queued, BUSY, MOE, replace(QUOTA_ONLY, ttft_objective_s=2 * pull_s)).option == "pull"
+    pressed = (NodeLoad(D0, running=2, kv_usage=0.95), NodeLoad(D1))
+    vetoed = choose(tight, D0, queued, pressed, MOE, replace(QUOTA_ONLY, ttft_objective_s=objective))
+    assert vetoed.option == "pull" and not vetoed.forced, vetoed.reason
 
 
 def test_a_draining_quota_prices_the_stall_and_a_full_one_does_not() -> None:
