@@ -400,6 +400,10 @@ class GatewayConfig:
         defaults = {**{f.name: getattr(_KNOBS, f.name) for f in fields(PolicyKnobs)},
                     "estimate_half_life_s": LearningParams().half_life_s}
         for name, value in self.tuning.items():
+            if isinstance(defaults[name], bool):  # a rule switched on or off
+                if not isinstance(value, bool):
+                    raise ConfigError(f"tuning.{name} must be true or false, got {value!r}")
+                continue
             whole = isinstance(defaults[name], int)
             if isinstance(value, bool) or not isinstance(value, int if whole else int | float):
                 raise ConfigError(f"tuning.{name} must be {'an integer' if whole else 'a number'}, got {value!r}")
