@@ -226,9 +226,10 @@ class Learning:
         # What the prefills already running there will still stall it counts against its quota from the start.
         pending = SQ.pending_s((r.as_of(now) for _, r in self.running_prefills.get(node, {}).values()),
                                now + max(0.0, starts_in_s))
+        lost_after = (SQ.objective_s(expected_output_tokens, step, self.knobs.tpot_budget_s)
+                      if self.knobs.release_lost_answers else math.inf)
         self.exposures.setdefault(node, {})[key] = SQ.Exposure(
-            SQ.quota_s(share, expected_output_tokens, step, self.knobs.tpot_budget_s), pending,
-            SQ.objective_s(expected_output_tokens, step, self.knobs.tpot_budget_s))
+            SQ.quota_s(share, expected_output_tokens, step, self.knobs.tpot_budget_s), pending, lost_after)
         return key
 
     def done_decoding(self, node: str, key: int) -> None:

@@ -242,15 +242,15 @@ async def test_a_turn_that_would_break_a_running_answers_tpot_waits_for_it_to_en
 
 
 def test_the_gateway_stops_waiting_once_its_waits_seldom_clear_and_counts_the_turns_it_ran_at_once() -> None:
-    """The shell keeps the record of how its waits ended (policy/deferral.py): after a run of waits that each
-    ran out forced, a turn that could wait runs at once (counted `skipped`), but for one in
-    ``defer_probe_every``; a wait that clears again restores waiting."""
+    """The shell keeps the record of how its waits ended (policy/deferral.py): with the rule on
+    (``defer_min_clear_rate``), after a run of waits that each ran out forced, a turn that could wait runs at once
+    (counted `skipped`), but for one in ``defer_probe_every``; a wait that clears again restores waiting."""
     from kvtether.gateway.policy import NodeLoad, PolicyKnobs, choose
     from kvtether.gateway.policy.placement import HandleAction, Plan
 
     from tests.support.policy_facts import D0, MOE, P0, history_turn
 
-    cfg = load_config(None, nodes=["http://a:1"], policy="auto")
+    cfg = load_config(None, nodes=["http://a:1"], policy="auto", tuning={"defer_min_clear_rate": 0.3})
     placer = create_app(cfg).state.gateway.orchestrator.placer
     short = history_turn(8000, 100, expected_output_tokens=6, running_prefills=((D0, 0.5, 0.5, 0.3, 0),))
     forced = choose(short, D0, (NodeLoad(P0),), (NodeLoad(D0, running=2.0),), MOE,

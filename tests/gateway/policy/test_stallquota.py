@@ -64,10 +64,15 @@ def test_an_answer_already_past_its_tpot_objective_holds_no_turn_back() -> None:
 
 
 def test_the_learning_gives_each_answer_its_objective_and_forgets_it_once_past_it() -> None:
+    """With ``release_lost_answers``, each answer's exposure carries the stall its TPOT objective allows, and the
+    node's credit forgets it once it was charged more."""
     from kvtether.gateway.policy.estimates import EstimatorSeeds, LearningParams
     from kvtether.gateway.policy.learning import Learning
 
-    knobs = PolicyKnobs(tpot_budget_s=0.025)
+    off = Learning(EstimatorSeeds(), LearningParams(), PolicyKnobs(tpot_budget_s=0.025), request_stall_share=0.2)
+    off.decoding(D0, 6, 1.0, now=0.0)
+    assert all(e.lost_after_s == math.inf for e in off.exposures[D0].values())  # the rule is off by default
+    knobs = PolicyKnobs(tpot_budget_s=0.025, release_lost_answers=True)
     learning = Learning(EstimatorSeeds(), LearningParams(), knobs, request_stall_share=0.2)
     learning.decoding(D0, 6, 1.0, now=0.0)
     (answer,) = learning.exposures[D0].values()
@@ -113,8 +118,8 @@ def test_a_request_near_its_quota_sends_a_turn_that_would_stall_it_through_p() -
 def test_a_turn_lost_to_the_ttft_objective_within_the_limits_runs_over_a_quota_within_it() -> None:
     """A spent quota sends the turn through P, but P's queue puts the pull past the TTFT objective: the turn
     would be lost whatever happens, and its prefill would lengthen the queue for the turns behind it. With the
-    objective set, it runs locally over the quota instead, forced and saying why; not when the pull is within
-    the objective, not over the KV-pressure veto, and not with the rule off."""
+    objective set and the rule on (``ttft_over_quota``), it runs locally over the quota instead, forced and saying
+    why; not when the pull is within the objective, not over the KV-pressure veto, and not with the rule off."""
     stall = _local_stall(history_turn(16000, 300, expected_output_tokens=32))
     tight = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=stall * 0.9,
                          request_stall_quota_s=0.5)
@@ -124,14 +129,15 @@ def test_a_turn_lost_to_the_ttft_objective_within_the_limits_runs_over_a_quota_w
     pull_s = through_p.estimates_s["pull"]
     assert through_p.option == "pull" and not local.feasible and local.ttft_s < pull_s, through_p.reason
     objective = (local.ttft_s + pull_s) / 2
-    kept = choose(tight, D0, queued, BUSY, MOE, replace(QUOTA_ONLY, ttft_objective_s=objective))
+    rule = replace(QUOTA_ONLY, ttft_over_quota=True)
+    kept = choose(tight, D0, queued, BUSY, MOE, replace(rule, ttft_objective_s=objective))
     assert kept.option == "decode_local" and kept.forced, kept.reason
     assert f"over its limit to keep the TTFT objective {objective:.3f}s: pull" in kept.reason
-    off = replace(QUOTA_ONLY, ttft_objective_s=objective, ttft_over_quota=False)
+    off = replace(QUOTA_ONLY, ttft_objective_s=objective)  # the rule is off by default
     assert choose(tight, D0, queued, BUSY, MOE, off).option == "pull"
-    assert choose(tight, D0, queued, BUSY, MOE, replace(QUOTA_ONLY, ttft_objective_s=2 * pull_s)).option == "pull"
+    assert choose(tight, D0, queued, BUSY, MOE, replace(rule, ttft_objective_s=2 * pull_s)).option == "pull"
     pressed = (NodeLoad(D0, running=2, kv_usage=0.95), NodeLoad(D1))
-    vetoed = choose(tight, D0, queued, pressed, MOE, replace(QUOTA_ONLY, ttft_objective_s=objective))
+    vetoed = choose(tight, D0, queued, pressed, MOE, replace(rule, ttft_objective_s=objective))
     assert vetoed.option == "pull" and not vetoed.forced, vetoed.reason
 
 
