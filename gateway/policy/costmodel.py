@@ -147,7 +147,7 @@ def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs) -> tuple[OptionEst
 
 def _within_objective_over_a_quota(opts: Sequence[OptionEstimate], objective: float) -> OptionEstimate | None:
     """When every option within the limits is estimated over the TTFT objective, the cheapest option that is
-    within it and over a TPOT quota (or beside a running prefill) only, if any.
+    within it and over a TPOT quota (or beside a running prefill) only, if any (``PolicyKnobs.ttft_over_quota``).
 
     Such a turn is lost to goodput whichever option within the limits runs it, and under load it is lost twice:
     its prefill joins a queue that every turn placed after it waits behind, so one turn over the objective makes

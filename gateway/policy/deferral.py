@@ -14,6 +14,7 @@ a wait that ends forced anyway only adds its ``defer_max_s`` to the turn's TTFT 
 turns of 261 waited 0.2 s and then ran as they would have at once). So the gateway keeps a moving average of how
 its waits ended (:class:`DeferralRecord`): while fewer than ``defer_min_clear_rate`` of them clear, a turn runs
 at once, but for one in ``defer_probe_every``, which still waits, so that the average sees the limits clear again.
+``defer_min_clear_rate`` 0 (the default while the rule is evaluated) waits whenever a turn could.
 
 The TTFT it costs is bounded by ``defer_max_s``; every wait is counted (``kvtether_deferred_turns_total``) and
 on the turn's plan span (``kvtether.plan.deferred_s``).

@@ -64,24 +64,24 @@ class PolicyKnobs:
     defer_max_s: float = 0.2
 
     # ---- tuning constants ----
-    # Rules under evaluation, off by default (docs/pool.md has what each did, turn by turn and seed by seed):
+    # Rules under evaluation, off by default (docs/placement.md has what each did on five seeds of the pool):
     # - with a TTFT objective set, a turn that every option within the limits would run over it runs over a TPOT
     #   quota instead, when that keeps it within the objective (costmodel._within_objective_over_a_quota). On a
     #   pool an answer's quota is its whole TPOT objective, so going over one trades this turn for at least one
-    #   answer: it helped on the long documents at ×8 and on coding at ×4 (seed 1) only beside the rules below;
+    #   answer: +1,123 turns of 12,800 on the long documents at ×8 and +50 of 11,520 on coding at ×4, but −11 of
+    #   1,182 on the trace at ×2;
     ttft_over_quota: bool = False
     # - an answer charged more stall than its TPOT objective allows stops binding (stallquota.Exposure.lost). The
     #   stall charged is conservative (counted from placement), so an answer judged lost often is not: alone it
-    #   lost 62 turns of 2,304 on coding at ×4 (seed 1), beside the rule above it gained 103 of 2,560 on the long
-    #   documents at ×8.
+    #   lost 62 turns of 2,304 on coding at ×4 (seed 1); with the other two rules, +2,001 on the long documents at
+    #   ×8 and −748 on coding at ×4.
     release_lost_answers: bool = False
     # A deferred turn is placed again this often: about a decode step, the soonest a running answer can end.
     defer_step_s: float = 0.01
     # Waits are observed (policy/deferral.py): below this moving share of waits that cleared, turns run at once but
     # one in `defer_probe_every`. The average's weight of each wait is `defer_clear_alpha` (0.1: about the last
-    # ten). 0: every turn that could wait does (the default, while the rule is evaluated). On the bursty trace,
-    # five seeds, a first version at 0.3 / 4 met 21 more turns of 1,182 at ×2 than always waiting, and as many at
-    # ×1, where waits clear.
+    # ten). 0: every turn that could wait does (the default, while the rule is evaluated). At 0.3 / 4, five seeds
+    # of the pool: +21 turns of 1,182 on the bursty trace at ×2, −1 of 583 at ×1, −4 of 2,880 on coding-long.
     defer_min_clear_rate: float = 0.0
     defer_probe_every: int = 4
     defer_clear_alpha: float = 0.1

@@ -41,7 +41,8 @@ class Exposure:
     quota_s: float
     absorbed_s: float = 0.0
     # The most stall it can take and still meet the TPOT objective (objective_s); past it the answer is lost to
-    # goodput whatever comes next, so its quota no longer holds other turns back (credit). inf: no objective.
+    # goodput whatever comes next, so its quota no longer holds other turns back (credit). inf: never lost (no
+    # objective, or the rule off: PolicyKnobs.release_lost_answers).
     lost_after_s: float = math.inf
 
     @property
@@ -136,9 +137,9 @@ def objective_s(answer_tokens: int, step_s: float, tpot_objective_s: float) -> f
 
 def credit(exposures: Iterable[Exposure]) -> Credit:
     """The tightest headroom among the answers that can still meet their TPOT objective. One already past it
-    (charged more stall than its objective allows) is not protected any more: refusing a turn for its sake
-    would save nothing and cost the turn (on the long documents at ×8, quotas seconds overspent held every
-    turn of an instance off it)."""
+    (charged more stall than its objective allows, :attr:`Exposure.lost`) is not protected any more: refusing a
+    turn for its sake would save nothing and cost the turn (on the long documents at ×8, quotas seconds
+    overspent held every turn of an instance off it)."""
     tightest = min((e for e in exposures if not e.lost), key=lambda e: e.headroom_s, default=None)
     return Credit() if tightest is None else Credit(tightest.headroom_s, tightest.quota_s)
 
