@@ -242,8 +242,13 @@ def pd_option(option: Option, turn: TurnFacts, p: NodeLoad, d: NodeLoad, holder:
     if not over:
         return est
     # The leg's own instance short of memory is the KV-pressure veto (prefill_leg), whatever else is over.
-    kv = p.both and p.decoding > 0 and kv_pressed(p, c)
-    return replace(est, feasible=False, soft=True, why_not=over, kv_limit=kv)
+    return replace(est, feasible=False, soft=True, why_not=over, kv_limit=leg_kv_vetoed(p, c))
+
+
+def leg_kv_vetoed(p: NodeLoad, c: Nodes) -> bool:
+    """Whether a prefill leg on `p` is under the KV-pressure veto: a pool instance with answers decoding and its
+    memory short (a dedicated P, or an instance decoding nothing, has no answers to preempt)."""
+    return p.both and p.decoding > 0 and kv_pressed(p, c)
 
 
 def prefill_leg(turn: TurnFacts, p: NodeLoad, computed: int, context: int, pinned: NodeLoad | None,
@@ -252,11 +257,11 @@ def prefill_leg(turn: TurnFacts, p: NodeLoad, computed: int, context: int, pinne
     limit it breaks or ""). A dedicated P runs prefills only; a pool instance runs the leg in the steps that
     also decode its own sessions, which it slows (as a decode-local turn would) and which pace it."""
     seconds = c.est.prefill_s(p.url, computed, context)
-    if not p.both or p.decoding <= 0:
-        return seconds, 0.0, 0.0, ""
-    if kv_pressed(p, c):
+    if leg_kv_vetoed(p, c):
         return seconds, 0.0, 0.0, (f"{p.url}'s KV usage {p.kv_usage:.2f} >= {c.knobs.local_kv_veto:g}: a prefill "
                                    "there may preempt its decoding requests")
+    if not p.both or p.decoding <= 0:
+        return seconds, 0.0, 0.0, ""
     steps = math.ceil(computed / c.knobs.chunk_tokens)
     seconds = max(seconds, steps * c.est.tpot_s(p.url, p.decoding + 1))
     credit = turn.stall_credit(p.url, pinned.url if pinned is not None else None)
