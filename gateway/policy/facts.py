@@ -105,6 +105,13 @@ class TurnFacts:
         return pending_s((RunningPrefill(end, run, stall, steps) for u, end, run, stall, steps
                           in self.running_prefills if u == url), after_s)
 
+    def prefill_queue_s(self, url: str) -> float:
+        """Compute still ahead of a new prefill on `url`: what is left of each prefill running there (a leg or a
+        local turn, of any session), until the gateway sees it end. vLLM's scheduler gives the running requests
+        their chunks first and a new prefill what they leave of each step's budget, so the new one computes
+        after them: however many they are, their remaining compute is its queue."""
+        return sum(max(0.0, min(ends_in, run)) for u, ends_in, run, _, _ in self.running_prefills if u == url)
+
     def stall_credit(self, url: str, pinned: str | None) -> tuple[float, float]:
         """(credit, quota) of the requests decoding on `url`: the pinned D's, or a pool instance's."""
         if url == pinned:

@@ -76,6 +76,10 @@ class PolicyKnobs:
     #   lost 62 turns of 2,304 on coding at ×4 (seed 1); with the other two rules, +2,001 on the long documents at
     #   ×8 and −748 on coding at ×4.
     release_lost_answers: bool = False
+    # - a pool instance's prefill queue is what is left of the prefills running there, legs and local turns of
+    #   any session alike, until each is seen to end (TurnFacts.prefill_queue_s), rather than the gateway's count of
+    #   prefill legs there times the learned time a queued request adds.
+    pool_queue_observed: bool = False
     # A deferred turn is placed again this often: about a decode step, the soonest a running answer can end.
     defer_step_s: float = 0.01
     # Waits are observed (policy/deferral.py): below this moving share of waits that cleared, turns run at once but

@@ -42,11 +42,22 @@ def floor_block(tokens: int, block: int) -> int:
     return max(0, tokens // block * block)
 
 
-def p_queue_s(c: Nodes, p: NodeLoad) -> float:
+def p_queue_s(c: Nodes, p: NodeLoad, turn: TurnFacts) -> float:
     # A P node's running requests are prefills still computing: a new one waits behind them as behind the
     # waiting ones (chunked prefill shares steps, which costs the same total time). On a pool instance only its
-    # prefill legs are: its decodes share each step with the new prefill instead (prefill_leg).
-    return c.est.queue_s(p.url, p.waiting + (p.prefilling if p.both else p.running))
+    # prefills are: its decodes share each step with the new prefill instead (prefill_leg).
+    counted = c.est.queue_s(p.url, p.waiting + (p.prefilling if p.both else p.running))
+    return max(counted, pool_queue_s(c, p, turn))
+
+
+def pool_queue_s(c: Nodes, p: NodeLoad, turn: TurnFacts) -> float:
+    """The compute a new prefill on pool instance `p` waits for (``pool_queue_observed``; else 0): what is left of
+    the prefills running there, local turns of its own sessions and other sessions' legs alike, until each is
+    seen to end. A count of the gateway's legs there missed the local turns: on the long documents at ×8, legs
+    estimated at 0.85-1.5 s took 2-3 s."""
+    if not (p.both and c.knobs.pool_queue_observed):
+        return 0.0
+    return c.est.queue_s(p.url, p.waiting) + turn.prefill_queue_s(p.url)
 
 
 def d_leg_s(c: Nodes, d: NodeLoad) -> float:
@@ -107,7 +118,10 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     # then decodes beside their rest (answer_stalled). Counting them as a queue ahead of it admitted short answers
     # that decoded beside them (TPOT 41-46 ms against 25 on the long documents, pool ×16).
     wait = c.est.queue_s(d.url, d.waiting)
-    ttft = wait + max(compute, steps * c.est.tpot_s(d.url, d.decoding + 1))
+    first_step = wait + max(compute, steps * c.est.tpot_s(d.url, d.decoding + 1))
+    # Its first token does wait for their compute (pool_queue_s); only its answer's stall counts from the soonest
+    # it could start (answer_stalled below).
+    ttft = max(first_step, pool_queue_s(c, d, turn) + max(compute, steps * c.est.tpot_s(d.url, d.decoding + 1)))
     stall, interference, over = prefill_stall(d, n, cached, steps, turn.stall_credit(d.url, pinned), c)
     priced = now and c.knobs.arrival_weight > 0.0  # off: not computed, so no reason names it
     blocks = blocked_s(d.arrivals, wait, ttft) if priced else 0.0
@@ -124,7 +138,7 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     if limit is not None and n > limit:
         return replace(base, feasible=False, soft=True, fixed_limit=True,
                        why_not=f"local suffix {n} tok > {knob} {limit}")
-    over = over or answer_stalled(turn, d, ttft, c)
+    over = over or answer_stalled(turn, d, first_step, c)
     if over:
         return replace(base, feasible=False, soft=True, why_not=over)
     return base
@@ -230,7 +244,7 @@ def pd_option(option: Option, turn: TurnFacts, p: NodeLoad, d: NodeLoad, holder:
     prefill, stall, interference, over = prefill_leg(turn, p, computed, context, pinned, c)
     beside = beside_stall(p, computed, context, math.ceil(computed / c.knobs.chunk_tokens), c) if p.both else 0.0
     back_tokens = turn.prompt_tokens - d_cached
-    arrive = p_queue_s(c, p) + read + prefill  # when D gets the request
+    arrive = p_queue_s(c, p, turn) + read + prefill  # when D gets the request
     d_read = c.est.transfer_s(p.url, d.url, back_tokens)
     ttft = arrive + d_read + d_leg_s(c, d)
     balance = balance_term(turn, d, pinned, c) if pinned is not None else 0.0
@@ -375,7 +389,7 @@ def pull_option(turn: TurnFacts, pinned: str | None, c: Nodes) -> OptionEstimate
         return no("no prefill node but the decode node itself")
     p_url = best.prefill_url or ""
     # P reads after its queue: the handle must still be alive (with the engine's decline margin) by then.
-    reads_at = turn.handle_age_s + p_queue_s(c, next(p for p in ps if p.url == p_url))
+    reads_at = turn.handle_age_s + p_queue_s(c, next(p for p in ps if p.url == p_url), turn)
     if reads_at + c.knobs.handle_margin_s >= c.knobs.handle_ttl_s:
         return no(f"handle expires: age {turn.handle_age_s:.0f}s + queue, ttl {c.knobs.handle_ttl_s:.0f}s")
     return best

@@ -104,11 +104,60 @@ def test_an_instance_queues_a_prefill_behind_its_prefill_legs_not_its_decodes() 
     c = Nodes((), (), SNAP, KNOBS)
     decoding = inst(B, running=10.0)
     prefilling = inst(B, running=10.0, prefilling=10.0)
-    assert p_queue_s(c, decoding) == pytest.approx(SNAP.queue_s(B, 0.0))
-    assert p_queue_s(c, prefilling) > p_queue_s(c, decoding)
+    turn = long_turn()
+    assert p_queue_s(c, decoding, turn) == pytest.approx(SNAP.queue_s(B, 0.0))
+    assert p_queue_s(c, prefilling, turn) > p_queue_s(c, decoding, turn)
     assert prefilling.decoding == 0.0 and decoding.decoding == 10.0
     # A dedicated P's running requests are all prefills.
-    assert p_queue_s(c, NodeLoad(B, running=10.0)) == p_queue_s(c, prefilling)
+    assert p_queue_s(c, NodeLoad(B, running=10.0), turn) == p_queue_s(c, prefilling, turn)
+
+
+def test_a_pool_instance_queues_a_prefill_behind_what_is_left_of_the_prefills_running_there() -> None:
+    """With ``pool_queue_observed``, a prefill on a pool instance waits for the remaining compute of every prefill
+    running there, a local turn of that instance's own session as much as another session's leg, and for one
+    past its estimated end until it is seen to end; the count of legs alone saw none of the local ones."""
+    observed = replace(KNOBS, pool_queue_observed=True)
+    # B runs a local turn's 1.2 s prefill (0.4 s into its compute: 0.8 s left, ends in 0.8 s) and a leg still
+    # reading its history (ends in 1.5 s, 0.5 s of compute): the gateway counts no leg of its own there.
+    b = inst(B, running=2.0, prefilling=0.0)
+    busy = replace(long_turn(), running_prefills=((B, 0.8, 1.2, 0.05, 1), (B, 1.5, 0.5, 0.02, 1),
+                                                  (C, 3.0, 3.0, 0.1, 1)))
+    by_count = Nodes((b,), (b,), SNAP, KNOBS)
+    by_running = Nodes((b,), (b,), SNAP, observed)
+    assert p_queue_s(by_count, b, busy) == 0.0
+    assert p_queue_s(by_running, b, busy) == pytest.approx(0.8 + 0.5)
+    # One past its estimated end is still running: what the shell passes for it (stallquota.RunningPrefill.as_of)
+    # is the time it has been overdue, as much again.
+    overdue = replace(long_turn(), running_prefills=((B, 0.3, 1.9, 0.05, 1),))
+    assert p_queue_s(by_running, b, overdue) == pytest.approx(0.3)
+    # A dedicated prefill node's queue is its running requests already.
+    p = NodeLoad(B, running=2.0)
+    assert p_queue_s(by_running, p, busy) == p_queue_s(by_count, p, busy)
+    # The pool chooses by it: B busy prefilling, C idle, A the session's instance over the local limit.
+    ps, ds = pool(inst(A), b, inst(C))
+    queued = replace(busy, running_prefills=busy.running_prefills[:2])
+    assert choose(queued, A, ps, ds, SNAP, observed).prefill_url == C
+    pulled = pull_option(queued, A, Nodes((b,), ds, SNAP, observed))
+    alone = pull_option(queued, A, Nodes((inst(C),), ds, SNAP, observed))
+    assert pulled.ttft_s == pytest.approx(alone.ttft_s + 1.3)
+
+
+def test_a_local_turns_first_token_waits_for_the_prefills_running_on_its_instance_not_its_answers_stall() -> None:
+    """A local turn on a pool instance computes after the prefills running there (``pool_queue_observed``), so its
+    TTFT counts their rest; whether its answer can take their stall is still judged from the soonest it could
+    start decoding, when vLLM's chunked prefill gives it a step's leftover budget."""
+    observed = replace(KNOBS, pool_queue_observed=True, pool_max_local_suffix_tokens=None, tpot_budget_s=0.025)
+    a = inst(A, running=1.0)
+    turn = replace(history_turn(12000, 1000), running_prefills=((A, 0.9, 0.9, 0.0, 1),))
+    plain = next(o for o in choose(turn, A, (a,), (a,), SNAP, replace(observed, pool_queue_observed=False)).options
+                 if o.option == "decode_local")
+    queued = next(o for o in choose(turn, A, (a,), (a,), SNAP, observed).options if o.option == "decode_local")
+    assert queued.ttft_s >= 0.9 + (plain.ttft_s - SNAP.queue_s(A, 0.0)) - 1e-9 > plain.ttft_s
+    # A running prefill whose stall this answer cannot take keeps the turn off the instance, though by the time
+    # the turn's own prefill is estimated done that prefill would be over.
+    stalled = replace(turn, running_prefills=((A, 0.9, 0.9, 5.0, 1),))
+    o = next(o for o in choose(stalled, A, (a,), (a,), SNAP, observed).options if o.option == "decode_local")
+    assert not o.feasible and "would stall this answer" in o.why_not
 
 
 @pytest.mark.parametrize(("home", "lightest", "moves"), [
