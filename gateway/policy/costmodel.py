@@ -102,7 +102,7 @@ def choose(
     if not c.decodes:
         raise NoFeasibleOption("no healthy decode node")
     opts = scored(turn, pinned_decode, c, knobs.horizon_turns)
-    pick, greedy, forced = _pick(opts, knobs)
+    pick, greedy, forced = _pick(opts, knobs, frozenset(n.url for n in (*c.prefills, *c.decodes) if n.both))
     assert pick.decode_url is not None
     return CostDecision(
         option=pick.option,
@@ -120,16 +120,17 @@ def choose(
     )
 
 
-def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs) -> tuple[OptionEstimate, Option | None, bool]:
+def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs,
+          pool: frozenset[str] = frozenset()) -> tuple[OptionEstimate, Option | None, bool]:
     """The cheapest feasible option, what it would be without the look-ahead, and whether it was forced (over
-    a limit, because nothing else could run the turn)."""
+    a limit, because nothing else could run the turn). `pool`: the pool instances' urls."""
     feasible = [o for o in opts if o.feasible]
     objective = knobs.ttft_objective_s
     if objective is not None and any(o.ttft_s <= objective for o in feasible):
         # The look-ahead's trade stops at the TTFT objective: options over it go only when none is within it.
         feasible = [o for o in feasible if o.ttft_s <= objective]
     elif objective is not None and knobs.ttft_over_quota:
-        rescue = _within_objective_over_a_quota(opts, objective)
+        rescue = _within_objective_over_a_quota(opts, objective, pool)
         if rescue is not None:
             return rescue, None, True
     pick = min(feasible, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
@@ -145,9 +146,11 @@ def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs) -> tuple[OptionEst
     return local, greedy, True
 
 
-def _within_objective_over_a_quota(opts: Sequence[OptionEstimate], objective: float) -> OptionEstimate | None:
-    """When every option within the limits is estimated over the TTFT objective, the cheapest option that is
-    within it and over a TPOT quota (or beside a running prefill) only, if any (``PolicyKnobs.ttft_over_quota``).
+def _within_objective_over_a_quota(opts: Sequence[OptionEstimate], objective: float,
+                                   pool: frozenset[str]) -> OptionEstimate | None:
+    """When every option within the limits is estimated over the TTFT objective, the cheapest option whose prefill
+    runs on a pool instance (in `pool`) that is within it and over a TPOT quota (or beside a running prefill)
+    only, if any (``PolicyKnobs.ttft_over_quota``).
 
     Such a turn is lost to goodput whichever option within the limits runs it, and under load it is lost twice:
     its prefill joins a queue that every turn placed after it waits behind, so one turn over the objective makes
@@ -155,9 +158,14 @@ def _within_objective_over_a_quota(opts: Sequence[OptionEstimate], objective: fl
     Run within the objective, it keeps its own turn at the price of a stall over the quota of the answers
     decoding beside it. A quota is a share of each answer's decode time capped at the TPOT objective, so going
     over it costs those answers TPOT, not necessarily their objective. Never over a fixed cap (the operator's)
-    or the KV-pressure veto (a preempted answer is recomputed whole)."""
+    or the KV-pressure veto (a preempted answer is recomputed whole).
+
+    On a pool instance only: there an answer's quota is the most stall its TPOT objective allows
+    (``pool_stall_share`` 1), the rule's premise. A decode node's quota is a share of the answer's decode time
+    kept for smoothness (``request_stall_share``), where the rule was not measured."""
     within = [o for o in opts if not o.feasible and o.soft and not o.fixed_limit and not o.kv_limit
-              and o.ttft_s <= objective]
+              and o.ttft_s <= objective
+              and (o.decode_url if o.option == "decode_local" else o.prefill_url) in pool]
     return min(within, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
 
 

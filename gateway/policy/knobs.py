@@ -64,22 +64,23 @@ class PolicyKnobs:
     defer_max_s: float = 0.2
 
     # ---- tuning constants ----
+    # With a TTFT objective set, a turn that every option within the limits would run over it runs over a pool
+    # instance's TPOT quota instead, when that keeps it within the objective (costmodel._within_objective_over_a_quota;
+    # on a pool an answer's quota is its whole TPOT objective, so this trades the turn for at least one answer's
+    # TPOT, and buys the queue behind it). With the observed queue below, seed 1 of the pool: +250 turns of 2,560 on
+    # the long documents at ×8, +98 of 2,304 on coding at ×4, +18 of 261 on the trace at ×2, −8 of 1,152 on
+    # coding-long at ×2 (docs/pool.md has the five seeds).
+    ttft_over_quota: bool = True
+    # A pool instance's prefill queue is what is left of the prefills running there, local turns and legs of any
+    # session alike, until each is seen to end (TurnFacts.prefill_queue_s), not the gateway's count of its legs
+    # there times the learned time a queued request adds; a local turn's first token waits for it too.
+    pool_queue_observed: bool = True
     # Rules under evaluation, off by default (docs/placement.md has what each did on five seeds of the pool):
-    # - with a TTFT objective set, a turn that every option within the limits would run over it runs over a TPOT
-    #   quota instead, when that keeps it within the objective (costmodel._within_objective_over_a_quota). On a
-    #   pool an answer's quota is its whole TPOT objective, so going over one trades this turn for at least one
-    #   answer: +1,123 turns of 12,800 on the long documents at ×8 and +50 of 11,520 on coding at ×4, but −11 of
-    #   1,182 on the trace at ×2;
-    ttft_over_quota: bool = False
     # - an answer charged more stall than its TPOT objective allows stops binding (stallquota.Exposure.lost). The
     #   stall charged is conservative (counted from placement), so an answer judged lost often is not: alone it
     #   lost 62 turns of 2,304 on coding at ×4 (seed 1); with the other two rules, +2,001 on the long documents at
     #   ×8 and −748 on coding at ×4.
     release_lost_answers: bool = False
-    # - a pool instance's prefill queue is what is left of the prefills running there, legs and local turns of
-    #   any session alike, until each is seen to end (TurnFacts.prefill_queue_s), rather than the gateway's count of
-    #   prefill legs there times the learned time a queued request adds.
-    pool_queue_observed: bool = False
     # A deferred turn is placed again this often: about a decode step, the soonest a running answer can end.
     defer_step_s: float = 0.01
     # Waits are observed (policy/deferral.py): below this moving share of waits that cleared, turns run at once but

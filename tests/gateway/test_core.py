@@ -305,11 +305,11 @@ def test_tuning_overrides_reach_the_cost_model_and_are_checked(tmp_path: Path) -
     f = tmp_path / "gw.toml"
     f.write_text('[gateway]\nprefill = ["http://p:1"]\ndecode = ["http://d:1"]\nmax_local_suffix_tokens = 512\n'
                  "[gateway.tuning]\ninterference-weight = 0.5\nhorizon_turns = 2\nestimate_half_life_s = 60\n"
-                 "ttft_over_quota = true\n")
+                 "ttft_over_quota = false\n")
     cfg = load_config(f)
     knobs = policy_knobs(cfg)
     assert (knobs.interference_weight, knobs.horizon_turns, knobs.max_local_suffix_tokens) == (0.5, 2, 512)
-    assert knobs.ttft_over_quota is True and not PolicyKnobs().ttft_over_quota
+    assert knobs.ttft_over_quota is False and PolicyKnobs().ttft_over_quota
     assert knobs.tail_weight == PolicyKnobs().tail_weight  # untouched constants keep their defaults
     assert learning_params(cfg).half_life_s == 60
     base = {"prefill": ["http://p:1"], "decode": ["http://d:1"]}

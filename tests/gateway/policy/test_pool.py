@@ -122,7 +122,7 @@ def test_a_pool_instance_queues_a_prefill_behind_what_is_left_of_the_prefills_ru
     b = inst(B, running=2.0, prefilling=0.0)
     busy = replace(long_turn(), running_prefills=((B, 0.8, 1.2, 0.05, 1), (B, 1.5, 0.5, 0.02, 1),
                                                   (C, 3.0, 3.0, 0.1, 1)))
-    by_count = Nodes((b,), (b,), SNAP, KNOBS)
+    by_count = Nodes((b,), (b,), SNAP, replace(KNOBS, pool_queue_observed=False))
     by_running = Nodes((b,), (b,), SNAP, observed)
     assert p_queue_s(by_count, b, busy) == 0.0
     assert p_queue_s(by_running, b, busy) == pytest.approx(0.8 + 0.5)
@@ -149,7 +149,8 @@ def test_a_local_turns_first_token_waits_for_the_prefills_running_on_its_instanc
     observed = replace(KNOBS, pool_queue_observed=True, pool_max_local_suffix_tokens=None, tpot_budget_s=0.025)
     a = inst(A, running=1.0)
     turn = replace(history_turn(12000, 1000), running_prefills=((A, 0.9, 0.9, 0.0, 1),))
-    plain = next(o for o in choose(turn, A, (a,), (a,), SNAP, replace(observed, pool_queue_observed=False)).options
+    by_count = replace(observed, pool_queue_observed=False)
+    plain = next(o for o in choose(turn, A, (a,), (a,), SNAP, by_count).options
                  if o.option == "decode_local")
     queued = next(o for o in choose(turn, A, (a,), (a,), SNAP, observed).options if o.option == "decode_local")
     assert queued.ttft_s >= 0.9 + (plain.ttft_s - SNAP.queue_s(A, 0.0)) - 1e-9 > plain.ttft_s

@@ -119,26 +119,32 @@ def test_a_turn_lost_to_the_ttft_objective_within_the_limits_runs_over_a_quota_w
     """A spent quota sends the turn through P, but P's queue puts the pull past the TTFT objective: the turn
     would be lost whatever happens, and its prefill would lengthen the queue for the turns behind it. With the
     objective set and the rule on (``ttft_over_quota``), it runs locally over the quota instead, forced and saying
-    why; not when the pull is within the objective, not over the KV-pressure veto, and not with the rule off."""
+    why; not when the pull is within the objective, not over the KV-pressure veto, and not with the rule off.
+    On a pool only, where an answer's quota is its TPOT objective: not over a decode node's share."""
     stall = _local_stall(history_turn(16000, 300, expected_output_tokens=32))
     tight = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=stall * 0.9,
                          request_stall_quota_s=0.5)
-    queued = (NodeLoad(P0, waiting=6.0),)
-    through_p = choose(tight, D0, queued, BUSY, MOE, QUOTA_ONLY)
+    # Two pool instances: the session's, decoding two answers, and one with six prefills waiting.
+    queued = (NodeLoad(P0, waiting=6.0, both=True),)
+    busy = (NodeLoad(D0, running=2, both=True), *queued)
+    through_p = choose(tight, D0, queued, busy, MOE, QUOTA_ONLY)
     local = next(o for o in through_p.options if o.option == "decode_local")
     pull_s = through_p.estimates_s["pull"]
     assert through_p.option == "pull" and not local.feasible and local.ttft_s < pull_s, through_p.reason
     objective = (local.ttft_s + pull_s) / 2
     rule = replace(QUOTA_ONLY, ttft_over_quota=True)
-    kept = choose(tight, D0, queued, BUSY, MOE, replace(rule, ttft_objective_s=objective))
+    kept = choose(tight, D0, queued, busy, MOE, replace(rule, ttft_objective_s=objective))
     assert kept.option == "decode_local" and kept.forced, kept.reason
     assert f"over its limit to keep the TTFT objective {objective:.3f}s: pull" in kept.reason
-    off = replace(QUOTA_ONLY, ttft_objective_s=objective)  # the rule is off by default
-    assert choose(tight, D0, queued, BUSY, MOE, off).option == "pull"
-    assert choose(tight, D0, queued, BUSY, MOE, replace(rule, ttft_objective_s=2 * pull_s)).option == "pull"
-    pressed = (NodeLoad(D0, running=2, kv_usage=0.95), NodeLoad(D1))
+    off = replace(QUOTA_ONLY, ttft_objective_s=objective, ttft_over_quota=False)
+    assert choose(tight, D0, queued, busy, MOE, off).option == "pull"
+    assert choose(tight, D0, queued, busy, MOE, replace(rule, ttft_objective_s=2 * pull_s)).option == "pull"
+    pressed = (NodeLoad(D0, running=2, kv_usage=0.95, both=True), *queued)
     vetoed = choose(tight, D0, queued, pressed, MOE, replace(rule, ttft_objective_s=objective))
     assert vetoed.option == "pull" and not vetoed.forced, vetoed.reason
+    # The same turn on a dedicated P and D: a decode node's quota is a share kept for smoothness, not the rule's.
+    dedicated = choose(tight, D0, (NodeLoad(P0, waiting=6.0),), BUSY, MOE, replace(rule, ttft_objective_s=objective))
+    assert dedicated.option == "pull" and not dedicated.forced, dedicated.reason
 
 
 def test_a_draining_quota_prices_the_stall_and_a_full_one_does_not() -> None:
