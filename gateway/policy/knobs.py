@@ -67,9 +67,9 @@ class PolicyKnobs:
     # With a TTFT objective set, a turn that every option within the limits would run over it runs over a pool
     # instance's TPOT quota instead, when that keeps it within the objective (costmodel._within_objective_over_a_quota;
     # on a pool an answer's quota is its whole TPOT objective, so this trades the turn for at least one answer's
-    # TPOT, and buys the queue behind it). With the observed queue below, seed 1 of the pool: +250 turns of 2,560 on
-    # the long documents at ×8, +98 of 2,304 on coding at ×4, +18 of 261 on the trace at ×2, −8 of 1,152 on
-    # coding-long at ×2 (docs/pool.md has the five seeds).
+    # TPOT, and buys the queue behind it). With the observed queue below, five seeds of the pool: +2,955 turns of
+    # 12,800 on the long documents at ×8, +76 of 11,520 on coding at ×4, −31 of 5,760 on coding-long at ×2
+    # (docs/placement.md, "A pool's queue and its TTFT objective").
     ttft_over_quota: bool = True
     # A pool instance's prefill queue is what is left of the prefills running there, local turns and legs of any
     # session alike, until each is seen to end (TurnFacts.prefill_queue_s), not the gateway's count of its legs

@@ -384,3 +384,23 @@ def test_a_move_off_an_instance_short_of_memory_is_counted_as_such() -> None:
     node.kv_usage = 0.95
     assert cluster.move_reason(A) == "kv_pressure"
     assert cluster.move_reason("http://elsewhere") == "gone"
+
+
+def test_a_local_turn_the_gateway_placed_is_the_queue_a_later_leg_on_that_instance_waits_behind() -> None:
+    """The gateway remembers the local turn it placed on B while its prefill runs; another session's prefill leg
+    planned meanwhile sees B's queue in it and goes to idle C. Counting only legs, B looked as idle as C and, first
+    in the configuration, took the leg behind that prefill."""
+    observed = replace(KNOBS, pool_queue_observed=True)
+    learning = Learning(EstimatorSeeds(), LearningParams(), observed, request_stall_share=1.0)
+    ps, ds = pool(inst(A), inst(B), inst(C))
+    on_b = Turn("auto", new_session=False, pinned_decode=B, handle=HandleState.PRESENT, handle_tokens=6000,
+                prompt_tokens=8000, reuse_tokens=6000, suffix_tokens=2000)
+    local = plan(on_b, ClusterView(ps, ds), MOE, observed)
+    assert local.action is HandleAction.DECODE_LOCAL and local.decode == B
+    learning.planned(local, now=100.0)
+    running = learning.prefills_running(100.1)
+    assert [url for url, *_ in running] == [B]
+    on_a = Turn("auto", new_session=False, pinned_decode=A, handle=HandleState.PRESENT, handle_tokens=6000,
+                prompt_tokens=12000, reuse_tokens=6000, suffix_tokens=6000, running_prefills=running)
+    assert plan(on_a, ClusterView(ps, ds), MOE, observed).prefill == C
+    assert plan(on_a, ClusterView(ps, ds), MOE, replace(observed, pool_queue_observed=False)).prefill == B
