@@ -113,15 +113,15 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     compute = c.est.prefill_s(d.url, n, cached)
     # Chunked prefill: each of its steps also decodes the running batch, so it cannot beat that step time.
     steps = math.ceil(n / c.knobs.chunk_tokens)
-    # Not after the prefills already running on D: vLLM's chunked prefill gives a new prefill what the running
-    # ones leave of each step's token budget, so its first token may come while they still run, and its answer
-    # then decodes beside their rest (answer_stalled). Counting them as a queue ahead of it admitted short answers
-    # that decoded beside them (TPOT 41-46 ms against 25 on the long documents, pool ×16).
+    own = max(compute, steps * c.est.tpot_s(d.url, d.decoding + 1))
     wait = c.est.queue_s(d.url, d.waiting)
-    first_step = wait + max(compute, steps * c.est.tpot_s(d.url, d.decoding + 1))
-    # Its first token does wait for their compute (pool_queue_s); only its answer's stall counts from the soonest
-    # it could start (answer_stalled below).
-    ttft = max(first_step, pool_queue_s(c, d, turn) + max(compute, steps * c.est.tpot_s(d.url, d.decoding + 1)))
+    # vLLM's chunked prefill gives a new prefill what the prefills already running on D leave of each step's token
+    # budget: its first token waits for their compute (on a pool instance, pool_queue_s), but it may start decoding
+    # while their last chunks still run, and then decodes beside their rest. So its answer's stall is judged from
+    # the soonest it could start (answer_stalled, below): judged from after them, short answers were admitted
+    # that decoded beside them (TPOT 41-46 ms against 25 on the long documents, pool ×16).
+    soonest = wait + own
+    ttft = max(soonest, pool_queue_s(c, d, turn) + own)
     stall, interference, over = prefill_stall(d, n, cached, steps, turn.stall_credit(d.url, pinned), c)
     priced = now and c.knobs.arrival_weight > 0.0  # off: not computed, so no reason names it
     blocks = blocked_s(d.arrivals, wait, ttft) if priced else 0.0
@@ -138,7 +138,7 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     if limit is not None and n > limit:
         return replace(base, feasible=False, soft=True, fixed_limit=True,
                        why_not=f"local suffix {n} tok > {knob} {limit}")
-    over = over or answer_stalled(turn, d, first_step, c)
+    over = over or answer_stalled(turn, d, soonest, c)
     if over:
         return replace(base, feasible=False, soft=True, why_not=over)
     return base
