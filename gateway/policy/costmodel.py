@@ -102,7 +102,9 @@ def choose(
     if not c.decodes:
         raise NoFeasibleOption("no healthy decode node")
     opts = scored(turn, pinned_decode, c, knobs.horizon_turns)
-    pick, greedy, forced = _pick(opts, knobs, frozenset(n.url for n in (*c.prefills, *c.decodes) if n.both))
+    pool = frozenset(n.url for n in (*c.prefills, *c.decodes) if n.both)
+    rescue = _rescue(opts, knobs, pool)
+    pick, greedy, forced = (rescue, None, True) if rescue is not None else _pick(opts, knobs)
     assert pick.decode_url is not None
     return CostDecision(
         option=pick.option,
@@ -114,25 +116,30 @@ def choose(
         scores_s={o.option: round(o.score_s, 6) for o in opts if o.feasible},
         options=opts,
         forced=forced,
+        rescued=rescue is not None,
         greedy_option=greedy,
         arrive_s=pick.arrive_s,
         d_read_s=pick.d_read_s,
     )
 
 
-def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs,
-          pool: frozenset[str] = frozenset()) -> tuple[OptionEstimate, Option | None, bool]:
+def _rescue(opts: Sequence[OptionEstimate], knobs: PolicyKnobs, pool: frozenset[str]) -> OptionEstimate | None:
+    """The option run over a pool instance's quota to keep the TTFT objective (``ttft_over_quota``), if any: only
+    when every option within the limits is past the objective. `pool`: the pool instances' urls."""
+    objective = knobs.ttft_objective_s
+    if objective is None or not knobs.ttft_over_quota or any(o.feasible and o.ttft_s <= objective for o in opts):
+        return None
+    return _within_objective_over_a_quota(opts, objective, pool)
+
+
+def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs) -> tuple[OptionEstimate, Option | None, bool]:
     """The cheapest feasible option, what it would be without the look-ahead, and whether it was forced (over
-    a limit, because nothing else could run the turn). `pool`: the pool instances' urls."""
+    a limit, because nothing else could run the turn)."""
     feasible = [o for o in opts if o.feasible]
     objective = knobs.ttft_objective_s
     if objective is not None and any(o.ttft_s <= objective for o in feasible):
         # The look-ahead's trade stops at the TTFT objective: options over it go only when none is within it.
         feasible = [o for o in feasible if o.ttft_s <= objective]
-    elif objective is not None and knobs.ttft_over_quota:
-        rescue = _within_objective_over_a_quota(opts, objective, pool)
-        if rescue is not None:
-            return rescue, None, True
     pick = min(feasible, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
     greedy: Option | None = None
     if pick is not None and knobs.horizon_turns > 0:

@@ -195,6 +195,9 @@ class CostDecision:
     scores_s: dict[str, float] = field(default_factory=dict)  # TTFT + interference + horizon, feasible ones
     options: tuple[OptionEstimate, ...] = ()
     forced: bool = False  # chosen although over a limit: nothing else was possible
+    # forced, over a pool instance's quota, because every option within the limits was past the TTFT objective and
+    # this one was within it (PolicyKnobs.ttft_over_quota)
+    rescued: bool = False
     greedy_option: Option | None = None  # what the choice would be without the look-ahead (auto only)
     # P/D: when the turn will need D (OptionEstimate.arrive_s, d_read_s), for the shell's arrival record.
     arrive_s: float = 0.0

@@ -35,6 +35,9 @@ PULL_CHEAPEST: Final = "pull_cheapest"  # auto: the pull scored lowest
 LOCAL_CHEAPEST: Final = "local_cheapest"  # auto: the pull was possible, decode-local scored lower
 COLD_CHEAPEST: Final = "cold_cheapest"  # auto: the pull was possible, a cold prefill scored lower
 FORCED: Final = "forced"  # auto: no option within the limits; run over one rather than fail the turn
+# auto: every option within the limits was past the TTFT objective, and one over a pool instance's TPOT quota within
+# it ran (PolicyKnobs.ttft_over_quota).
+TTFT_RESCUE: Final = "ttft_rescue"
 # auto: the pull was over a limit that clears as what runs there finishes (a TPOT quota, a prefill still running
 # where its answer would decode, a pool instance short of memory), and another option within its limits ran.
 PULL_OVER_LIMIT: Final = "pull_over_limit"
@@ -47,9 +50,8 @@ DECODE_BUSY: Final = "decode_busy"
 OTHER: Final = "other"  # a plan no rule named
 
 BUCKETS: Final = (FIRST_TURN, NO_HANDLE, NODE_LOST, GUARD_REFUSED, NO_BIDIRECTIONAL_PREFILL, HANDLE_VERIFIED,
-                  POLICY_FIXED, PULL_CHEAPEST, LOCAL_CHEAPEST, COLD_CHEAPEST, FORCED, PULL_OVER_LIMIT, UNCACHED_SHORT,
-                  UNCACHED_LONG,
-                  PREFILL_BUSY, DECODE_BUSY, OTHER)
+                  POLICY_FIXED, PULL_CHEAPEST, LOCAL_CHEAPEST, COLD_CHEAPEST, FORCED, TTFT_RESCUE, PULL_OVER_LIMIT,
+                  UNCACHED_SHORT, UNCACHED_LONG, PREFILL_BUSY, DECODE_BUSY, OTHER)
 
 
 class _DeclaredSeries(Mapping[str, tuple[tuple[str, str], ...]]):

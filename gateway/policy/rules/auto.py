@@ -26,6 +26,7 @@ from kvtether.gateway.policy.reasons import (
     OTHER,
     PULL_CHEAPEST,
     PULL_OVER_LIMIT,
+    TTFT_RESCUE,
 )
 from kvtether.gateway.policy.registry import Policy
 from kvtether.gateway.policy.rules.pull import COLD_BUCKETS, plan_pull
@@ -130,7 +131,9 @@ _NO_PIN: Final = "no pinned decode node"  # options.local_option without a live 
 def decision_bucket(decision: CostDecision, re_placed: bool, handle_outcome: str | None) -> str:
     """The cost model's decision as a metric label: ``*_cheapest`` when the pull was possible (so the option won
     on cost, or the pull did); else what ruled the pull out, the question an operator asks of a cold or local turn;
-    ``forced`` when nothing was within the limits."""
+    ``forced`` when nothing was within the limits, ``ttft_rescue`` when that was to keep the TTFT objective."""
+    if decision.rescued:
+        return TTFT_RESCUE
     if decision.forced:
         return FORCED
     pull, local = _option(decision, "pull"), _option(decision, "decode_local")
@@ -160,5 +163,6 @@ AUTO: Final = Policy(
         *((_NONE, r) for r in COLD_BUCKETS),
         *((_LOCAL, r) for r in (NO_HANDLE, GUARD_REFUSED, NO_BIDIRECTIONAL_PREFILL, FORCED, PULL_OVER_LIMIT)),
         (_NONE, PULL_OVER_LIMIT),
+        *((a, TTFT_RESCUE) for a in (_LOCAL, _ATTACH, _TRUNCATE, _NONE)),
     ),
 )

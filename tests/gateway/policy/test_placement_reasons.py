@@ -130,8 +130,20 @@ def test_every_reason_of_the_peer_rules_has_its_bucket(turn: Turn, view: Cluster
         assert (action, bucket) in SERIES[turn.policy]
 
 
+def test_a_turn_run_over_a_pool_quota_for_its_ttft_objective_has_a_bucket_of_its_own() -> None:
+    """costmodel's rescue (``ttft_over_quota``, reached from the facts in test_stallquota.py): forced, and told
+    apart from a turn forced because nothing else could run it."""
+    local = OptionEstimate("decode_local", False, "TPOT quota: …", soft=True, ttft_s=0.5, decode_url=D0)
+    rescued = CostDecision("decode_local", "auto -> decode_local (forced): …", {}, None, D0, options=(local,),
+                           forced=True, rescued=True)
+    assert decision_bucket(rescued, False, None) == "ttft_rescue"
+    assert decision_bucket(replace(rescued, rescued=False), False, None) == "forced"
+    for action in ("decode_local", "attach", "truncate", "none"):
+        assert (action, "ttft_rescue") in SERIES["auto"]
+
+
 def test_the_cases_reach_every_bucket_but_other() -> None:
-    reached = {c[5] for c in CASES} | {c[5] for c in PEER_CASES}
+    reached = {c[5] for c in CASES} | {c[5] for c in PEER_CASES} | {"ttft_rescue"}  # the test above
     assert reached == set(BUCKETS) - {OTHER}
 
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 from kvtether.gateway.policy import NodeLoad, PolicyKnobs, TurnFacts, choose
+from kvtether.gateway.policy.rules.auto import decision_bucket
 from kvtether.gateway.policy.stallquota import (
     Credit,
     Exposure,
@@ -134,8 +135,9 @@ def test_a_turn_lost_to_the_ttft_objective_within_the_limits_runs_over_a_quota_w
     objective = (local.ttft_s + pull_s) / 2
     rule = replace(QUOTA_ONLY, ttft_over_quota=True)
     kept = choose(tight, D0, queued, busy, MOE, replace(rule, ttft_objective_s=objective))
-    assert kept.option == "decode_local" and kept.forced, kept.reason
+    assert kept.option == "decode_local" and kept.forced and kept.rescued, kept.reason
     assert f"over its limit to keep the TTFT objective {objective:.3f}s: pull" in kept.reason
+    assert decision_bucket(kept, False, None) == "ttft_rescue"  # the metric's reason, apart from `forced`
     off = replace(QUOTA_ONLY, ttft_objective_s=objective, ttft_over_quota=False)
     assert choose(tight, D0, queued, busy, MOE, off).option == "pull"
     assert choose(tight, D0, queued, busy, MOE, replace(rule, ttft_objective_s=2 * pull_s)).option == "pull"
@@ -144,7 +146,7 @@ def test_a_turn_lost_to_the_ttft_objective_within_the_limits_runs_over_a_quota_w
     assert vetoed.option == "pull" and not vetoed.forced, vetoed.reason
     # The same turn on a dedicated P and D: a decode node's quota is a share kept for smoothness, not the rule's.
     dedicated = choose(tight, D0, (NodeLoad(P0, waiting=6.0),), BUSY, MOE, replace(rule, ttft_objective_s=objective))
-    assert dedicated.option == "pull" and not dedicated.forced, dedicated.reason
+    assert dedicated.option == "pull" and not dedicated.forced and not dedicated.rescued, dedicated.reason
 
 
 def test_a_draining_quota_prices_the_stall_and_a_full_one_does_not() -> None:
