@@ -66,6 +66,9 @@ async def gateway_summary(client: httpx.AsyncClient, url: str, route: str) -> di
         "turns_by_source": {s: sample_sum(text, "kvtether_ttft_seconds_count", reuse_source=s) for s in SOURCES},
         "reused_tokens": sample_sum(text, "kvtether_reused_tokens_total"),
         "requests": sample_sum(text, "kvtether_requests_total", route=route),
+        # By status class: a request the gateway refused (an unknown model, a prompt over the context) is no turn.
+        "requests_by_status": {status: int(n) for status in ("2xx", "4xx", "5xx")
+                               if (n := sample_sum(text, "kvtether_requests_total", route=route, status=status))},
         "dropped_tools": {kind: int(n) for kind, n in dropped.items() if n},
     }
 

@@ -26,7 +26,11 @@ async def test_claude_code_runs_a_multi_turn_session_with_later_turns_reusing() 
     assert main["turns"] >= len(claude_code.PROMPTS)
     assert all(sid == out["session"] or sid.startswith(out["session"] + ":agent:") for sid in sessions)
     total = sum(s["turns"] for s in sessions.values())
-    assert total == out["requests"]
+    # Every request the gateway answered is a turn of those sessions. The others it refused as the API does: when
+    # a run lasts long enough, Claude Code also asks for a model of its own (`claude-opus-4-8`), which the cluster
+    # does not serve (404 model_not_found, counted 4xx); counted as turns, they failed one run in a few under load.
+    statuses = out["requests_by_status"]
+    assert total == statuses.get("2xx", 0) == out["requests"] - statuses.get("4xx", 0), statuses
     by_source = out["turns_by_source"]
     # Only each session's first turn computed its whole prompt; every later one reused the decode node's KV.
     assert by_source["none"] == len(sessions), by_source
