@@ -7,6 +7,7 @@ retention TTL) lives here. Validation happens once, at load time, with messages 
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import tomllib
@@ -64,6 +65,12 @@ class GatewayConfig:
     port: int = 8000
     # The name clients use; None = whatever the backends serve (discovered from /v1/models).
     model: str | None = None
+    # Further names clients may use, each for a model the cluster serves (or for `model`): a table of
+    # alias = served name. A key with `*`, `?` or `[` is a pattern (shell-style, case-sensitive), tried in order after
+    # the exact names: "claude-*" catches the models an agent asks for on its own (Claude Code's background
+    # requests name one of Anthropic's models). A request keeps the name it used in its answer where the API's
+    # answer names the model (Messages, Responses).
+    model_aliases: dict[str, str] = field(default_factory=dict)
 
     # Sessions. The gateway's TTL must stay below the engine's decoder_kv_blocks_ttl, or a handle
     # reaches P after D freed its blocks (a KV load failure; with "recompute" vLLM was seen to hang).
@@ -279,6 +286,19 @@ class GatewayConfig:
         ids, and the prompt's when there is a cached sequence to compare it with)."""
         return self.placement_policy.reads_decode_cache
 
+    def aliased(self, model: str) -> str | None:
+        """The model an alias names (model_aliases: an exact alias first, then the patterns in order); None: `model`
+        is no alias."""
+        exact = self.model_aliases.get(model)
+        if exact is not None:
+            return exact
+        return next((served for alias, served in self.model_aliases.items()
+                     if _PATTERN_CHARS.intersection(alias) and fnmatch.fnmatchcase(model, alias)), None)
+
+    def listed_aliases(self) -> dict[str, str]:
+        """The exact aliases (a pattern names no one model to list)."""
+        return {a: served for a, served in self.model_aliases.items() if not _PATTERN_CHARS.intersection(a)}
+
     def policy_tuning(self) -> dict[str, Any]:
         """The [gateway.tuning] overrides of PolicyKnobs."""
         return {k: v for k, v in self.tuning.items() if k in TUNING_FIELDS}
@@ -356,6 +376,10 @@ class GatewayConfig:
                 raise ConfigError(f"{f.name} must be > 0")
         if self.health_backoff_max_s < self.health_backoff_s:
             raise ConfigError("health_backoff_max_s must be >= health_backoff_s")
+        for alias, served in self.model_aliases.items():
+            if not (isinstance(alias, str) and alias and isinstance(served, str) and served and alias != served):
+                raise ConfigError("model_aliases: each alias and the model it names must be non-empty strings, "
+                                  f"and differ; got {alias!r} = {served!r}")
         for key, tenant in self.api_keys.items():
             if not (isinstance(key, str) and len(key) >= 8 and isinstance(tenant, str) and _TENANT.fullmatch(tenant)):
                 raise ConfigError("api_keys: each key must be a string of >= 8 characters and each tenant 1-64 "
@@ -441,6 +465,7 @@ def _norm(url: str) -> str:
     return url.rstrip("/")
 
 
+_PATTERN_CHARS = frozenset("*?[")
 _LIST_FIELDS = {"prefill", "decode", "nodes", "aggregated", "unidirectional_prefill"}
 
 
@@ -454,6 +479,10 @@ def _coerce(name: str, value: Any, base: Any = None) -> Any:
             return load_discovery(value, base)
         except DiscoveryError as exc:
             raise ConfigError(str(exc)) from None
+    if name == "model_aliases":
+        if not isinstance(value, dict):
+            raise ConfigError("model_aliases must be a table of alias = served model name")
+        return {str(k): v for k, v in value.items()}
     if name == "tuning":
         if not isinstance(value, dict):
             raise ConfigError("tuning must be a table of constant = value")

@@ -130,6 +130,12 @@ async def _validate(gw: Serving, kind: str, body: dict[str, Any], headers: Mappi
         known = gw.models()
     if not known:
         raise GatewayError(503, "no backend has reported its models yet", code="not_ready")
+    target = gw.config.aliased(model)
+    if target is not None:
+        if target not in known:
+            raise GatewayError(404, f"the model `{model}` is an alias of `{target}`, which no backend serves",
+                               param="model", code="model_not_found")
+        body["model"] = model = target
     if model not in known:
         raise GatewayError(404, f"the model `{model}` does not exist", param="model", code="model_not_found")
     upstream = gw.cluster.served_models()

@@ -161,10 +161,13 @@ class Gateway:
                 log.debug("swept %d expired sessions", dropped)
 
     def models(self) -> list[str]:
+        """The names a request may use: the public name, what the backends serve, and each exact alias of one of
+        those (a pattern names no model to list)."""
         names = self.cluster.served_models()
         if self.config.model and self.config.model not in names:
             names = [self.config.model, *names]
-        return names
+        aliases = self.config.listed_aliases()
+        return [*names, *(a for a, served in aliases.items() if served in names and a not in names)]
 
 
 def _gateway(request: Request) -> Gateway:

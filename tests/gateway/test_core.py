@@ -297,6 +297,22 @@ def test_config_load_and_validate(tmp_path: Path) -> None:
         load_config(f)
 
 
+def test_model_aliases_resolve_exact_names_before_patterns_in_order_and_are_checked(tmp_path: Path) -> None:
+    f = tmp_path / "gw.toml"
+    f.write_text('[gateway]\naggregated = ["http://a:1"]\n[gateway.model_aliases]\n"claude-haiku-*" = "small"\n'
+                 '"claude-*" = "big"\n"claude-opus-4-8" = "opus-like"\n"gpt-4?" = "big"\n')
+    cfg = load_config(f)
+    assert cfg.aliased("claude-opus-4-8") == "opus-like"  # an exact alias first, wherever it stands
+    assert cfg.aliased("claude-haiku-4-5") == "small"  # then the patterns, the first that matches
+    assert cfg.aliased("claude-sonnet-4-5") == "big"
+    assert cfg.aliased("gpt-4o") == "big" and cfg.aliased("gpt-4o-mini") is None
+    assert cfg.aliased("Claude-opus-4-8") is None and cfg.aliased("big") is None  # case-sensitive; no alias
+    assert cfg.listed_aliases() == {"claude-opus-4-8": "opus-like"}
+    for aliases in ({"": "big"}, {"x": ""}, {"x": 3}, {"big": "big"}, "big"):
+        with pytest.raises(ConfigError, match="model_aliases"):
+            load_config(None, aggregated=["http://a:1"], model_aliases=aliases)
+
+
 def test_tuning_overrides_reach_the_cost_model_and_are_checked(tmp_path: Path) -> None:
     """The cost model's constants are not settings, but [gateway.tuning] overrides them for experiments: the
     values reach PolicyKnobs and the estimator; unknown names and wrong types are refused by name."""

@@ -56,6 +56,9 @@ async def count_tokens(request: Request) -> Response:
             chat = count_tokens_body(body, hosted_tools=gw.config.hosted_tools)
         except MessagesError as err:
             raise GatewayError(err.status, err.message) from None
+        target = gw.config.aliased(str(chat.get("model") or ""))
+        if target is not None:
+            chat["model"] = target
         payload = B.tokenize_body("chat", chat)
         ids = await tokenize_remote(gw.orchestrator.sv, payload) if payload is not None else None
         if ids is None:

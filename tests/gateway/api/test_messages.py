@@ -77,6 +77,38 @@ async def test_errors_come_in_anthropics_shape() -> None:
         assert smuggled.status_code == 400 and smuggled.json()["type"] == "error"
 
 
+async def test_a_model_alias_serves_the_model_it_names_and_the_answer_keeps_the_name_the_client_used() -> None:
+    """Claude Code asks for models of its own (`claude-opus-4-8`, a haiku for background work): with
+    ``model_aliases`` the cluster's model answers them. An exact alias is listed in /v1/models, a pattern is not;
+    the answer names the model the client asked for, the turn is the served model's (the oracle's answer); an alias
+    of a model no backend serves, and any other name, are refused 404 in the API's own error shape."""
+    aliases = {"gpt-4o": MODEL, "claude-*": MODEL, "claude-opus-4-8-beta": "no-such-model"}
+    async with rig(model_aliases=aliases) as r:
+        listed = [m["id"] for m in (await r.client.get(f"{r.url}/v1/models")).json()["data"]]
+        assert MODEL in listed and "gpt-4o" in listed
+        assert not {"claude-*", "claude-opus-4-8-beta"} & set(listed)
+        body = {**request([{"role": "user", "content": "Fix it. " + tool_result("al", 20)}], 0, stream=False),
+                "model": "claude-opus-4-8"}
+        got, _ = await send(r, body, {"x-claude-code-session-id": "cc-alias"})
+        assert got["model"] == "claude-opus-4-8"
+        assert comparable(got) == comparable(await oracle(r, {**body, "model": MODEL}))
+        counted = await r.client.post(f"{r.url}/v1/messages/count_tokens", json=body)
+        assert counted.status_code == 200 and counted.json()["input_tokens"] > 100
+        chat = await r.client.post(f"{r.url}/v1/chat/completions",
+                                   json={"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 5})
+        assert chat.status_code == 200, chat.text
+        answered = await r.client.post(f"{r.url}/v1/responses",
+                                       json={"model": "gpt-4o", "input": "hi", "max_output_tokens": 16})
+        assert answered.status_code == 200 and answered.json()["model"] == "gpt-4o", answered.text
+        dangling = await r.client.post(f"{r.url}/v1/messages", json={**body, "model": "claude-opus-4-8-beta"})
+        assert dangling.status_code == 404 and dangling.json()["error"]["type"] == "not_found_error"
+        assert "no-such-model" in dangling.json()["error"]["message"]
+        other = await r.client.post(f"{r.url}/v1/chat/completions",
+                                    json={"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]})
+        assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+
+
 async def test_count_tokens_is_the_prompt_the_decode_node_renders() -> None:
     async with rig() as r:
         body = request([{"role": "user", "content": "count me " + tool_result("c", 40)}], 0, stream=False)
