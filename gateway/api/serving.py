@@ -29,7 +29,8 @@ class Serving(Protocol):
     responses: ResponsesState  # the stored responses and conversations (api/responses/state.py)
 
     def models(self) -> list[str]:
-        """The model names the gateway serves: the configured public name first, then what the nodes serve."""
+        """The model names the gateway serves: the configured public name first, then what the nodes serve, then
+        the exact aliases of those (``model_aliases``)."""
         ...
 
 
