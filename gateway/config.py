@@ -67,8 +67,8 @@ class GatewayConfig:
     model: str | None = None
     # Further names clients may use, each for a model the cluster serves (or for `model`): a table of
     # alias = served name. A key with `*`, `?` or `[` is a pattern (shell-style, case-sensitive), tried in order after
-    # the exact names: "claude-*" catches the models an agent asks for on its own (Claude Code's background
-    # requests name one of Anthropic's models). A request keeps the name it used in its answer where the API's
+    # the exact names: "claude-*" catches the models an agent asks for on its own (Claude Code sends requests
+    # of its own for one of Anthropic's models). A request keeps the name it used in its answer where the API's
     # answer names the model (Messages, Responses).
     model_aliases: dict[str, str] = field(default_factory=dict)
 

@@ -78,8 +78,8 @@ async def test_errors_come_in_anthropics_shape() -> None:
 
 
 async def test_a_model_alias_serves_the_model_it_names_and_the_answer_keeps_the_name_the_client_used() -> None:
-    """Claude Code asks for models of its own (`claude-opus-4-8`, a haiku for background work): with
-    ``model_aliases`` the cluster's model answers them. An exact alias is listed in /v1/models, a pattern is not;
+    """Claude Code asks for a model of its own (`claude-opus-4-8`) beside the one it is configured with: with
+    ``model_aliases`` the cluster's model answers it. An exact alias is listed in /v1/models, a pattern is not;
     the answer names the model the client asked for, the turn is the served model's (the oracle's answer); an alias
     of a model no backend serves, and any other name, are refused 404 in the API's own error shape."""
     aliases = {"gpt-4o": MODEL, "claude-*": MODEL, "claude-opus-4-8-beta": "no-such-model"}
