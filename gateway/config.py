@@ -293,11 +293,11 @@ class GatewayConfig:
         if exact is not None:
             return exact
         return next((served for alias, served in self.model_aliases.items()
-                     if _PATTERN_CHARS.intersection(alias) and fnmatch.fnmatchcase(model, alias)), None)
+                     if _is_pattern(alias) and fnmatch.fnmatchcase(model, alias)), None)
 
     def listed_aliases(self) -> dict[str, str]:
         """The exact aliases (a pattern names no one model to list)."""
-        return {a: served for a, served in self.model_aliases.items() if not _PATTERN_CHARS.intersection(a)}
+        return {a: served for a, served in self.model_aliases.items() if not _is_pattern(a)}
 
     def policy_tuning(self) -> dict[str, Any]:
         """The [gateway.tuning] overrides of PolicyKnobs."""
@@ -466,6 +466,13 @@ def _norm(url: str) -> str:
 
 
 _PATTERN_CHARS = frozenset("*?[")
+
+
+def _is_pattern(alias: str) -> bool:
+    """A model alias that is a shell-style pattern rather than one name."""
+    return bool(_PATTERN_CHARS.intersection(alias))
+
+
 _LIST_FIELDS = {"prefill", "decode", "nodes", "aggregated", "unidirectional_prefill"}
 
 
