@@ -383,6 +383,14 @@ def _peer_version(body: Mapping[str, Any]) -> str | None:
 
 
 def build_app(node: SimNode) -> Starlette:
+    def _unknown_model(body: dict[str, Any]) -> Response | None:
+        """vLLM's check of a request's `model` (completions, /tokenize, /detokenize): none or the served name."""
+        model = body.get("model")
+        if not model or model == node.cfg.model_name:
+            return None
+        return error_response(404, f"The model `{model}` does not exist. Valid aliases: {node.cfg.model_name}.",
+                              param="model", kind="NotFoundError")
+
     async def completions(request: Request, *, chat: bool) -> Response:
         try:
             body = await _json_body(request)
@@ -393,10 +401,8 @@ def build_app(node: SimNode) -> Starlette:
     async def complete(body: Any, request: Request, *, chat: bool) -> Response:
         """A chat or text completion of a parsed body (also what /v1/responses and /v1/messages run)."""
         try:
-            if isinstance(body, dict) and body.get("model") not in (None, node.cfg.model_name):
-                return error_response(
-                    404, f"The model `{body.get('model')}` does not exist.", param="model", kind="NotFoundError"
-                )
+            if isinstance(body, dict) and (unknown := _unknown_model(body)) is not None:
+                return unknown
             parsed = parse_request(node.tokenizer, body, chat=chat, max_model_len=node.cfg.max_model_len,
                                    tool_format=node.tool_format, callable_tools=node.cfg.callable_tools)
         except BadRequest as e:
@@ -419,6 +425,8 @@ def build_app(node: SimNode) -> Starlette:
             body = await _json_body(request)
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
+            if (unknown := _unknown_model(body)) is not None:
+                return unknown
             if "messages" in body:
                 ids = chat_prompt_ids(node.tokenizer, body, tool_format=node.tool_format)
             else:
@@ -432,6 +440,8 @@ def build_app(node: SimNode) -> Starlette:
     async def detokenize(request: Request) -> Response:
         try:
             body = await _json_body(request)
+            if isinstance(body, dict) and (unknown := _unknown_model(body)) is not None:
+                return unknown
             tokens = body.get("tokens") if isinstance(body, dict) else None
             if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
                 raise BadRequest("tokens must be a list of integers", "tokens")

@@ -120,10 +120,9 @@ async def _turn(gw: Serving, kind: str, request: Request, span: trace.Span, edge
         return GatewayError(500, f"internal gateway error: {type(exc).__name__}", type_="internal_error").response()
 
 
-async def _validate(gw: Serving, kind: str, body: dict[str, Any], headers: Mapping[str, str]) -> None:
-    V.check_headers(headers)
-    V.check_body(kind, body, pd=gw.config.mode == "pd")
-    model = body["model"]
+async def served_model(gw: Serving, model: str) -> str:
+    """The name the backends serve `model` under: itself, the model an alias names, or what they serve when it
+    is the configured public name. A model nobody serves is refused 404 (the API's `model_not_found`)."""
     known = gw.models()
     if not known:
         await gw.cluster.refresh_all()
@@ -135,13 +134,20 @@ async def _validate(gw: Serving, kind: str, body: dict[str, Any], headers: Mappi
         if target not in known:
             raise GatewayError(404, f"the model `{model}` is an alias of `{target}`, which no backend serves",
                                param="model", code="model_not_found")
-        body["model"] = model = target
+        model = target
     if model not in known:
         raise GatewayError(404, f"the model `{model}` does not exist", param="model", code="model_not_found")
     upstream = gw.cluster.served_models()
     if model == gw.config.model and upstream and model not in upstream:
         # The configured public name is an alias of what the backends serve.
-        body["model"] = upstream[0]
+        return upstream[0]
+    return model
+
+
+async def _validate(gw: Serving, kind: str, body: dict[str, Any], headers: Mapping[str, str]) -> None:
+    V.check_headers(headers)
+    V.check_body(kind, body, pd=gw.config.mode == "pd")
+    body["model"] = await served_model(gw, body["model"])
     V.check_length(kind, body, gw.cluster.max_model_len(body["model"]))
 
 

@@ -188,6 +188,11 @@ async def test_tokenize_detokenize_and_info(node_url: str, http: httpx.AsyncClie
     plain = (await http.post(node_url + "/tokenize", json={"prompt": "hello world"})).json()
     back = (await http.post(node_url + "/detokenize", json={"tokens": plain["tokens"]})).json()
     assert back["prompt"] == "hello world"
+    # As vLLM's: a model other than the served one is refused on /tokenize and /detokenize too, naming it.
+    for path, body in (("/tokenize", {"prompt": "hello"}), ("/detokenize", {"tokens": plain["tokens"]})):
+        other = await http.post(node_url + path, json={**body, "model": "other"})
+        assert other.status_code == 404 and other.json()["error"]["type"] == "NotFoundError", path
+        assert other.json()["error"]["message"] == "The model `other` does not exist. Valid aliases: kvtether-sim."
     assert (await http.get(node_url + "/health")).status_code == 200
     assert (await http.get(node_url + "/version")).json() == {"version": "0.33.0"}
     metrics = (await http.get(node_url + "/metrics")).text

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtether.gateway.api import validate as V
-from kvtether.gateway.api.endpoint import TurnRoute
+from kvtether.gateway.api.endpoint import TurnRoute, served_model
 from kvtether.gateway.api.messages import lowering
 from kvtether.gateway.api.serving import Serving, request_headers, serving
 from kvtether.gateway.errors import GatewayError
@@ -56,9 +56,7 @@ async def count_tokens(request: Request) -> Response:
             chat = count_tokens_body(body, hosted_tools=gw.config.hosted_tools)
         except MessagesError as err:
             raise GatewayError(err.status, err.message) from None
-        target = gw.config.aliased(str(chat.get("model") or ""))
-        if target is not None:
-            chat["model"] = target
+        chat["model"] = await served_model(gw, str(chat.get("model") or ""))
         payload = B.tokenize_body("chat", chat)
         ids = await tokenize_remote(gw.orchestrator.sv, payload) if payload is not None else None
         if ids is None:

@@ -119,3 +119,17 @@ async def test_count_tokens_is_the_prompt_the_decode_node_renders() -> None:
         assert resp.json() == {"input_tokens": done.json()["usage"]["prompt_tokens"]}
         bad = await r.client.post(f"{r.url}/v1/messages/count_tokens", json={"model": MODEL})
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+
+async def test_count_tokens_counts_under_the_served_name_whatever_name_the_client_used() -> None:
+    """The gateway's public `model` (and an alias) name what vLLM serves under another name: counted as the turn
+    would run, with the served name (vLLM's /tokenize refuses any other); a name nobody serves is refused 404."""
+    async with rig(model="team-model", model_aliases={"claude-*": "team-model"}) as r:
+        body = request([{"role": "user", "content": "count me " + tool_result("c", 40)}], 0, stream=False)
+        want = (await r.client.post(f"{r.url}/v1/messages/count_tokens", json={**body, "model": MODEL})).json()
+        for name in ("team-model", "claude-opus-4-8"):
+            got = await r.client.post(f"{r.url}/v1/messages/count_tokens", json={**body, "model": name})
+            assert got.status_code == 200 and got.json() == want, (name, got.text)
+        unknown = await r.client.post(f"{r.url}/v1/messages/count_tokens", json={**body, "model": "gpt-5"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
