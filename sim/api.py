@@ -22,7 +22,7 @@ import orjson
 from kvtether.protocol.wire import KV_FIELD, openai_error_body
 from kvtether.sim.agent_apis import agent_api_routes
 from kvtether.sim.engine import EngineRequest, ErrorEvent, Event, FinishEvent, TokenEvent
-from kvtether.sim.nixl import KVLoadError
+from kvtether.sim.nixl import KVLoadError, encode_blocks
 from kvtether.sim.parsers import ChatOutputParser, Delta, tool_call_ids
 from kvtether.sim.requests import BadRequest, ParsedRequest, chat_prompt_ids, completion_prompt_ids, parse_request
 from kvtether.sim.tokenizer import IncrementalDetokenizer
@@ -110,7 +110,7 @@ class Completion:
         self.created = int(time.time())
         self.model = node.cfg.model_name
         self.parser = ChatOutputParser(node.tokenizer, parse_tools=req.parse_tools, tool_format=req.tool_format,
-                                       call_ids=tool_call_ids(request_seed(node.cfg.seed, req)))
+                                       call_ids=tool_call_ids(lambda: request_seed(node.cfg.seed, req)))
         self.trimmer = StopTrimmer(req.stop)
         self.detok = IncrementalDetokenizer(node.tokenizer)
         self.engine_request = EngineRequest(
@@ -484,7 +484,7 @@ def build_app(node: SimNode) -> Starlette:
             )
         except KVLoadError as e:
             return error_response(409, str(e), kind="KVTransferDeclined")
-        return _BulkJSONResponse({"blocks": [{"content": b.content, "parent": b.parent.hex()} for b in blocks]})
+        return _BulkJSONResponse(encode_blocks(blocks))
 
     async def nixl_notify(request: Request) -> Response:
         body = await request.json()

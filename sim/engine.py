@@ -352,7 +352,7 @@ class Engine:
             or (engine_id and engine_id != self.cfg.engine_id)
         ):
             return False
-        hold.expires_at = max(hold.expires_at, self._lease_expiry())
+        self.holds.renew(hold, self._lease_expiry())
         return True
 
     def _lease_span(self) -> float:
@@ -403,7 +403,10 @@ class Engine:
         held = {b.block_id for b in hold.blocks}
         if any(b not in held for b in block_ids):
             raise KVLoadError("requested blocks are not part of the hold")
-        data = [BlockData(content=list(self.pool.get(b).content), parent=self.pool.get(b).parent) for b in block_ids]
+        # The contents as they are now (not copies): a block freed after the read gets a new content list
+        # (Block.reset), and the reader copies what it writes.
+        get = self.pool.get
+        data = [BlockData(blk.content, blk.parent, blk.sealed_digest) for blk in map(get, block_ids)]
         self._consumed(hold)
         return data
 
@@ -715,7 +718,9 @@ class Engine:
             blk.parent = remote.parent
             if k == self.bs:
                 r.hashes = self._hashes(r, tokens)
-                self.pool.register(blk, r.hashes[bi])
+                # The holder's digest of this very content after this very parent, when it sent one.
+                known = remote.digest if len(remote.content) == k else None
+                self.pool.register(blk, r.hashes[bi], known)
         r.num_computed = load.end
 
     # ---- a step's effects ---------------------------------------------------------------------
@@ -754,7 +759,14 @@ class Engine:
             pos += take
             if len(blk.content) == self.bs:
                 r.hashes = self._hashes(r, tokens)
-                self.pool.register(blk, r.hashes[bi])
+                h = r.hashes[bi]
+                # Computed here from this request's own tokens after the block its hash chain names: the content
+                # digest is the block hash (model.chain), so the block is sealed without hashing it again. A
+                # block that began with pulled content (garbage, or another parent) is hashed as it is.
+                chained_from = r.hashes[bi - 1] if bi > 0 else salted_root(r.cache_salt)
+                known = h if blk.parent == chained_from and blk.content == tokens[bi * self.bs:(bi + 1) * self.bs] \
+                    else None
+                self.pool.register(blk, h, known)
 
     def _hashes(self, r: EngineRequest, tokens: Sequence[int]) -> list[bytes]:
         # Extended in place: a long prompt completes a block thousands of times, and a copy each time was

@@ -35,8 +35,15 @@ class Block:
             return self._digest
         return chain(self.parent, self.content)
 
-    def seal(self) -> None:
-        self._digest = chain(self.parent, self.content)
+    @property
+    def sealed_digest(self) -> bytes | None:
+        """The content digest once sealed (a full block), else None."""
+        return self._digest
+
+    def seal(self, digest: bytes | None = None) -> None:
+        """Caches the content digest; `digest` when the caller knows it (the block holds exactly the tokens, after
+        exactly the parent, its block hash was chained from: then the two are the same digest)."""
+        self._digest = digest if digest is not None else chain(self.parent, self.content)
 
     def reset(self) -> None:
         self.content = []
@@ -158,9 +165,10 @@ class BlockPool:
                 blk.reset()
                 self._free.append(blk)
 
-    def register(self, blk: Block, h: bytes) -> None:
-        """Put a full block in the prefix cache under the request's hash (first writer wins)."""
-        blk.seal()
+    def register(self, blk: Block, h: bytes, digest: bytes | None = None) -> None:
+        """Put a full block in the prefix cache under the request's hash (first writer wins); `digest`: its
+        content digest when the caller knows it (:meth:`Block.seal`)."""
+        blk.seal(digest)
         if blk.hash is None and h not in self._cached:
             blk.hash = h
             self._cached[h] = blk
@@ -190,30 +198,61 @@ class Hold:
 
 
 class HoldTable:
+    """A node's holds by request id. The earliest deadline of the tracked ones is kept, so that the check every
+    engine step makes (anything expired?) costs nothing until one is due: a node of a long replay holds thousands
+    of handles, and a scan of them all each step was a few percent of the run."""
+
     def __init__(self) -> None:
         self._holds: dict[str, Hold] = {}
+        # At most the earliest deadline of a tracked hold (None: no tracked hold); exact when `_exact`.
+        self._earliest: float | None = None
+        self._exact = True
 
     def __len__(self) -> int:
         return len(self._holds)
 
     def put(self, hold: Hold) -> None:
+        old = self._holds.get(hold.request_id)
         self._holds[hold.request_id] = hold
+        if old is not None and old.tracked:
+            self._exact = False
+        if hold.tracked and (self._earliest is None or hold.expires_at < self._earliest):
+            self._earliest = hold.expires_at
+
+    def renew(self, hold: Hold, expires_at: float) -> None:
+        """Move a hold's deadline later (a heartbeat)."""
+        if expires_at > hold.expires_at:
+            if hold.tracked and hold.expires_at == self._earliest:
+                self._exact = False
+            hold.expires_at = expires_at
 
     def get(self, request_id: str) -> Hold | None:
         return self._holds.get(request_id)
 
     def take(self, request_id: str) -> Hold | None:
-        return self._holds.pop(request_id, None)
+        hold = self._holds.pop(request_id, None)
+        if hold is not None and hold.tracked and hold.expires_at == self._earliest:
+            self._exact = False
+        return hold
 
     def expired(self, now: float) -> list[Hold]:
         """Take the tracked holds past their deadline (an untracked one has no deadline the worker knows)."""
+        if self._earliest is None or now < self._earliest:
+            return []
         gone = [h for h in self._holds.values() if h.tracked and h.expires_at <= now]
         for h in gone:
             del self._holds[h.request_id]
+        self._rescan()
         return gone
 
     def next_expiry(self) -> float | None:
-        return min((h.expires_at for h in self._holds.values() if h.tracked), default=None)
+        if not self._exact:
+            self._rescan()
+        return self._earliest
+
+    def _rescan(self) -> None:
+        self._earliest = min((h.expires_at for h in self._holds.values() if h.tracked), default=None)
+        self._exact = True
 
     def all(self, kind: str | None = None) -> list[Hold]:
         return [h for h in self._holds.values() if kind is None or h.kind == kind]

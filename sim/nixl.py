@@ -20,6 +20,9 @@ from typing import Protocol
 
 import httpx
 import orjson
+from kvtether.sim.model import DIGEST_SIZE
+
+_NO_DIGEST = bytes(DIGEST_SIZE)
 
 
 class KVLoadError(Exception):
@@ -28,8 +31,53 @@ class KVLoadError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class BlockData:
+    """One block as a read returns it: its content (token ids whose KV it holds), the content digest of the block
+    before it, and its own content digest when the holder sealed it (a full block), so the reader need not hash
+    the same content again."""
+
     content: list[int]
     parent: bytes
+    digest: bytes | None = None
+
+
+def encode_blocks(blocks: list[BlockData]) -> dict[str, object]:
+    """A read's answer on the wire: the blocks' contents as one list with their lengths, and their parents and
+    digests as one hex string each (a digest of zeros: none). A long history is thousands of blocks; one JSON
+    object per block cost more than the rest of the read."""
+    lengths: list[int] = []
+    content: list[int] = []
+    parents: list[bytes] = []
+    digests: list[bytes] = []
+    for b in blocks:
+        lengths.append(len(b.content))
+        content.extend(b.content)
+        parents.append(b.parent)
+        digests.append(b.digest if b.digest is not None else _NO_DIGEST)
+    return {"lengths": lengths, "content": content, "parents": b"".join(parents).hex(),
+            "digests": b"".join(digests).hex()}
+
+
+def decode_blocks(doc: object) -> list[BlockData]:
+    """The blocks of :func:`encode_blocks`' answer; a malformed one is a failed read."""
+    try:
+        if not isinstance(doc, dict):
+            raise TypeError("not a JSON object")
+        lengths, content = doc["lengths"], doc["content"]
+        parents, digests = bytes.fromhex(doc["parents"]), bytes.fromhex(doc["digests"])
+        n = len(lengths)
+        if len(parents) != n * DIGEST_SIZE or len(digests) != n * DIGEST_SIZE or sum(lengths) != len(content):
+            raise ValueError("the read's parts disagree in length")
+    except (KeyError, TypeError, ValueError) as e:
+        raise KVLoadError(f"malformed read answer: {e!r}") from e
+    out: list[BlockData] = []
+    pos = 0
+    for i, length in enumerate(lengths):
+        at = i * DIGEST_SIZE
+        digest = digests[at:at + DIGEST_SIZE]
+        out.append(BlockData(content[pos:pos + length], parents[at:at + DIGEST_SIZE],
+                             None if digest == _NO_DIGEST else digest))
+        pos += length
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +171,11 @@ class HttpKVTransport:
             raise KVLoadError(f"read from {ref.host}:{ref.port} failed: {e!r}") from e
         if resp.status_code != 200:
             raise KVLoadError(f"read declined by {ref.host}:{ref.port}: {resp.status_code} {resp.text[:200]}")
-        return [BlockData(content=b["content"], parent=bytes.fromhex(b["parent"]))
-                for b in orjson.loads(resp.content)["blocks"]]
+        try:
+            doc = orjson.loads(resp.content)
+        except orjson.JSONDecodeError as e:
+            raise KVLoadError(f"read from {ref.host}:{ref.port}: the answer is not JSON") from e
+        return decode_blocks(doc)
 
     async def notify(self, ref: RemoteRef) -> None:
         body = self._body(ref)

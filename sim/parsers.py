@@ -101,12 +101,21 @@ class Delta:
                 self.tool_calls.append(call)
 
 
-def tool_call_ids(seed: bytes) -> Callable[[], str]:
+def tool_call_ids(seed: bytes | Callable[[], bytes]) -> Callable[[], str]:
     """vLLM's tool-call ids (``chatcmpl-tool-`` + 32 hex), drawn in order from `seed`: the request's (sim/api.py),
-    so that the same request gets the same ids whatever ran before it, and a replay's histories repeat exactly."""
+    so that the same request gets the same ids whatever ran before it, and a replay's histories repeat exactly.
+    A callable seed is called once, at the first id: most answers call no tool, and a request's seed hashes its
+    whole prompt."""
     counter = itertools.count()
-    return lambda: "chatcmpl-tool-" + hashlib.blake2b(seed + next(counter).to_bytes(4, "little"),
-                                                        digest_size=16).hexdigest()
+    known: list[bytes] = []
+
+    def next_id() -> str:
+        if not known:
+            known.append(seed() if callable(seed) else seed)
+        return "chatcmpl-tool-" + hashlib.blake2b(known[0] + next(counter).to_bytes(4, "little"),
+                                                  digest_size=16).hexdigest()
+
+    return next_id
 
 
 # Parsers made without a request's seed (tests, one-off parses) still give every call an id of its own.

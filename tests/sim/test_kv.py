@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvtether.sim.kv import BlockPool, Hold, HoldTable, block_hashes
 
 
@@ -61,3 +63,31 @@ def test_polluted_block_is_visible() -> None:
     b.content = [9, 9, 9, 9]  # KV of other tokens ...
     pool.register(b, block_hashes([1, 2, 3, 4], 4)[0])  # ... registered under this request's hash
     assert b.polluted
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "put_untracked", "renew", "take", "expired", "next"]),
+                          st.integers(0, 5), st.integers(0, 40)), max_size=60))
+def test_holds_expire_as_a_scan_of_them_all_would_say(ops: list[tuple[str, int, int]]) -> None:
+    """The table keeps its earliest deadline instead of scanning every step: whatever the puts, renewals, takes
+    and expiries, it answers as the plain scan does (which holds expire, in their order; the next deadline)."""
+    table, plain = HoldTable(), dict[str, Hold]()  # plain: the reference's own dict
+    for op, n, t in ops:
+        rid = f"r{n}"
+        if op in ("put", "put_untracked"):
+            hold = Hold(rid, "retained", [], 0, expires_at=float(t), tracked=op == "put")
+            table.put(hold)
+            plain[rid] = hold
+        elif op == "renew" and (hold := table.get(rid)) is not None:
+            table.renew(hold, float(t))
+        elif op == "take":
+            assert table.take(rid) is plain.pop(rid, None)
+        elif op == "expired":
+            want = [h for h in plain.values() if h.tracked and h.expires_at <= t]
+            for h in want:
+                del plain[h.request_id]
+            assert table.expired(float(t)) == want
+        elif op == "next":
+            want_next = min((h.expires_at for h in plain.values() if h.tracked), default=None)
+            assert table.next_expiry() == want_next
+        assert len(table) == len(plain)

@@ -10,9 +10,12 @@ from kvtether.sim.cluster import SimCluster
 from kvtether.sim.nixl import (
     CLIENT_KEEPALIVE_EXPIRY_S,
     SERVER_KEEPALIVE_S,
+    BlockData,
     HttpKVTransport,
     KVLoadError,
     RemoteRef,
+    decode_blocks,
+    encode_blocks,
 )
 
 
@@ -41,7 +44,7 @@ class FlakyHolder:
                 if served:
                     return  # close without a response
                 served += 1
-                body = json.dumps({"blocks": [{"content": [1, 2, 3], "parent": "00" * 16}]}).encode()
+                body = json.dumps(encode_blocks([BlockData([1, 2, 3], bytes(16))])).encode()
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
                     + str(len(body)).encode()
@@ -99,3 +102,16 @@ async def test_client_keepalive_is_shorter_than_the_nodes() -> None:
     async with SimCluster(prefill=0, decode=0, aggregated=1) as c:
         server = c.nodes[0]._server
         assert server is not None and server.config.timeout_keep_alive == SERVER_KEEPALIVE_S
+
+
+def test_a_read_answer_carries_each_block_as_it_was_and_a_malformed_one_fails_the_read() -> None:
+    """Blocks of any length (a partial last one, an empty one) come back with their parents and, where the holder
+    sealed one, their digests; an answer whose parts disagree is a failed read, not a crash."""
+    blocks = [BlockData([1, 2, 3, 4], bytes(range(16)), bytes(range(16, 32))),
+              BlockData([5, 6], bytes(range(32, 48))), BlockData([], bytes(16))]
+    doc = json.loads(json.dumps(encode_blocks(blocks)))
+    assert decode_blocks(doc) == blocks
+    for broken in ({**doc, "lengths": [4, 2]}, {**doc, "content": [1]}, {**doc, "parents": "00"},
+                   {k: v for k, v in doc.items() if k != "digests"}, [1, 2]):
+        with pytest.raises(KVLoadError):
+            decode_blocks(broken)
