@@ -82,6 +82,9 @@ class Settings:
     seed: int = 1
     # The trace workload's file (mooncake_trace format): by default the synthetic sample committed here; the
     # whole published conversation trace for the table in docs/pool.md (--trace).
+    # Gateway processes, each modelled in virtual time as a server of measured per-turn cost
+    # (cli/simstack/gateway_cost.py): at high load one process's CPU, not the GPUs, is the knee.
+    gateway_workers: int = 1
     trace: str = str(ROOT / "examples/traces/mooncake-conversation-sample.jsonl")
 
 
@@ -165,11 +168,13 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
     decode_times = DecodeTimes()
     t0, cpu0 = time.perf_counter(), time.process_time()
     speed = 1.0 if st.virtual else st.speed
-    async with option_gateway(option, shape, speed, False, decode_times, st.tpot_ms, st.ttft_ms) as (url, model):
-        opts = ReplayOptions(arrivals="trace", rate=rate, time_scale=speed, model=model, history="live",
+    async with option_gateway(option, shape, speed, False, decode_times, st.tpot_ms, st.ttft_ms,
+                              gateway_workers=st.gateway_workers) as stack:
+        opts = ReplayOptions(arrivals="trace", rate=rate, time_scale=speed, model=stack.model, history="live",
                              timeout_s=300.0, session_suffix="" if st.virtual else new_session_suffix())
-        run = await run_replay(sessions, url, opts, clock_ns=loop_clock_ns() if st.virtual else now_ns,
+        run = await run_replay(sessions, stack.url, opts, clock_ns=loop_clock_ns() if st.virtual else now_ns,
                                lean_http=st.virtual)
+        gateway = stack.gateway_model()
     join_engine_tpot(run.results, decode_times.tpot_by_request())
     objectives = Objectives(st.ttft_ms, st.tpot_ms)
     a = attainment(run.results, objectives, "engine")
@@ -182,6 +187,10 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
             "tpot_p95_ms": _pct(tpots, "p95"), "wall_s": round(time.perf_counter() - t0, 1),
             "clock": "virtual" if st.virtual else f"real × {st.speed:g}", "cpu_s": round(time.process_time() - cpu0, 1),
             "simulated_s": None if run.clock_s is None else round(run.clock_s, 3),
+            # The modelled gateway process (virtual time): its utilisation, and whether it saturated (above 70 %
+            # its queue is part of every turn's TTFT).
+            "gateway_utilisation": None if gateway is None else gateway["utilisation"],
+            "gateway_saturated": None if gateway is None else gateway["saturated"],
             # The samples, so runs of several seeds pool into one table (--pool).
             "late_ttft_samples": [round(x, 1) for x in late], "tpot_samples": [round(x, 2) for x in tpots],
             # Which turns missed, and what the gateway chose for them: where a policy loses its turns.
@@ -208,7 +217,8 @@ def settings_of(args: argparse.Namespace) -> Settings:
     return Settings(preset=args.preset, speed=args.speed, ttft_ms=args.ttft, tpot_ms=args.tpot,
                     sessions=args.sessions, seed=args.seed, virtual=not getattr(args, "realtime", False),
                     trace=str(getattr(args, "trace", Settings.trace)),
-                    prefill=getattr(args, "prefill", Settings.prefill), decode=getattr(args, "decode", Settings.decode))
+                    prefill=getattr(args, "prefill", Settings.prefill), decode=getattr(args, "decode", Settings.decode),
+                    gateway_workers=getattr(args, "gateway_workers", Settings.gateway_workers))
 
 
 def run_job(job: tuple[str, str, float, Settings]) -> dict[str, Any]:
@@ -372,6 +382,8 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=Settings.decode,
                     help="P/D options' decode nodes (colocated and the pool: prefill + decode instances)")
     ap.add_argument("--jobs", type=int, default=1, help="virtual time: runs in parallel processes")
+    ap.add_argument("--gateway-workers", type=int, default=Settings.gateway_workers,
+                    help="virtual time: gateway processes, each a modelled server of its measured per-turn CPU")
     ap.add_argument("--ttft", type=float, default=Settings.ttft_ms, help="TTFT objective, ms")
     ap.add_argument("--tpot", type=float, default=Settings.tpot_ms, help="TPOT objective, ms")
     ap.add_argument("--sessions", type=int, default=Settings.sessions)

@@ -43,8 +43,9 @@ from kvtether.cli.replay.engine import (
     new_session_suffix,
     run_replay,
 )
-from kvtether.cli.simstack import COLOCATED, HYBRID, StackSpec, StackTimes, sim_stack
+from kvtether.cli.simstack import COLOCATED, HYBRID, SimStack, StackSpec, StackTimes, sim_stack
 from kvtether.cli.simstack.decode_times import DecodeTimes
+from kvtether.cli.simstack.gateway_cost import default_cost
 from kvtether.cli.streaming import loop_clock_ns, now_ns
 from kvtether.sdk.sessionfile import SessionRecord
 
@@ -96,12 +97,14 @@ def option_stack_spec(shape: ClusterShape, speed: float) -> StackSpec:
 async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_estimates: bool = True,
                          decode_times: DecodeTimes | None = None,
                          tpot_objective_ms: float | None = None,
-                         ttft_objective_ms: float | None = None) -> AsyncIterator[tuple[str, str]]:
-    """A fresh simulated stack of `shape` for `option` (simstack); yields (URL, model name). The gateway keeps
+                         ttft_objective_ms: float | None = None, gateway_workers: int = 1) -> AsyncIterator[SimStack]:
+    """A fresh simulated stack of `shape` for `option` (simstack), yielded (its URL, model name, the modelled
+    gateway's report). The gateway keeps
     the shape's held-KV budget and polls its nodes every 0.5 s; `learn_estimates` off keeps the calibrated seeds.
     `decode_times`, when given, watches the nodes that decode (decode and aggregated). `tpot_objective_ms`: the
     TPOT objective (simulated ms) the auto policy holds decode-local turns to (its tpot_budget_s);
-    `ttft_objective_ms`: the TTFT objective its look-ahead never trades a turn past (its ttft_objective_s)."""
+    `ttft_objective_ms`: the TTFT objective its look-ahead never trades a turn past (its ttft_objective_s).
+    `gateway_workers`: in virtual time, the gateway processes modelled (cli/simstack/gateway_cost.py)."""
     settings: dict[str, float | bool] = {
         "held_kv_budget": shape.held_kv_budget if shape.held_kv_budget is not None else 1.0,
         "metrics_poll_interval_s": 0.5, "learn_estimates": learn_estimates}
@@ -110,10 +113,11 @@ async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_e
         settings["tpot_budget_s"] = tpot_objective_ms / 1000.0 / speed
     if ttft_objective_ms and option != COLOCATED:
         settings["ttft_objective_s"] = ttft_objective_ms / 1000.0 / speed
-    async with sim_stack(option_stack_spec(shape, speed), option, gateway=settings) as stack:
+    cost = default_cost(aggregated=option == COLOCATED, workers=gateway_workers)
+    async with sim_stack(option_stack_spec(shape, speed), option, gateway=settings, gateway_cost=cost) as stack:
         if decode_times is not None and stack.cluster is not None:
             decode_times.watch_decoding(stack.cluster)
-        yield stack.url, stack.model
+        yield stack
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +142,11 @@ async def run_option(option: str, sessions: Sequence[SessionRecord], shape: Clus
     )
     decode_times = DecodeTimes()
     async with option_gateway(option, shape, settings.speed, settings.learn_estimates, decode_times,
-                              settings.tpot_objective_ms, settings.ttft_objective_ms) as (url, model):
-        opts.model = model
-        run = await run_replay(sessions, url, opts, on_result,
+                              settings.tpot_objective_ms, settings.ttft_objective_ms) as stack:
+        opts.model = stack.model
+        run = await run_replay(sessions, stack.url, opts, on_result,
                                clock_ns=loop_clock_ns() if settings.virtual else now_ns, lean_http=settings.virtual)
+        run.gateway_model = stack.gateway_model()
     join_engine_tpot(run.results, decode_times.tpot_by_request())  # each turn judged by its engine TPOT
     return OptionRun(run, decode_times.tpot_ms())
 

@@ -157,3 +157,15 @@ def test_workloads_run_at_loads_of_their_own_pool_and_render_each_with_its_loads
     text = g.render(pooled)
     chat, long = text.split("## coding-long")
     assert "attain. ×4" in chat and "attain. ×4" not in long and "| auto | 100.0 % | 100.0 % | ×2 |" in long
+
+
+@pytest.mark.timeout(300)
+def test_a_run_reports_its_modelled_gateway_and_more_workers_share_its_load() -> None:
+    """In virtual time a run says how busy its modelled gateway processes were (a saturated gateway's queue is in
+    every turn's TTFT); the same turns on two processes keep each half as busy."""
+    g = _bench()
+    one, two = (g.run_job(("chat", "auto", 1.0, g.Settings(preset="toy", sessions=2, seed=3, gateway_workers=n)))
+                for n in (1, 2))
+    assert one["turns"] == two["turns"] == 16
+    assert 0 < one["gateway_utilisation"] < 0.7 and one["gateway_saturated"] is False
+    assert two["gateway_utilisation"] == pytest.approx(one["gateway_utilisation"] / 2, rel=0.05)
