@@ -718,9 +718,9 @@ class Engine:
             blk.parent = remote.parent
             if k == self.bs:
                 r.hashes = self._hashes(r, tokens)
-                # The holder's digest of this very content after this very parent, when it sent one.
-                known = remote.digest if len(remote.content) == k else None
-                self.pool.register(blk, r.hashes[bi], known)
+                # The holder's digest of this very content after this very parent: it sends one for a sealed
+                # (full) block only, of the cluster's one block size, which is written here whole.
+                self.pool.register(blk, r.hashes[bi], remote.digest)
         r.num_computed = load.end
 
     # ---- a step's effects ---------------------------------------------------------------------
@@ -764,9 +764,8 @@ class Engine:
                 # digest is the block hash (model.chain), so the block is sealed without hashing it again. A
                 # block that began with pulled content (garbage, or another parent) is hashed as it is.
                 chained_from = r.hashes[bi - 1] if bi > 0 else salted_root(r.cache_salt)
-                known = h if blk.parent == chained_from and blk.content == tokens[bi * self.bs:(bi + 1) * self.bs] \
-                    else None
-                self.pool.register(blk, h, known)
+                own = blk.parent == chained_from and blk.content == tokens[bi * self.bs:(bi + 1) * self.bs]
+                self.pool.register(blk, h, h if own else None)
 
     def _hashes(self, r: EngineRequest, tokens: Sequence[int]) -> list[bytes]:
         # Extended in place: a long prompt completes a block thousands of times, and a copy each time was
