@@ -82,10 +82,10 @@ class Settings:
     seed: int = 1
     # The trace workload's file (mooncake_trace format): by default the synthetic sample committed here; the
     # whole published conversation trace for the table in docs/pool.md (--trace).
+    trace: str = str(ROOT / "examples/traces/mooncake-conversation-sample.jsonl")
     # Gateway processes, each modelled in virtual time as a server of measured per-turn cost
     # (cli/simstack/gateway_cost.py): at high load one process's CPU, not the GPUs, is the knee.
     gateway_workers: int = 1
-    trace: str = str(ROOT / "examples/traces/mooncake-conversation-sample.jsonl")
 
 
 def _with_arrivals(sessions: list[Any], mean_gap_ms: float, seed: int) -> list[Any]:

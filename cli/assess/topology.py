@@ -98,9 +98,9 @@ async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_e
                          decode_times: DecodeTimes | None = None,
                          tpot_objective_ms: float | None = None,
                          ttft_objective_ms: float | None = None, gateway_workers: int = 1) -> AsyncIterator[SimStack]:
-    """A fresh simulated stack of `shape` for `option` (simstack), yielded (its URL, model name, the modelled
-    gateway's report). The gateway keeps
-    the shape's held-KV budget and polls its nodes every 0.5 s; `learn_estimates` off keeps the calibrated seeds.
+    """A fresh simulated stack of `shape` for `option` (simstack), yielded: its URL, model name and modelled
+    gateway. The gateway keeps the shape's held-KV budget and polls its nodes every 0.5 s; `learn_estimates` off
+    keeps the calibrated seeds.
     `decode_times`, when given, watches the nodes that decode (decode and aggregated). `tpot_objective_ms`: the
     TPOT objective (simulated ms) the auto policy holds decode-local turns to (its tpot_budget_s);
     `ttft_objective_ms`: the TTFT objective its look-ahead never trades a turn past (its ttft_objective_s).
