@@ -95,6 +95,7 @@ def _simulate(err: Console, f: AssessFlags, options: Sequence[str], inputs: Inpu
     except OSError as e:
         fail(err, EXIT_USAGE, f"--engine-log: cannot write {f.engine_log} ({e})")
     attained: dict[str, dict[str, Any]] = {}
+    gateways: dict[str, dict[str, Any]] = {}
     for option in options:
         if not f.quiet:
             err.print(f"  simulating {option} …", highlight=False)
@@ -102,8 +103,18 @@ def _simulate(err: Console, f: AssessFlags, options: Sequence[str], inputs: Inpu
         runs[option] = timings(run.replay)
         tpots[option] = run.tpot_ms
         attained[option] = attainment(run.replay.results, _objectives(f), "engine")
+        model = run.replay.gateway_model
+        if model is not None:
+            gateways[option] = {"utilisation": model["utilisation"], "saturated": model["saturated"]}
+            if model["saturated"]:
+                # Its queue is in every turn's TTFT: the option is judged with a gateway process too few.
+                inputs.notes.append(
+                    f"{option}: the modelled gateway process was {model['utilisation']:.0%} busy (saturated): "
+                    "its queue is in these turns' TTFT; a deployment at this rate needs more gateway workers")
     slo = f.tpot_slo if f.tpot_slo > 0 else None
     q4 = compare_topologies(runs, late, slo, {k: DESCRIPTIONS[k] for k in runs}, tpots, attained)
+    if gateways:
+        q4["gateway_model"] = gateways
     if f.goodput is not None:
         q4["goodput"] = _sweep(err, f, options, inputs, settings, cluster_logs, parse_rates(f.goodput))
     q4["wall_s"] = round(time.monotonic() - t0, 1)

@@ -158,6 +158,9 @@ def test_attainment_and_goodput_per_option(tmp_path: Path) -> None:
     q4 = doc["answers"]["q4"]
     for o in q4["options"].values():
         assert o["attainment"]["turns"] == 9 and o["attainment"]["attainment"] == 1.0, o["attainment"]
+    # Each option's modelled gateway process (virtual time): busy, far from saturated at three sessions.
+    assert set(q4["gateway_model"]) == {"no-pull", "auto"}
+    assert all(0 < g["utilisation"] < 0.7 and g["saturated"] is False for g in q4["gateway_model"].values())
     sweep = {p["policy"]: p for p in q4["goodput"]["policies"]}
     assert set(sweep) == {"no-pull", "auto"}
     assert all([x["rate"] for x in p["levels"]] == [1.0, 4.0] and p["goodput"] == 4.0 for p in sweep.values())
@@ -190,3 +193,28 @@ def test_the_summary_goes_to_stdout_and_with_json_to_stderr(tmp_path: Path) -> N
     assert as_json.exit_code == 0, as_json.stderr
     assert json.loads(as_json.stdout)["schema"] == "kvtether.assess/1"
     assert "verdict:" in as_json.stderr
+
+
+def test_an_option_whose_modelled_gateway_saturated_is_named_in_the_notes(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A saturated gateway's queue is in every turn's TTFT, so the verdict would judge the topology with a gateway
+    process too few: the report says so. (Three sessions cannot saturate it; the run's model is marked so.)"""
+    from kvtether.cli.assess import answers
+
+    real_run = answers._run
+
+    def saturated(*args: object, **kwargs: object) -> object:
+        run = real_run(*args, **kwargs)
+        if run.replay.gateway_model is not None and args[2] == "auto":
+            run.replay.gateway_model = {**run.replay.gateway_model, "utilisation": 0.93, "saturated": True}
+        return run
+
+    monkeypatch.setattr(answers, "_run", saturated)
+    sessions = tmp_path / "s.jsonl"
+    run_cli("gen", "--sessions", "2", "--turns", "2", "--system-tokens", "300", "--new-tokens", "20-60",
+            "--output-tokens", "8-16", "--think-ms", "200", "--seed", "5", "-o", str(sessions))
+    doc = assess(str(sessions), "--preset", "toy", "--options", "no-pull,auto")
+    assert doc["answers"]["q4"]["gateway_model"]["auto"]["saturated"] is True
+    assert [n for n in doc["notes"] if "gateway" in n] == [
+        "auto: the modelled gateway process was 93% busy (saturated): its queue is in these turns' TTFT; a "
+        "deployment at this rate needs more gateway workers"]
