@@ -370,15 +370,25 @@ async def test_serve_workers_answer_one_sum_on_every_scrape(tmp_path: Path) -> N
                 url = gws[0].url
                 directory = worker_metrics_directory(gws[0].proc.pid)
                 during: list[dict[str, float]] = []
+                out = Results()
+
+                one_at_a_time = anyio.Lock()
+
+                async def scrape_after_turn() -> None:
+                    async with one_at_a_time:  # in the list in the order the server answered them
+                        during.append(await scrape(http, url))
+
+                # A scrape after each turn of each session (so while the others' turns run), however fast or
+                # slow the machine: the scrapes interleave with the turns by construction, not by a timer.
+                rr = RoundRobin(http, [url])
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(scrape_until_cancelled, http, url, during)
-                    out = await run_sessions(RoundRobin(http, [url]), oracle, sessions, turns, "sum")
-                    tg.cancel_scope.cancel()
+                    for s in sessions:
+                        tg.start_soon(run_session, rr, oracle, s, turns, "sum", out, scrape_after_turn)
                 after = [await scrape(http, url) for _ in range(20)]
                 served = requests_by_worker(directory)
             assert not directory.exists(), "the workers' metrics directory outlived the server"
     sent = len(sessions) * turns
-    assert out.wrong == [] and len(during) >= 5, len(during)
+    assert out.wrong == [] and len(during) == sent, len(during)
     for name in COUNTED:
         series = [s[name] for s in during + after]
         assert all(b >= a for a, b in itertools.pairwise(series)), (name, series)
@@ -415,12 +425,6 @@ async def scrape(http: httpx.AsyncClient, url: str) -> dict[str, float]:
             if s.name == "kvtether_node_healthy":
                 out[f"healthy {s.labels['node']}"] = out.get(f"healthy {s.labels['node']}", 0.0) + s.value
     return out
-
-
-async def scrape_until_cancelled(http: httpx.AsyncClient, url: str, out: list[dict[str, float]]) -> None:
-    while True:
-        out.append(await scrape(http, url))
-        await anyio.sleep(0.05)
 
 
 def worker_metrics_directory(supervisor: int) -> Path:
