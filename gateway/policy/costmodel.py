@@ -124,12 +124,14 @@ def choose(
 
 
 def _rescue(opts: Sequence[OptionEstimate], knobs: PolicyKnobs, pool: frozenset[str]) -> OptionEstimate | None:
-    """The option run over a pool instance's quota to keep the TTFT objective (``ttft_over_quota``), if any: only
-    when every option within the limits is past the objective. `pool`: the pool instances' urls."""
+    """The option run over a quota to keep the TTFT objective, if any: only when every option within the limits
+    is past the objective; over a pool instance's quota with ``ttft_over_quota``, a local turn over a decode node's
+    with ``decode_ttft_rescue``. `pool`: the pool instances' urls."""
     objective = knobs.ttft_objective_s
-    if objective is None or not knobs.ttft_over_quota or any(o.feasible and o.ttft_s <= objective for o in opts):
+    if objective is None or not (knobs.ttft_over_quota or knobs.decode_ttft_rescue) \
+            or any(o.feasible and o.ttft_s <= objective for o in opts):
         return None
-    return _within_objective_over_a_quota(opts, objective, pool)
+    return _within_objective_over_a_quota(opts, objective, pool, knobs)
 
 
 def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs) -> tuple[OptionEstimate, Option | None, bool]:
@@ -154,7 +156,7 @@ def _pick(opts: Sequence[OptionEstimate], knobs: PolicyKnobs) -> tuple[OptionEst
 
 
 def _within_objective_over_a_quota(opts: Sequence[OptionEstimate], objective: float,
-                                   pool: frozenset[str]) -> OptionEstimate | None:
+                                   pool: frozenset[str], knobs: PolicyKnobs) -> OptionEstimate | None:
     """When every option within the limits is estimated over the TTFT objective, the cheapest option whose prefill
     runs on a pool instance (in `pool`) that is within it and over a TPOT quota (or beside a running prefill)
     only, if any (``PolicyKnobs.ttft_over_quota``).
@@ -167,12 +169,18 @@ def _within_objective_over_a_quota(opts: Sequence[OptionEstimate], objective: fl
     over it costs those answers TPOT, not necessarily their objective. Never over a fixed cap (the operator's)
     or the KV-pressure veto (a preempted answer is recomputed whole).
 
-    On a pool instance only: there an answer's quota is the most stall its TPOT objective allows
+    On a pool instance (``ttft_over_quota``): there an answer's quota is the most stall its TPOT objective allows
     (``pool_stall_share`` 1), the rule's premise. A decode node's quota is a share of the answer's decode time
-    kept for smoothness (``request_stall_share``), where the rule was not measured."""
+    kept for smoothness (``request_stall_share``): a local turn goes over it only with ``decode_ttft_rescue``,
+    which also lets a session without a decode node start on one (P/D sends it to P otherwise)."""
+    def eligible(o: OptionEstimate) -> bool:
+        where = o.decode_url if o.option == "decode_local" else o.prefill_url
+        if where in pool:
+            return knobs.ttft_over_quota
+        return knobs.decode_ttft_rescue and o.option == "decode_local"
+
     within = [o for o in opts if not o.feasible and o.soft and not o.fixed_limit and not o.kv_limit
-              and o.ttft_s <= objective
-              and (o.decode_url if o.option == "decode_local" else o.prefill_url) in pool]
+              and o.ttft_s <= objective and eligible(o)]
     return min(within, key=lambda o: (o.score_s, OPTIONS.index(o.option)), default=None)
 
 

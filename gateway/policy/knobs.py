@@ -71,6 +71,12 @@ class PolicyKnobs:
     # 12,800 on the long documents at ×8, +76 of 11,520 on coding at ×4, −31 of 5,760 on coding-long at ×2
     # (docs/placement.md, "A pool's queue and its TTFT objective").
     ttft_over_quota: bool = True
+    # The same rescue on dedicated decode nodes (P/D), a session's first turn included: when P's queue puts every
+    # option within the limits past the TTFT objective, the turn runs on a decode node over its answers' TPOT
+    # quotas (a first turn prefilled there whole, as Dynamo's rule does for prompts short of its threshold),
+    # if that keeps it within the objective. A decode node's quota is a share of each answer's decode time kept
+    # for smoothness, not its objective, so the trade differs from the pool's (docs/placement.md has what it did).
+    decode_ttft_rescue: bool = False
     # A pool instance's prefill queue is what is left of the prefills running there, local turns and legs of any
     # session alike, until each is seen to end (TurnFacts.prefill_queue_s), not the gateway's count of its legs
     # there times the learned time a queued request adds; a local turn's first token waits for it too.

@@ -100,11 +100,17 @@ def cached_on(turn: TurnFacts, d: NodeLoad, pinned: NodeLoad | None, c: Nodes) -
 def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True) -> OptionEstimate:
     """`now`: this turn (False: a look-ahead turn, seconds later, when today's arrivals are long done)."""
     d = c.decode(pinned)
+    starts_on_decode = ""  # why a dedicated decode node would start the session only as a rescue
     if d is None:
         # A pool instance may start (or restart) a session itself: the least busy one prefills the whole prompt.
         d = min((n for n in c.decodes if n.both), key=lambda n: new_pin_order(c, n), default=None)
+        why = "no pinned decode node" if pinned is None else f"pinned decode {pinned} is down"
+        if d is None and c.knobs.decode_ttft_rescue and c.knobs.ttft_objective_s is not None:
+            # On P/D a session starts on P; a decode node prefills it whole only when P's queue alone would lose
+            # the turn to the TTFT objective (costmodel._within_objective_over_a_quota).
+            d = min(c.decodes, key=lambda n: new_pin_order(c, n), default=None)
+            starts_on_decode = f"{why}: a session starts on a prefill node"
         if d is None:
-            why = "no pinned decode node" if pinned is None else f"pinned decode {pinned} is down"
             return OptionEstimate("decode_local", False, why)
         cached = 0
     else:
@@ -138,7 +144,7 @@ def local_option(turn: TurnFacts, pinned: str | None, c: Nodes, now: bool = True
     if limit is not None and n > limit:
         return replace(base, feasible=False, soft=True, fixed_limit=True,
                        why_not=f"local suffix {n} tok > {knob} {limit}")
-    over = over or answer_stalled(turn, d, soonest, c)
+    over = starts_on_decode or over or answer_stalled(turn, d, soonest, c)
     if over:
         return replace(base, feasible=False, soft=True, why_not=over)
     return base

@@ -149,6 +149,43 @@ def test_a_turn_lost_to_the_ttft_objective_within_the_limits_runs_over_a_quota_w
     assert dedicated.option == "pull" and not dedicated.forced and not dedicated.rescued, dedicated.reason
 
 
+def test_on_p_d_a_turn_p_s_queue_would_lose_runs_on_a_decode_node_only_with_the_decode_rescue() -> None:
+    """Dedicated P and D, P's queue past the TTFT objective. With ``decode_ttft_rescue`` a follow-up turn over its
+    D's quota runs there (forced, rescued), and a session's first turn starts on the least loaded decode node,
+    prefilled whole; without it both go through P, late. Within the objective through P, the rule changes
+    nothing, and a decode node under the KV-pressure veto takes no rescue."""
+    stall = _local_stall(history_turn(16000, 300, expected_output_tokens=32))
+    tight = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=stall * 0.9,
+                         request_stall_quota_s=0.5)
+    queued = (NodeLoad(P0, waiting=60.0),)
+    decodes = (NodeLoad(D0, running=2), NodeLoad(D1, running=1))
+    through_p = choose(tight, D0, queued, decodes, MOE, QUOTA_ONLY)
+    local = next(o for o in through_p.options if o.option == "decode_local")
+    objective = (local.ttft_s + through_p.estimates_s["pull"]) / 2
+    off = replace(QUOTA_ONLY, ttft_objective_s=objective)
+    on = replace(off, decode_ttft_rescue=True)
+    assert choose(tight, D0, queued, decodes, MOE, off).option == "pull"
+    kept = choose(tight, D0, queued, decodes, MOE, on)
+    assert (kept.option, kept.decode_url, kept.forced, kept.rescued) == ("decode_local", D0, True, True), kept.reason
+    assert decision_bucket(kept, False, None) == "ttft_rescue"
+
+    first = TurnFacts(1800, 1800, expected_output_tokens=100)
+    cold = choose(first, None, queued, decodes, MOE, off)
+    assert cold.option == "cold" and cold.estimates_s["cold"] > objective and not cold.rescued, cold.reason
+    started = choose(first, None, queued, decodes, MOE, on)
+    assert (started.option, started.decode_url, started.rescued) == ("decode_local", D1, True), started.reason
+    assert started.estimates_s == cold.estimates_s  # the start on D was never an option within the limits
+    assert "a session starts on a prefill node" in started.trace_attributes()["rejected.decode_local"]
+
+    # P within the objective: the first turn goes to P as without the rule.
+    idle = (NodeLoad(P0),)
+    assert choose(first, None, idle, decodes, MOE, on).option == "cold"
+    # A decode node short of memory: no rescue there.
+    pressed = (NodeLoad(D0, running=2, kv_usage=0.95), NodeLoad(D1, running=1, kv_usage=0.95))
+    assert choose(first, None, queued, pressed, MOE, on).option == "cold"
+    assert choose(tight, D0, queued, pressed, MOE, on).option == "pull"
+
+
 def test_a_draining_quota_prices_the_stall_and_a_full_one_does_not() -> None:
     def interference(credit_s: float) -> float:
         turn = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=credit_s,
