@@ -303,6 +303,13 @@ class GatewayConfig:
         """The [gateway.tuning] overrides of PolicyKnobs."""
         return {k: v for k, v in self.tuning.items() if k in TUNING_FIELDS}
 
+    @property
+    def starts_sessions_on_decode(self) -> bool:
+        """Whether a dedicated decode node may start a session (``decode_ttft_rescue`` with a TTFT objective): then
+        a P/D session's first turn is sized (tokenized) and weighed like a later one."""
+        return self.ttft_objective_s is not None and bool(self.tuning.get("decode_ttft_rescue",
+                                                                          _KNOBS.decode_ttft_rescue))
+
     def learning_tuning(self) -> dict[str, Any]:
         """The [gateway.tuning] overrides of the estimator's LearningParams."""
         return {_LEARNING_TUNING[k]: v for k, v in self.tuning.items() if k in _LEARNING_TUNING}

@@ -778,3 +778,34 @@ async def test_requests_whose_client_has_seen_nothing_are_counted_on_their_decod
                     break
     assert cl.nodes[d].holding_back == 0
     assert sum(n for _, n in calls) == 0
+
+
+@pytest.mark.parametrize("rescue", [True, False])
+async def test_with_the_decode_rescue_a_p_d_session_starts_on_a_decode_node_when_no_prefill_node_can_take_it(
+        rescue: bool) -> None:
+    """P/D with its prefill node out of service: P's queue is unbounded, so every turn through it is lost to the
+    TTFT objective. With ``decode_ttft_rescue`` a new session's first turn is sized and starts on the least loaded
+    decode node, prefilled there whole (the oracle's answer), and its next turn runs there too, within the limits;
+    without it the gateway has no capacity for a new session."""
+    gateway = {"policy": "auto", "ttft_objective_s": 2.0, "tuning": {"decode_ttft_rescue": rescue},
+               "learn_estimates": False, "health_backoff_s": 600.0, "health_backoff_max_s": 600.0}
+    async with rig(prefill=1, decode=2, **gateway) as r:
+        p = r.cluster.prefill_urls[0]
+        r.gw.cluster.take_out(r.gw.cluster.nodes[p], "out of service for the test")
+        h = {"x-session-id": "rescued"}
+        messages = first_messages(7)
+        body = request_body(messages, stream=True)
+        if not rescue:
+            resp = await r.client.post(f"{r.url}/v1/chat/completions", json=body, headers=h)
+            assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_capacity", resp.text
+            return
+        for turn in range(2):
+            messages = await _oracle_turn(r, messages, turn + 1, h)
+        rescued = await metric(r.client, r.url, "kvtether_placement_decisions_total", option="decode_local",
+                               reason="ttft_rescue")
+        local = await metric(r.client, r.url, "kvtether_placement_decisions_total", option="decode_local")
+        served = [await metric(r.client, d, "vllm:request_success_total") for d in r.cluster.decode_urls]
+        # The first turn only as a rescue; the next one runs on its pinned decode node within the limits.
+        assert (rescued, local) == (1, 2), (rescued, local)
+        assert await metric(r.client, p, "vllm:request_success_total") == 0
+        assert sorted(served) == [0, 2], served  # both turns on one decode node: the session pinned there
