@@ -191,6 +191,9 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
             # its queue is part of every turn's TTFT).
             "gateway_utilisation": None if gateway is None else gateway["utilisation"],
             "gateway_saturated": None if gateway is None else gateway["saturated"],
+            # Its busiest 10 simulated seconds (the mean hides a ramp's peak) and what turns waited for it.
+            "gateway_peak_utilisation": None if gateway is None else gateway["peak_utilisation"],
+            "gateway_queue_ms": None if gateway is None else gateway["queue_ms"],
             # The samples, so runs of several seeds pool into one table (--pool).
             "late_ttft_samples": [round(x, 1) for x in late], "tpot_samples": [round(x, 2) for x in tpots],
             # Which turns missed, and what the gateway chose for them: where a policy loses its turns.

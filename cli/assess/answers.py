@@ -105,7 +105,9 @@ def _simulate(err: Console, f: AssessFlags, options: Sequence[str], inputs: Inpu
         attained[option] = attainment(run.replay.results, _objectives(f), "engine")
         model = run.replay.gateway_model
         if model is not None:
-            gateways[option] = {"utilisation": model["utilisation"], "saturated": model["saturated"]}
+            gateways[option] = {"utilisation": model["utilisation"], "saturated": model["saturated"],
+                                "peak_utilisation": model["peak_utilisation"],
+                                "queue_p99_ms": model["queue_ms"]["p99"]}
             if model["saturated"]:
                 # Its queue is in every turn's TTFT: the option is judged with a gateway process too few.
                 inputs.notes.append(

@@ -16,6 +16,7 @@ the aggregated rows only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,10 @@ from starlette.types import Message, Receive, Scope, Send
 TURN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 # Above this modelled utilisation a run's gateway is saturated: its figures include queueing in the gateway.
 SATURATED_UTILISATION = 0.7
+# The window of the busiest-window utilisation (simulated seconds): a run's mean hides a burst (arrivals that
+# ramp up and down, a trace's busy minute), and ten seconds of a server busier than it can be is a queue that
+# the turns in it wait in, whatever the run's mean.
+PEAK_WINDOW_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +76,36 @@ class CostLedger:
     queued_s: float = 0.0
     chunks: int = 0
     since: float | None = None  # the clock when the first turn came
+    # Busy seconds per PEAK_WINDOW_S window from `since` (window index -> seconds, all servers together).
+    busy_by_window: dict[int, float] = field(default_factory=dict)
+    # Each turn's wait for a server before the gateway began it (seconds): it is in the turn's TTFT.
+    waits_s: list[float] = field(default_factory=list)
 
     def utilisation(self, now: float, workers: int) -> float | None:
         if self.since is None or now <= self.since:
             return None
         return self.busy_s / ((now - self.since) * workers)
+
+    def busy(self, start: float, seconds: float) -> None:
+        """A server busy from `start` for `seconds`, counted in the run's total and in each window it covers."""
+        self.busy_s += seconds
+        if self.since is None:
+            return
+        at, end = start - self.since, start - self.since + seconds
+        while at < end:
+            window = int(at // PEAK_WINDOW_S)
+            upto = min(end, (window + 1) * PEAK_WINDOW_S)
+            self.busy_by_window[window] = self.busy_by_window.get(window, 0.0) + (upto - at)
+            at = upto
+
+    def peak_utilisation(self, now: float, workers: int) -> float | None:
+        """The busiest whole window's utilisation; None before the first whole window ends."""
+        if self.since is None:
+            return None
+        whole = int((now - self.since) // PEAK_WINDOW_S)
+        if whole < 1:
+            return None
+        return max(self.busy_by_window.get(w, 0.0) for w in range(whole)) / (PEAK_WINDOW_S * workers)
 
 
 @dataclass(slots=True)
@@ -93,14 +123,20 @@ class CostedGateway:
             self._servers = anyio.Semaphore(self.cost.workers)
         return self._servers
 
-    async def _hold(self, seconds: float) -> None:
-        """Take a server for `seconds`, after the turns before this one (FIFO)."""
+    async def _hold(self, seconds: float, *, turn: bool = False) -> None:
+        """Take a server for `seconds`, after the turns before this one (FIFO). `turn`: a turn's first hold, whose
+        wait is in its TTFT (recorded per turn)."""
         if seconds <= 0:
+            if turn:
+                self.ledger.waits_s.append(0.0)
             return
         asked = self.clock()
         async with self._semaphore():
-            self.ledger.queued_s += self.clock() - asked
-            self.ledger.busy_s += seconds
+            start = self.clock()
+            self.ledger.queued_s += start - asked
+            if turn:
+                self.ledger.waits_s.append(start - asked)
+            self.ledger.busy(start, seconds)
             await anyio.sleep(seconds)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -119,7 +155,7 @@ class CostedGateway:
             if message["type"] != "http.request" or not message.get("more_body", False):
                 break
         self.ledger.turns += 1
-        await self._hold(self.cost.turn_s + self.cost.per_body_kb_s * size / 1024)
+        await self._hold(self.cost.turn_s + self.cost.per_body_kb_s * size / 1024, turn=True)
         chunks = 0
 
         async def replay() -> Message:
@@ -144,7 +180,17 @@ class CostedGateway:
         """The model and what it did, for a run's results."""
         now = self.clock()
         util = self.ledger.utilisation(now, self.cost.workers)
+        peak = self.ledger.peak_utilisation(now, self.cost.workers)
+        waits = sorted(self.ledger.waits_s)
         return {**self.cost.to_json(), "turns": self.ledger.turns, "chunks": self.ledger.chunks,
                 "busy_s": round(self.ledger.busy_s, 6), "queued_s": round(self.ledger.queued_s, 6),
                 "utilisation": None if util is None else round(util, 4),
+                "peak_utilisation": None if peak is None else round(peak, 4), "peak_window_s": PEAK_WINDOW_S,
+                "queue_ms": {q: round(_quantile(waits, f) * 1e3, 3) if waits else None
+                             for q, f in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
                 "saturated": util is not None and util > SATURATED_UTILISATION}
+
+
+def _quantile(xs: list[float], f: float) -> float:
+    """The `f` quantile of sorted `xs` (nearest rank)."""
+    return xs[min(len(xs) - 1, max(0, math.ceil(f * len(xs)) - 1))]

@@ -169,3 +169,7 @@ def test_a_run_reports_its_modelled_gateway_and_more_workers_share_its_load() ->
     assert one["turns"] == two["turns"] == 16
     assert 0 < one["gateway_utilisation"] < 0.7 and one["gateway_saturated"] is False
     assert two["gateway_utilisation"] == pytest.approx(one["gateway_utilisation"] / 2, rel=0.05)
+    # Its busiest 10 s window, shared alike; two sessions never made a turn wait for it.
+    assert two["gateway_peak_utilisation"] == pytest.approx(one["gateway_peak_utilisation"] / 2, rel=0.05)
+    assert one["gateway_peak_utilisation"] > one["gateway_utilisation"]  # ramps up and down in a 33 s run
+    assert one["gateway_queue_ms"] == two["gateway_queue_ms"] == {"p50": 0.0, "p99": 0.0, "max": 0.0}

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from kvtether.cli.simstack import StackSpec, sim_stack
 from kvtether.cli.simstack.decode_times import DecodeTimes
-from kvtether.cli.simstack.gateway_cost import AGGREGATED_COST, NO_COST, PD_COST, GatewayCost
+from kvtether.cli.simstack.gateway_cost import AGGREGATED_COST, NO_COST, PD_COST, PEAK_WINDOW_S, CostLedger, GatewayCost
 from kvtether.cli.streaming import StreamedAnswer, loop_clock_ns, stream_answer
 from kvtether.sim.presets import get_preset
 from kvtether.sim.virtual import current_virtual_loop, run_virtual
@@ -97,6 +97,21 @@ async def _queued(cost: GatewayCost) -> tuple[list[float], dict[str, Any]]:
         return sorted(ttfts), stack.gateway_model() or {}
 
 
+def test_the_busiest_window_is_what_a_burst_saw_whatever_the_run_s_mean() -> None:
+    """Two servers, a run of five windows: busy 19 s of the second window's 20 server-seconds (one hold across its
+    start), idle otherwise. The run's mean is a fifth of that; its busiest whole window says the burst was 95 %."""
+    w = PEAK_WINDOW_S
+    ledger = CostLedger(since=100.0)
+    ledger.busy(100.0 + w - 1.0, 2.0)  # 1 s in the first window, 1 s in the second
+    ledger.busy(100.0 + w + 1.0, w - 1.0)
+    ledger.busy(100.0 + w, w - 1.0)
+    assert ledger.busy_by_window == pytest.approx({0: 1.0, 1: 1.0 + 2 * (w - 1.0)})
+    assert ledger.peak_utilisation(100.0 + 5 * w, workers=2) == pytest.approx((2 * w - 1.0) / (2 * w))
+    assert ledger.utilisation(100.0 + 5 * w, workers=2) == pytest.approx(2 * w / (5 * w * 2))
+    assert ledger.peak_utilisation(100.0 + w / 2, workers=2) is None  # no whole window yet
+    assert CostLedger().peak_utilisation(1.0, 1) is None
+
+
 def test_a_saturated_gateway_queues_turns() -> None:
     slow = GatewayCost(turn_s=0.5, per_body_kb_s=0.0, per_chunk_s=0.0)
     ttfts, model = run_virtual(_queued, slow)
@@ -104,6 +119,8 @@ def test_a_saturated_gateway_queues_turns() -> None:
     assert ttfts[0] >= 500 and ttfts[-1] >= 8 * 500
     assert model["queued_s"] >= sum(0.5 * i for i in range(8)) - 1e-6
     assert model["utilisation"] > 0.7 and model["saturated"]
+    # Each turn's wait for the server, as the TTFTs show it: 0, 0.5, ..., 3.5 s.
+    assert model["queue_ms"] == pytest.approx({"p50": 1500.0, "p99": 3500.0, "max": 3500.0}, abs=1e-3)
     two = GatewayCost(turn_s=0.5, per_body_kb_s=0.0, per_chunk_s=0.0, workers=2)
     ttfts2, _ = run_virtual(_queued, two)
     assert ttfts2[-1] < ttfts[-1] - 1000  # two processes serve the same burst in about half the time
