@@ -71,6 +71,10 @@ def plan_auto(turn: Turn, cluster: ClusterView, inputs: PlanInputs) -> Plan:
                    exclude=turn.exclude)
     except NoFeasibleOption as exc:
         raise NoCapacity("decode" if "decode" in exc.why else "prefill") from None
+    if turn.new_session and not d.rescued and not any(n.both for n in cluster.decode):
+        # A P/D session's first turn is sized only for the decode-node rescue (decode_ttft_rescue); not rescued,
+        # it starts as it would unsized, so the rule changes the turns it rescues and no other.
+        return plan_pull(turn, cluster, inputs)
     # Off the pinned D: it is lost, or (rebalancing) a P/D turn decodes on a lighter D and the pin moves.
     re_placed = pinned is not None and d.decode_url != pinned
     if re_placed and not pinned_alive and refused is None and turn.handle is HandleState.PRESENT:

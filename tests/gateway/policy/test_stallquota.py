@@ -186,6 +186,24 @@ def test_on_p_d_a_turn_p_s_queue_would_lose_runs_on_a_decode_node_only_with_the_
     assert choose(tight, D0, queued, pressed, MOE, on).option == "pull"
 
 
+def test_the_decode_rescue_changes_the_first_turns_it_rescues_and_no_other() -> None:
+    """A P/D session's first turn is sized only for the rescue: not rescued, it starts where an unsized one would
+    (the "pull" rule's cold start), on P and the decode node that rule picks; rescued, on a decode node."""
+    from kvtether.gateway.policy.placement import ClusterView, HandleAction, Turn, plan
+
+    knobs = replace(QUOTA_ONLY, ttft_objective_s=2.0, decode_ttft_rescue=True)
+    decodes = (NodeLoad(D0, running=3), NodeLoad(D1, running=1))
+    unsized = Turn(policy="auto", new_session=True)
+    sized = replace(unsized, prompt_tokens=1800, suffix_tokens=1800, expected_output_tokens=100)
+    for prefills in ((NodeLoad(P0),), (NodeLoad(P0, waiting=3.0),)):  # idle, and queued within the objective
+        view = ClusterView(prefills, decodes)
+        assert plan(sized, view, MOE, knobs) == plan(unsized, view, MOE, knobs)
+    lost = ClusterView((NodeLoad(P0, waiting=60.0),), decodes)
+    rescued = plan(sized, lost, MOE, knobs)
+    assert (rescued.action, rescued.decode, rescued.bucket) == (HandleAction.DECODE_LOCAL, D1, "ttft_rescue")
+    assert plan(unsized, lost, MOE, knobs).action is HandleAction.NONE  # unsized: cold through P, however late
+
+
 def test_a_draining_quota_prices_the_stall_and_a_full_one_does_not() -> None:
     def interference(credit_s: float) -> float:
         turn = history_turn(16000, 300, expected_output_tokens=32, request_stall_credit_s=credit_s,
