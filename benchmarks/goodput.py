@@ -160,7 +160,13 @@ def _trace_window(st: Settings) -> list[Any]:
 
 async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st: Settings) -> dict[str, Any]:
     from kvtether.cli.assess.topology import option_gateway
-    from kvtether.cli.replay.engine import ReplayOptions, join_engine_tpot, new_session_suffix, run_replay
+    from kvtether.cli.replay.engine import (
+        OPEN_LOOP_CAP,
+        ReplayOptions,
+        join_engine_tpot,
+        new_session_suffix,
+        run_replay,
+    )
     from kvtether.cli.replay.report import Objectives, attainment, judge
     from kvtether.cli.simstack.decode_times import DecodeTimes
     from kvtether.cli.streaming import loop_clock_ns, now_ns
@@ -171,7 +177,8 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
     async with option_gateway(option, shape, speed, False, decode_times, st.tpot_ms, st.ttft_ms,
                               gateway_workers=st.gateway_workers) as stack:
         opts = ReplayOptions(arrivals="trace", rate=rate, time_scale=speed, model=stack.model, history="live",
-                             timeout_s=300.0, session_suffix="" if st.virtual else new_session_suffix())
+                             timeout_s=300.0, session_suffix="" if st.virtual else new_session_suffix(),
+                             open_loop_cap=None if st.virtual else OPEN_LOOP_CAP)
         run = await run_replay(sessions, stack.url, opts, clock_ns=loop_clock_ns() if st.virtual else now_ns,
                                lean_http=st.virtual)
         gateway = stack.gateway_model()
@@ -191,6 +198,9 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
             # its queue is part of every turn's TTFT).
             "gateway_utilisation": None if gateway is None else gateway["utilisation"],
             "gateway_saturated": None if gateway is None else gateway["saturated"],
+            # Sessions the client's cap on sessions in flight held past their arrival (the wall clock only): not 0,
+            # the load was below the one the row names.
+            "arrivals_late": run.arrivals_late,
             # Its busiest 10 simulated seconds (the mean hides a ramp's peak) and what turns waited for it.
             "gateway_peak_utilisation": None if gateway is None else gateway["peak_utilisation"],
             "gateway_queue_ms": None if gateway is None else gateway["queue_ms"],
@@ -279,7 +289,9 @@ def main_sync(args: argparse.Namespace) -> dict[str, Any]:
 def _say(w: str, row: dict[str, Any]) -> None:
     print(f"{w:9} {row['option']:9} ×{row['rate']:<4g} attainment {_share(row['attainment'])} "
           f"late TTFT p95 {row['late_ttft_ms']['p95']} ms, TPOT p95 {row['tpot_p95_ms']} ms, "
-          f"errors {row['errors']} ({row['clock']}: {row['wall_s']} s wall, {row['cpu_s']} s CPU)", flush=True)
+          f"errors {row['errors']} ({row['clock']}: {row['wall_s']} s wall, {row['cpu_s']} s CPU)"
+          + (f"; {row['arrivals_late']} sessions held past their arrival: below ×{row['rate']:g}"
+             if row.get("arrivals_late") else ""), flush=True)
 
 
 def pool(outs: list[dict[str, Any]]) -> dict[str, Any]:

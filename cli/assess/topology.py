@@ -34,6 +34,7 @@ import anyio
 from kvtether.cli.assess.analysis import TurnTiming
 from kvtether.cli.assess.cluster import ClusterShape, register_preset
 from kvtether.cli.replay.engine import (
+    OPEN_LOOP_CAP,
     Arrivals,
     ReplayOptions,
     ReplayRun,
@@ -139,6 +140,8 @@ async def run_option(option: str, sessions: Sequence[SessionRecord], shape: Clus
         session_suffix="" if settings.virtual else new_session_suffix(),
         arrivals=settings.arrivals,
         rate=settings.rate,
+        # In virtual time the network is in memory: no cap on sessions in flight (engine.OPEN_LOOP_CAP).
+        open_loop_cap=None if settings.virtual else OPEN_LOOP_CAP,
     )
     decode_times = DecodeTimes()
     async with option_gateway(option, shape, settings.speed, settings.learn_estimates, decode_times,

@@ -43,8 +43,11 @@ REUSE_HEADER_PREFIX = "x-kvtether-"
 ThinkMode = Literal["recorded", "none", "scale", "fixed"]
 Arrivals = Literal["closed", "trace"]
 ARRIVALS: tuple[Arrivals, ...] = ("closed", "trace")
-# Open loop: sessions in flight at most, so a trace far beyond the target's capacity cannot exhaust this
-# process's sockets; past it, later sessions wait for a slot and no longer arrive as the trace's did.
+# Open loop on the wall clock: sessions in flight at most, so a trace far beyond the target's capacity cannot
+# exhaust this process's sockets; past it, later sessions wait for a slot and no longer arrive as the trace's did
+# (counted: ReplayRun.arrivals_late). A run in virtual time has no sockets (the network is in memory) and no cap:
+# a cap there would hold the load below the one asked for (chat at ×64 and more has over a thousand sessions in
+# flight) while every figure said otherwise.
 OPEN_LOOP_CAP = 1024
 
 
@@ -103,6 +106,8 @@ class ReplayOptions:
     api_key: str = "kvtether-replay"
     arrivals: Arrivals = "closed"
     rate: float = 1.0  # open loop: start offsets are divided by this (think times are not)
+    # Open loop: sessions in flight at most (OPEN_LOOP_CAP); None: no cap (virtual time).
+    open_loop_cap: int | None = OPEN_LOOP_CAP
 
 
 @dataclass(slots=True)
@@ -160,6 +165,10 @@ class ReplayRun:
     counters: dict[str, Any] | None = None
     # Whether `TurnResult.engine_tpot_ms` was joined from the decoding engines (simulated runs).
     engine_tpot: bool = False
+    # Open loop: sessions that started after their arrival because the cap on sessions in flight held them, and
+    # the longest such wait (s). Not 0: the load was below the one asked for.
+    arrivals_late: int = 0
+    arrival_lag_max_s: float = 0.0
 
 
 def new_session_suffix() -> str:
@@ -334,6 +343,8 @@ async def run_replay(
         raise ValueError(f"arrivals must be one of {ARRIVALS}, not {opts.arrivals!r}")
     if opts.rate <= 0:
         raise ValueError("rate must be > 0")
+    if opts.open_loop_cap is not None and opts.open_loop_cap < 1:
+        raise ValueError("open_loop_cap must be >= 1 (or None: no cap)")
     wall_t0 = time.perf_counter()
     results: list[TurnResult] = []
 
@@ -342,27 +353,36 @@ async def run_replay(
         if on_result is not None:
             on_result(r)
 
-    # Room for every session of an open loop at once (OPEN_LOOP_CAP), as many idle ones as a closed loop keeps.
+    open_loop = opts.arrivals == "trace"
+    in_flight = (opts.open_loop_cap if open_loop else opts.concurrency) or len(sessions) or 1
+    # Room for every session in flight at once (each has at most one request out), as many idle ones as a closed
+    # loop keeps.
+    connections = max(1000, in_flight)
+    keepalive = connections if opts.open_loop_cap is None else 100
     client: httpx.AsyncClient | Upstream
     if lean_http:
         client = Upstream(UpstreamLimits(connect_timeout_s=opts.timeout_s, write_timeout_s=opts.timeout_s,
-                                         pool_timeout_s=opts.timeout_s, max_connections=1000,
-                                         max_keepalive_connections=100),
+                                         pool_timeout_s=opts.timeout_s, max_connections=connections,
+                                         max_keepalive_connections=keepalive),
                           clock=lambda: clock_ns() / 1e9)
     else:
         client = httpx.AsyncClient(timeout=opts.timeout_s, headers={"Authorization": f"Bearer {opts.api_key}"},
-                                   limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+                                   limits=httpx.Limits(max_connections=connections,
+                                                       max_keepalive_connections=keepalive))
     url = openai_base_url(base_url) + PATHS[CHAT]
-    open_loop = opts.arrivals == "trace"
-    limit = anyio.Semaphore(OPEN_LOOP_CAP if open_loop else opts.concurrency)
+    limit = anyio.Semaphore(in_flight)
     starts = arrival_delays_s(sessions, opts.rate, opts.time_scale) if open_loop else [0.0] * len(sessions)
     clock = RunClock(clock_ns, clock_ns())
+    late: list[float] = []  # open loop: how long each session the cap held waited for a slot (s)
 
     async def guarded(s: SessionRecord, start_s: float) -> None:
         if start_s > 0:
             # From the run's start, not from now: the task group may start this task late.
             await anyio.sleep(max(0.0, start_s - clock.since_ms() / 1e3))
+        asked, held = clock.since_ms(), limit.value == 0  # every slot taken: this session waits for one
         async with limit:
+            if open_loop and held:
+                late.append((clock.since_ms() - asked) / 1e3)
             await _one_session(client, url, s, opts, clock, emit)
 
     try:
@@ -372,4 +392,5 @@ async def run_replay(
     finally:
         await client.aclose()
     return ReplayRun(results=results, wall_s=time.perf_counter() - wall_t0,
-                     clock_s=clock.since_ms() / 1e3 if clock_ns is not now_ns else None)
+                     clock_s=clock.since_ms() / 1e3 if clock_ns is not now_ns else None,
+                     arrivals_late=len(late), arrival_lag_max_s=max(late, default=0.0))

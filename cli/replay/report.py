@@ -81,6 +81,12 @@ def summarize_run(label: str, run: ReplayRun, sessions: int) -> dict[str, Any]:
         out["cpu_s"] = None if run.cpu_s is None else round(run.cpu_s, 3)
         out["gateway_model"] = run.gateway_model
     warnings: list[str] = []
+    if run.arrivals_late:
+        out["arrivals_late"] = run.arrivals_late
+        warnings.append(
+            f"{run.arrivals_late} session(s) started up to {run.arrival_lag_max_s:.1f} s after their arrival: the "
+            f"replay's cap on sessions in flight held them, so the load was below the one asked for"
+        )
     if out["empty"]:
         warnings.append(
             f"{out['empty']} response(s) had no visible token (e.g. a cut-off tool call held back by the "

@@ -73,7 +73,9 @@ async def replay_sim(
     async with sim_stack(target.stack(), policy, gateway=LEARNING_OFF) as stack:
         assert stack.cluster is not None
         decode_times.watch_decoding(stack.cluster)
-        run_opts = dataclasses.replace(opts, model=opts.model or stack.model, time_scale=target.speed)
+        # In virtual time the network is in memory: no cap on sessions in flight (engine.OPEN_LOOP_CAP).
+        run_opts = dataclasses.replace(opts, model=opts.model or stack.model, time_scale=target.speed,
+                                       open_loop_cap=None if stack.virtual else opts.open_loop_cap)
         cpu0 = time.process_time()
         run = await run_replay(sessions, stack.url, run_opts, on_result,
                                clock_ns=loop_clock_ns() if stack.virtual else now_ns, lean_http=stack.virtual)

@@ -132,6 +132,27 @@ def test_open_loop_starts_sessions_at_their_offsets_and_rate_compresses_them() -
     assert 2000.0 > compressed[ids[1]] >= 250.0 > compressed[ids[0]]
 
 
+def test_a_capped_open_loop_counts_the_sessions_it_held_and_virtual_time_holds_none() -> None:
+    """On the wall clock the open loop caps the sessions in flight (sockets); a session the cap holds past its
+    arrival is counted and the report says the load was below the one asked for. In virtual time, where the
+    network is in memory, there is no cap: every session starts at its arrival."""
+    from kvtether.cli.replay.report import summarize_run
+    from kvtether.sim.virtual import run_virtual
+
+    sessions = _sessions(3, [0.0, 0.0, 0.0])
+    capped = ReplayOptions(arrivals="trace", open_loop_cap=1)
+    run = anyio.run(replay_sim, sessions, SimTarget("toy", speed=1.0), "auto", capped)
+    assert all(r.ok for r in run.results)
+    assert run.arrivals_late == 2 and run.arrival_lag_max_s > 0, (run.arrivals_late, run.arrival_lag_max_s)
+    summary = summarize_run("auto", run, len(sessions))
+    assert summary["arrivals_late"] == 2
+    assert any("below the one asked for" in w for w in summary["warnings"]), summary["warnings"]
+    virtual = run_virtual(replay_sim, sessions, SimTarget("toy", virtual=True), "auto", capped)
+    assert all(r.ok for r in virtual.results) and virtual.arrivals_late == 0
+    assert [r.start_ms for r in virtual.results if r.turn == 0] == [0.0, 0.0, 0.0]
+    assert "arrivals_late" not in summarize_run("auto", virtual, len(sessions))
+
+
 def test_cli_goodput_on_sim(tmp_path: Path) -> None:
     f = tmp_path / "trace.jsonl"
     write_sessions(f, _sessions(3, [0.0, 100.0, 200.0]))
