@@ -106,9 +106,14 @@ async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_e
     TPOT objective (simulated ms) the auto policy holds decode-local turns to (its tpot_budget_s);
     `ttft_objective_ms`: the TTFT objective its look-ahead never trades a turn past (its ttft_objective_s).
     `gateway_workers`: in virtual time, the gateway processes modelled (cli/simstack/gateway_cost.py)."""
+    # Connections to the nodes: as many as the cluster runs requests (every node's max_num_seqs), twice over for
+    # P/D's two legs, as an operator sizes them; the gateway's default (512) would cap the load where the nodes
+    # do not (chat at ×64 and more keeps hundreds of answers streaming on three nodes).
+    connections = max(512, 2 * (shape.prefill + shape.decode) * shape.preset.max_num_seqs)
     settings: dict[str, float | bool] = {
         "held_kv_budget": shape.held_kv_budget if shape.held_kv_budget is not None else 1.0,
-        "metrics_poll_interval_s": 0.5, "learn_estimates": learn_estimates}
+        "metrics_poll_interval_s": 0.5, "learn_estimates": learn_estimates,
+        "max_connections": connections}
     if tpot_objective_ms and option != COLOCATED:
         # The gateway runs on the real clock, the engines at `speed`: a simulated objective is 1/speed of it.
         settings["tpot_budget_s"] = tpot_objective_ms / 1000.0 / speed

@@ -200,3 +200,20 @@ def test_two_virtual_replays_in_two_processes_give_the_same_document(tmp_path: P
     assert all(r["ok"] == 12 for r in runs)
     assert len({json.dumps(r["ttft_ms"]) for r in runs}) == 3
     assert all(r["gateway_model"]["turns"] == 12 and r["virtual_s"] > 0 for r in runs)
+
+
+def test_a_simulated_option_s_gateway_has_a_connection_for_every_request_its_nodes_run() -> None:
+    """The gateway's default pool of connections to the nodes (512) is sized for no cluster in particular; the
+    simulated options' gateway gets as many as the nodes run requests, twice over for P/D's two legs, so that
+    a load the nodes carry is never held back by the gateway's pool."""
+    from kvtether.cli.assess.cluster import build_shape
+    from kvtether.cli.assess.topology import option_gateway
+
+    shape = build_shape(PRESET, prefill=1, decode=2)
+
+    async def limit(option: str) -> int:
+        async with option_gateway(option, shape, 1.0) as stack:
+            return int(stack.app.state.gateway.config.max_connections)
+
+    want = 2 * 3 * get_preset(PRESET).max_num_seqs
+    assert [run_virtual(limit, o) for o in ("colocated", "auto", "hybrid")] == [want] * 3
