@@ -57,11 +57,12 @@ async def gather(sv: Services, ctx: TurnContext, round_robin: int, progress: Pro
         prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx, progress)
         if prompt_ids is not None:
             reuse, decode_cached = _guard(sv, ctx, taken if has_handle else None, prompt_ids)
-    elif policy.sizes_pool_turns and (sv.cluster.pool_urls() or sv.config.starts_sessions_on_decode):
+    elif policy.sizes_pool_turns and (sv.cluster.pool_urls()
+                                      or (state is None and sv.config.starts_sessions_on_decode)):
         # On a pool even a first turn (or one gone cold) is weighed: which instance starts it, by itself or with a
         # prefill leg beside whose decodes, only its length can tell. Unweighed, its prefill would stall an
-        # instance's answers past their objective unchecked. So on P/D when a decode node may start a session
-        # over its quotas to keep the TTFT objective (decode_ttft_rescue).
+        # instance's answers past their objective unchecked. On P/D a first turn, when a decode node may start a
+        # session over its quotas to keep the TTFT objective (decode_ttft_rescue).
         prompt_ids = B.literal_prompt_ids(ctx.kind, ctx.body) or await tokenize(sv, ctx, progress)
     elif policy.tokenizes_prompts:
         _warm_tokenizer(sv, ctx)
