@@ -355,10 +355,8 @@ async def run_replay(
 
     open_loop = opts.arrivals == "trace"
     in_flight = (opts.open_loop_cap if open_loop else opts.concurrency) or len(sessions) or 1
-    # Room for every session in flight at once (each has at most one request out), as many idle ones as a closed
-    # loop keeps.
-    connections = max(1000, in_flight)
-    keepalive = connections if opts.open_loop_cap is None else 100
+    # Room for every session in flight at once (each has at most one request out); 100 kept idle.
+    connections, keepalive = max(1000, in_flight), 100
     client: httpx.AsyncClient | Upstream
     if lean_http:
         client = Upstream(UpstreamLimits(connect_timeout_s=opts.timeout_s, write_timeout_s=opts.timeout_s,
