@@ -16,12 +16,12 @@ the aggregated rows only.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from kvtether.cli.common.stats import percentile
 from starlette.types import Message, Receive, Scope, Send
 
 # The paths of the turns (the gateway's chat, completions, Responses and Messages endpoints).
@@ -181,16 +181,11 @@ class CostedGateway:
         now = self.clock()
         util = self.ledger.utilisation(now, self.cost.workers)
         peak = self.ledger.peak_utilisation(now, self.cost.workers)
-        waits = sorted(self.ledger.waits_s)
         return {**self.cost.to_json(), "turns": self.ledger.turns, "chunks": self.ledger.chunks,
                 "busy_s": round(self.ledger.busy_s, 6), "queued_s": round(self.ledger.queued_s, 6),
                 "utilisation": None if util is None else round(util, 4),
                 "peak_utilisation": None if peak is None else round(peak, 4), "peak_window_s": PEAK_WINDOW_S,
-                "queue_ms": {q: round(_quantile(waits, f) * 1e3, 3) if waits else None
-                             for q, f in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))},
+                "queue_ms": {k: None if (v := percentile(self.ledger.waits_s, q)) is None else round(v * 1e3, 3)
+                             for k, q in (("p50", 50.0), ("p99", 99.0), ("max", 100.0))},
                 "saturated": util is not None and util > SATURATED_UTILISATION}
 
-
-def _quantile(xs: list[float], f: float) -> float:
-    """The `f` quantile of sorted `xs` (nearest rank)."""
-    return xs[min(len(xs) - 1, max(0, math.ceil(f * len(xs)) - 1))]
