@@ -16,6 +16,7 @@ import anyio
 import uvicorn
 from kvtether.gateway.config import GatewayConfig, load_config
 from kvtether.gateway.shell.app import create_app
+from kvtether.gateway.shell.limits import raise_open_files_limit
 from kvtether.gateway.shell.workers import MULTIPROC_ENV, metrics_directory, sigint_to_supervisor_only
 from kvtether.gateway.stores.sessions import SessionStore
 from starlette.applications import Starlette
@@ -101,6 +102,8 @@ def run_gateway(config: GatewayConfig, log_level: str = "info", *, workers: int 
                               "timeout_keep_alive": int(config.client_keepalive_s), "loop": LOOP, "http": HTTP,
                               "ws": WS}
     quiet_upstream_client(log_level)
+    # Before uvicorn starts: its worker processes inherit the limit (shell/limits.py).
+    raise_open_files_limit(config.max_connections)
     if workers <= 1:
         uvicorn.run(create_app(config), **common)
         return
