@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-log = logging.getLogger("kvtether.gateway")
+log = logging.getLogger(__name__)
 
 # What a gateway process opens besides its relayed streams: the Redis pool (256 connections at most,
 # stores/redis.py), a poll and a health probe per node, the guard's /tokenize calls, log files.
