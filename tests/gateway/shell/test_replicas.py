@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -400,6 +401,9 @@ async def test_serve_workers_answer_one_sum_on_every_scrape(tmp_path: Path) -> N
     # cold (correct, as out.wrong shows); the shared store's reuse is the replica tests' above.
     assert after[0]["pulls"] + after[0]["later_cold"] == sent - len(sessions), after[0]
     assert after[0]["handles"] == after[0]["pulls"] >= 1, after[0]
+    if after[0]["later_cold"]:  # allowed, but shown in the run's summary with its reasons
+        warnings.warn(f"later turns went cold across two workers: "
+                      f"{ {k: v for k, v in after[0].items() if k.startswith('decided')} }", stacklevel=1)
     # Gauges: the live workers' latest value, not their sum.
     budget = load_config(config).held_kv_budget
     assert after[0]["budget"] == budget and after[0]["pinned"] == len(sessions), after[0]
