@@ -397,8 +397,9 @@ async def test_serve_workers_answer_one_sum_on_every_scrape(tmp_path: Path) -> N
     want = {"requests": sent, "ttft": sent, "decisions": sent, "first_turns": len(sessions)}
     assert {k: after[0][k] for k in want} == want, after[0]
     # Every later turn is counted once, pulled or cold, and every pull counted its handle, whichever worker ran
-    # it. How many go cold is not this test's: a store call past its timeout on a loaded machine sends a turn
-    # cold (correct, as out.wrong shows); the shared store's reuse is the replica tests' above.
+    # it. How many pull is the shared store's and the replica tests' above: here a later turn can go cold without
+    # any error logged (its answer still right, as out.wrong shows), so the count is not asserted, and the
+    # warning below names the reason when one does.
     assert after[0]["pulls"] + after[0]["later_cold"] == sent - len(sessions), after[0]
     assert after[0]["handles"] == after[0]["pulls"] >= 1, after[0]
     if after[0]["later_cold"]:  # allowed, but shown in the run's summary with its reasons
