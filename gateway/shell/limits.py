@@ -45,18 +45,18 @@ def plan(soft: int, hard: int, needed: int, *, unlimited: int = -1) -> OpenFiles
     if soft == unlimited or soft >= needed:
         return OpenFilesPlan(soft, False)
     target = max(needed, TARGET_FILES)
+    # Above `soft` either way: the target exceeds `needed`, which exceeds `soft`, and the hard limit is never below it.
     new = target if hard == unlimited else min(hard, target)
-    new = max(new, soft)
     return OpenFilesPlan(new, new < needed)
 
 
-def raise_open_files_limit(max_connections: int) -> OpenFilesPlan | None:
-    """Raise this process's soft limit on open files as :func:`plan` says; logs what it did. None where the
+def raise_open_files_limit(max_connections: int) -> None:
+    """Raise this process's soft limit on open files as :func:`plan` says, and log what it did; nothing where the
     platform has no such limit (no ``resource`` module)."""
     try:
         import resource
     except ImportError:  # Windows
-        return None
+        return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     needed = files_needed(max_connections)
     p = plan(soft, hard, needed, unlimited=resource.RLIM_INFINITY)
@@ -67,11 +67,10 @@ def raise_open_files_limit(max_connections: int) -> OpenFilesPlan | None:
             log.warning("open-file limit %d is below the %d that %d upstream connections and their clients need, "
                         "and raising it failed (%s): raise `ulimit -n` or lower max_connections", soft, needed,
                         max_connections, exc)
-            return OpenFilesPlan(soft, True)
+            return
         log.info("open-file limit raised from %d to %d (%d upstream connections and their clients need %d)",
                  soft, p.soft, max_connections, needed)
     if p.short:
         log.warning("open-file limit %d (the hard limit) is below the %d that %d upstream connections and their "
                     "clients need: past it connections fail; raise the hard limit (`ulimit -Hn`, systemd's "
                     "LimitNOFILE) or lower max_connections", p.soft, needed, max_connections)
-    return p
