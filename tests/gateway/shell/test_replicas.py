@@ -393,18 +393,21 @@ async def test_serve_workers_answer_one_sum_on_every_scrape(tmp_path: Path) -> N
     for name in COUNTED:
         series = [s[name] for s in during + after]
         assert all(b >= a for a, b in itertools.pairwise(series)), (name, series)
-    assert all(s == after[0] for s in after), after
+    # After the turns every scrape says the same (the evidence counts aside: a store call of the retention
+    # review's may still time out between two scrapes).
+    settled = [{k: v for k, v in s.items() if not k.startswith(_EVIDENCE_KEYS)} for s in after]
+    assert all(s == settled[0] for s in settled), settled
+    evidence = _cold_evidence(after[0], gws[0].log)  # what the failures below, and the warning, show
     want = {"requests": sent, "ttft": sent, "decisions": sent, "first_turns": len(sessions)}
-    assert {k: after[0][k] for k in want} == want, after[0]
+    assert {k: after[0][k] for k in want} == want, (after[0], evidence)
     # Every later turn is counted once, pulled or cold, and every pull counted its handle, whichever worker ran
-    # it. How many pull is the shared store's and the replica tests' above: here a later turn can go cold without
-    # any error logged (its answer still right, as out.wrong shows), so the count is not asserted, and the
-    # warning below names the reason when one does.
-    assert after[0]["pulls"] + after[0]["later_cold"] == sent - len(sessions), after[0]
-    assert after[0]["handles"] == after[0]["pulls"] >= 1, after[0]
-    if after[0]["later_cold"]:  # allowed, but shown in the run's summary with its reasons
-        warnings.warn(f"later turns went cold across two workers: "
-                      f"{ {k: v for k, v in after[0].items() if k.startswith('decided')} }", stacklevel=1)
+    # it. How many pull is the shared store's and the replica tests' above: here a later turn has gone cold on a
+    # loaded machine with every answer right (once in some hundred runs), so the count is not asserted, and the
+    # warning names what the gateway counted and logged when one does.
+    assert after[0]["pulls"] + after[0]["later_cold"] == sent - len(sessions), (after[0], evidence)
+    assert after[0]["handles"] == after[0]["pulls"] >= 1, (after[0], evidence)
+    if after[0]["later_cold"]:
+        warnings.warn(f"later turns went cold across two workers: {evidence}", stacklevel=1)
     # Gauges: the live workers' latest value, not their sum.
     budget = load_config(config).held_kv_budget
     assert after[0]["budget"] == budget and after[0]["pinned"] == len(sessions), after[0]
@@ -414,6 +417,20 @@ async def test_serve_workers_answer_one_sum_on_every_scrape(tmp_path: Path) -> N
 
 
 COUNTED = ("requests", "ttft", "decisions", "first_turns", "pulls", "handles", "later_cold")
+
+# What can send a later turn cold with every answer right, as scrape() keys them: a store call that timed out
+# (the turn then runs as if no handle were stored), a handle released or superseded, D's answer without one.
+_EVIDENCE = {"kvtether_store_failures_total": "store_failures", "kvtether_handle_releases_total": "releases",
+             "kvtether_handle_outcomes_total": "handle_outcomes",
+             "kvtether_stream_handles_missing_total": "stream_handles_missing",
+             "kvtether_upstream_errors_total": "upstream_errors"}
+_EVIDENCE_KEYS = tuple(_EVIDENCE.values())
+
+
+def _cold_evidence(scraped: dict[str, float], log: Path) -> str:
+    counts = {k: v for k, v in scraped.items() if k.startswith(("decided ", *_EVIDENCE_KEYS)) and v}
+    warned = [line for line in log.read_text(errors="replace").splitlines() if "WARNING" in line or "ERROR" in line]
+    return f"{counts}; the gateway's log: {warned[-5:] or 'no warning'}"
 
 
 async def scrape(http: httpx.AsyncClient, url: str) -> dict[str, float]:
@@ -438,6 +455,9 @@ async def scrape(http: httpx.AsyncClient, url: str) -> dict[str, float]:
                 out[f"healthy {s.labels['node']}"] = out.get(f"healthy {s.labels['node']}", 0.0) + s.value
             elif s.name == "kvtether_placement_decisions_total" and s.value:  # a failure's message says why
                 key = f"decided {s.labels['option']} {s.labels['reason']}"
+                out[key] = out.get(key, 0.0) + s.value
+            elif s.name in _EVIDENCE and s.value:
+                key = " ".join([_EVIDENCE[s.name], *(f"{k}={v}" for k, v in sorted(s.labels.items()))])
                 out[key] = out.get(key, 0.0) + s.value
     return out
 
