@@ -107,7 +107,10 @@ class GatewayConfig:
     # A cold prefill that has not answered within this long is abandoned and retried on another prefill node:
     # far above any real prefill (a 128k-token prompt on a slow node), so only a stuck one hits it.
     prefill_timeout_s: float = 600.0
-    max_connections: int = 512
+    # Upstream connections of the completion legs, per gateway process: a streamed turn holds one for its whole
+    # answer, so this bounds the turns a process relays at once (two nodes at vLLM's 1,024 sequences each).
+    # Past it a turn waits for one before any node sees it (kvtether_upstream_connection_waits_total).
+    max_connections: int = 2048
     max_keepalive_connections: int = 64
     # Idle upstream connections are dropped before the server's keep-alive timeout (uvicorn and vLLM:
     # 5 s), or a request sent on a connection the server is closing fails with a read error.

@@ -145,6 +145,10 @@ STREAM_ENDS = ("complete", "client_left", "broken")
 M_HANDLE_OUTCOMES = "kvtether_handle_outcomes_total"
 M_PINNED_SESSIONS = "kvtether_pinned_sessions"
 M_UPSTREAM_ERRORS = "kvtether_upstream_errors_total"
+# Completion legs that found every upstream connection of their gateway process taken (max_connections) and
+# waited for one, and their seconds waiting: time in the gateway before any node sees the request.
+M_CONNECTION_WAITS = "kvtether_upstream_connection_waits_total"
+M_CONNECTION_WAIT_SECONDS = "kvtether_upstream_connection_wait_seconds_total"
 M_REUSED_TOKENS = "kvtether_reused_tokens_total"
 M_OFFERED_TOKENS = "kvtether_offered_tokens_total"
 M_PROMPT_TOKENS = "kvtether_prompt_tokens_total"
@@ -241,6 +245,10 @@ class Metrics:
                                      multiprocess_mode="livemostrecent")
         self.upstream_errors = Counter(M_UPSTREAM_ERRORS, "Upstream failures by node and phase", ["node", "phase"],
                                        registry=r)
+        self.connection_waits = Counter(M_CONNECTION_WAITS, "Upstream requests that waited for a free connection "
+                                        "(every one of max_connections taken)", registry=r)
+        self.connection_wait_seconds = Counter(M_CONNECTION_WAIT_SECONDS, "Seconds upstream requests waited for a "
+                                               "free connection", registry=r)
         # What the engine reported it did not compute, by where it came from (guard/readback.py); beside what the
         # gateway offered, so a handle that was sent and not read shows as the gap between the two.
         self.reused_tokens = Counter(M_REUSED_TOKENS, "Prompt tokens a node reported it did not compute, by source",
@@ -341,6 +349,11 @@ class Metrics:
         the start (P/D mode: aggregated turns are not placed by a policy)."""
         for option, reason in series:
             self.placement_decisions.labels(option, reason)
+
+    def connection_waited(self, seconds: float) -> None:
+        """An upstream request waited `seconds` for a connection slot (transport/upstream.py)."""
+        self.connection_waits.inc()
+        self.connection_wait_seconds.inc(seconds)
 
     def observe_ttft(self, source: str, mode: str, seconds: float, overhead_s: float | None = None) -> None:
         """One turn's TTFT and, when known, the gateway's own share of it."""

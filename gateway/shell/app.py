@@ -91,7 +91,7 @@ class Gateway:
             connect_timeout_s=config.connect_timeout_s, write_timeout_s=config.write_timeout_s,
             pool_timeout_s=config.pool_timeout_s, max_connections=config.max_connections,
             max_keepalive_connections=config.max_keepalive_connections,
-            keepalive_expiry_s=config.keepalive_expiry_s), clock=clock)
+            keepalive_expiry_s=config.keepalive_expiry_s), clock=clock, on_wait=self.metrics.connection_waited)
         # The /metrics polls: a lean client of their own, so that a poll never waits for a slot behind turns.
         # Its idle connections live longer than the legs' (one poll interval is 2 s by default), yet below
         # the 5 s after which vLLM's uvicorn closes an idle connection (VLLM_HTTP_TIMEOUT_KEEP_ALIVE).

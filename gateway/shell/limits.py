@@ -3,7 +3,7 @@
 A relayed stream holds two sockets, the client's and its upstream leg's, so a gateway at its upstream pool's
 bound (``max_connections``) holds about twice that many, plus its own: the Redis pool, the node polls, the
 guard's ``/tokenize`` calls, logs. Linux starts a process with the soft limit its parent had, often 1,024 (a shell,
-a systemd service), which the default pool alone (512 legs and their clients) overruns: past it ``accept()`` and
+a systemd service), which the default pool alone (2,048 legs and their clients) overruns: past it ``accept()`` and
 ``connect()`` fail with EMFILE, and turns fail as 5xx while the machine is idle. So ``kvtether serve`` raises its
 soft limit, as vLLM's API server does its own (to 65,536), up to the hard limit the system allows, and says so
 when even that is short. A Kubernetes container's limit is usually far above either (its runtime's default).

@@ -44,7 +44,7 @@ class UpstreamLimits:
     connect_timeout_s: float = 5.0
     write_timeout_s: float = 30.0
     pool_timeout_s: float = 30.0
-    max_connections: int = 512
+    max_connections: int = 2048  # GatewayConfig's default too
     max_keepalive_connections: int = 64  # GatewayConfig's default too
     keepalive_expiry_s: float = 2.0
 
@@ -289,9 +289,13 @@ class UpstreamResponse:
 class Upstream:
     """Keep-alive connections to the nodes, at most ``max_connections`` open at once."""
 
-    def __init__(self, limits: UpstreamLimits | None = None, clock: Clock = DEFAULT_CLOCK) -> None:
+    def __init__(self, limits: UpstreamLimits | None = None, clock: Clock = DEFAULT_CLOCK,
+                 on_wait: Callable[[float], None] | None = None) -> None:
         self.limits = limits or UpstreamLimits()
-        self.clock = clock  # the gateway's (clock.py): idle connections' expiry
+        self.clock = clock  # the gateway's (clock.py): idle connections' expiry, and the waits for a slot
+        # Told the seconds a request waited because every slot was taken (whether it then got one or gave up):
+        # the wait happens before any node sees the request, so only the gateway can count it.
+        self.on_wait = on_wait
         self._idle: dict[tuple[str, str, int], deque[_Connection]] = {}
         self._idle_count = 0
         self._free = self.limits.max_connections  # connection slots not taken
@@ -321,6 +325,7 @@ class Upstream:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue.append(fut)
         bound = self.limits.pool_timeout_s
+        t0 = self.clock()
         try:
             await _bounded(fut, bound, lambda: httpx.PoolTimeout(f"no connection free within {bound:g} s"))
         except BaseException:
@@ -329,6 +334,9 @@ class Upstream:
             elif fut in self._queue:
                 self._queue.remove(fut)
             raise
+        finally:
+            if self.on_wait is not None:
+                self.on_wait(self.clock() - t0)
 
     def _give_slot(self) -> None:
         while self._queue:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kvtether.gateway.config import GatewayConfig
 from kvtether.gateway.shell.limits import RESERVED_FILES, TARGET_FILES, OpenFilesPlan, files_needed, plan
 
 from tests.support.processes import kill_tree
@@ -21,8 +22,9 @@ INF = resource.RLIM_INFINITY
 
 
 def test_the_default_pool_needs_more_than_the_common_soft_limit() -> None:
-    # 512 legs, their 512 clients and the process's own files: above the 1,024 a shell or systemd starts with.
-    assert files_needed(512) == 1024 + RESERVED_FILES > 1024
+    # 2,048 legs, their 2,048 clients and the process's own files: far above the 1,024 a shell or systemd starts
+    # with.
+    assert files_needed(GatewayConfig().max_connections) == 4096 + RESERVED_FILES > 1024
 
 
 @pytest.mark.parametrize(("soft", "hard", "needed", "expected"), [
@@ -73,9 +75,9 @@ def _serve_under(soft: int, hard: int, log: Path, said: str) -> tuple[int, str]:
 
 @pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="reads the limit from /proc")
 def test_serve_raises_a_low_soft_limit_to_the_hard_one(tmp_path: Path) -> None:
-    soft, line = _serve_under(512, 4096, tmp_path / "serve.log", "open-file limit raised")
-    assert soft == 4096
-    assert "raised from 512 to 4096" in line and "need 1280" in line
+    soft, line = _serve_under(512, 8192, tmp_path / "serve.log", "open-file limit raised")
+    assert soft == 8192
+    assert "raised from 512 to 8192" in line and "need 4352" in line
     assert "WARNING" not in (tmp_path / "serve.log").read_text(errors="replace")
 
 
@@ -83,4 +85,4 @@ def test_serve_raises_a_low_soft_limit_to_the_hard_one(tmp_path: Path) -> None:
 def test_serve_says_when_the_hard_limit_is_below_what_it_needs(tmp_path: Path) -> None:
     soft, line = _serve_under(512, 1000, tmp_path / "serve.log", "the hard limit")
     assert soft == 1000
-    assert "WARNING" in line and "open-file limit 1000 (the hard limit) is below the 1280" in line
+    assert "WARNING" in line and "open-file limit 1000 (the hard limit) is below the 4352" in line

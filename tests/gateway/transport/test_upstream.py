@@ -280,6 +280,29 @@ async def test_connections_are_bounded_and_a_request_waits_for_one_up_to_the_poo
         assert got == [b"echo:3:1"] and s.connections == 1
 
 
+async def test_a_request_that_waits_for_a_connection_says_how_long_whether_it_gets_one_or_not() -> None:
+    waits: list[float] = []
+    async with echo_server() as s:
+        loop = asyncio.get_running_loop()  # virtual time: the waits are exact
+        up = Upstream(UpstreamLimits(max_connections=1, pool_timeout_s=0.2), clock=loop.time, on_wait=waits.append)
+        held = await up.send("POST", s.url + "/a", b"1")
+        assert waits == []  # a free slot: no wait
+        with pytest.raises(httpx.PoolTimeout):
+            await up.send("POST", s.url + "/a", b"2")
+        assert waits == [pytest.approx(0.2, abs=1e-9)]  # gave up at the pool timeout: counted too
+        async with anyio.create_task_group() as tg:
+            got: list[bytes] = []
+
+            async def second() -> None:
+                got.append(await (await up.send("POST", s.url + "/a", b"3")).read())
+
+            tg.start_soon(second)
+            await anyio.sleep(0.15)
+            await held.read()  # frees the slot 0.15 s into the second request's wait
+        assert got == [b"echo:3:1"]
+        assert waits[1] == pytest.approx(0.15, abs=1e-3)
+
+
 async def test_a_header_that_could_split_the_request_is_refused_before_anything_is_sent() -> None:
     async with echo_server() as s:
         up = Upstream()
