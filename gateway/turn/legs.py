@@ -40,6 +40,9 @@ from kvtether.gateway.turn.stream import Stream, read_preamble
 from opentelemetry import trace
 
 _JSON = {"content-type": "application/json"}
+# Retry-After of a turn refused because every upstream connection of the process was taken: streams end within
+# seconds, so a second is when one may well be free.
+GATEWAY_BUSY_RETRY_S = 1.0
 
 
 @dataclass
@@ -246,8 +249,17 @@ async def _post(sv: Services, ctx: TurnContext, node: str, payload: dict[str, An
     """A leg's request to `node`, up to its answer's head (`read_timeout` bounds each wait for the node's bytes)."""
     # Bodies are serialized by orjson (B.dumps), several times faster than the stdlib for long histories.
     headers = {**sv.upstream_headers(ctx, span), **_JSON}
-    return await sv.upstream.send("POST", f"{node}{PATHS[ctx.kind]}", B.dumps(payload), headers,
-                                  read_timeout=read_timeout)
+    try:
+        return await sv.upstream.send("POST", f"{node}{PATHS[ctx.kind]}", B.dumps(payload), headers,
+                                      read_timeout=read_timeout)
+    except httpx.PoolTimeout:
+        # Every upstream connection of this process stayed taken for pool_timeout_s: the gateway is full, not
+        # the node, which never saw the request. A node failure would count it against the node (three in a row
+        # take a healthy one out, and its turns then crowd the others) and retry the turn elsewhere, into the
+        # same full pool; the client is told to come back instead.
+        raise GatewayError(503, f"the gateway is relaying as many turns as it may (max_connections = "
+                                f"{sv.upstream.limits.max_connections}); retry later", code="gateway_busy",
+                           retry_after_s=GATEWAY_BUSY_RETRY_S) from None
 
 
 def _json_or_none(resp: UpstreamResponse) -> Any:

@@ -309,3 +309,30 @@ async def test_a_tenant_naming_another_tenants_session_is_answered_cold_never_wi
         admin = await r.client.get(f"{r.url}/admin/sessions", headers={"authorization": "Bearer admin-key-0003"})
         assert sorted(s["session_id"] for s in admin.json()) == ["A/shared", "B/shared"]
         assert "key-tenant" not in json.dumps(admin.json())
+
+
+async def test_a_full_upstream_pool_is_the_gateways_503_and_never_counts_against_a_node() -> None:
+    """One upstream connection and a pool timeout shorter than an answer: of three turns at once, those that
+    find the connection taken for that long get a 503 that says the gateway is busy, with Retry-After; no node
+    is counted failing (it never saw them), every node stays in service, and the next turn is answered."""
+    async with rig(prefill=1, decode=2, max_connections=1, pool_timeout_s=0.0001) as r:
+        async def turn(session: int, out: list[httpx.Response]) -> None:
+            out.append(await r.client.post(f"{r.url}/v1/chat/completions",
+                                           json=request_body(first_messages(session), stream=False),
+                                           headers={"x-session-id": f"full-{session}"}))
+
+        answers: list[httpx.Response] = []
+        async with anyio.create_task_group() as tg:
+            for session in (1, 2, 3):
+                tg.start_soon(turn, session, answers)
+        refused = [a for a in answers if a.status_code != 200]
+        assert refused and len(refused) < 3, [a.status_code for a in answers]
+        for a in refused:
+            assert a.status_code == 503 and a.json()["error"]["code"] == "gateway_busy", a.text
+            assert int(a.headers["retry-after"]) == 1
+        assert await metric(r.client, r.url, "kvtether_upstream_errors_total") == 0
+        assert await metric(r.client, r.url, "kvtether_upstream_connection_waits_total") >= len(refused)
+        assert all(n.healthy for n in r.gw.cluster.nodes.values())
+        body = request_body(first_messages(4), stream=False)
+        assert comparable(await chat(r.client, r.url, body)) == comparable(await chat(r.client, r.oracle, body,
+                                                                                      clean=False))
