@@ -63,6 +63,12 @@ async def prefill_with_recovery(sv: Services, ctx: TurnContext, progress: Progre
     for _ in range(1 + len(sv.cluster.role("prefill"))):
         try:
             return await prefill(sv, ctx, progress, placed, kv), placed
+        except GatewayError:
+            if kv is not None:
+                # Refused before P saw it (the gateway's connections all taken): the handle was taken from the
+                # store for this leg alone, so D would hold its blocks for nothing until its TTL.
+                sv.release(kv, ctx.state.decode if ctx.state is not None else None, ReleaseReason.UNUSED)
+            raise
         except UpstreamFailure as failure:
             sv.count_error(failure)
             if kv is not None:

@@ -336,3 +336,34 @@ async def test_a_full_upstream_pool_is_the_gateways_503_and_never_counts_against
         body = request_body(first_messages(4), stream=False)
         assert comparable(await chat(r.client, r.url, body)) == comparable(await chat(r.client, r.oracle, body,
                                                                                       clean=False))
+
+
+async def test_a_handle_taken_for_a_turn_the_full_pool_refused_is_released_not_left_held() -> None:
+    """A session's later turn takes its handle from the store, then finds the gateway's one connection held by
+    another session's stream: refused 503, and the handle it can no longer use is released on D at once
+    (it would hold D's blocks until the engine's TTL); the client's retry runs cold and is answered right."""
+    async with rig(prefill=1, decode=1, max_connections=1, pool_timeout_s=0.0001) as r:
+        a = {"x-session-id": "held-a"}
+        messages = first_messages(1)
+        got = await chat(r.client, r.url, request_body(messages, stream=False), a)
+        messages = next_messages(messages, got, 1, 0)
+        released = await metric(r.client, r.url, "kvtether_handle_releases_total", reason="unused")
+        async with r.client.stream("POST", f"{r.url}/v1/chat/completions",
+                                   json=request_body(first_messages(2), stream=True),
+                                   headers={"x-session-id": "held-b"}) as stream:
+            lines = stream.aiter_lines()
+            while not (await anext(lines)).startswith("data:"):  # B's answer is streaming: its leg holds the pool
+                pass
+            refused = await r.client.post(f"{r.url}/v1/chat/completions",
+                                          json=request_body(messages, stream=False), headers=a)
+            async for _ in lines:
+                pass
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "gateway_busy", refused.text
+        # The release goes out off the request path: done within a second (virtual time: no wall time).
+        with anyio.fail_after(1.0):
+            while await metric(r.client, r.url, "kvtether_handle_releases_total", reason="unused") == released:  # noqa: ASYNC110 - a scraped counter, no event
+                await anyio.sleep(0.01)
+        assert await metric(r.client, r.url, "kvtether_handle_releases_total", reason="unused") == released + 1
+        body = request_body(messages, stream=False)
+        assert comparable(await chat(r.client, r.url, body, a)) == comparable(await chat(r.client, r.oracle, body,
+                                                                                         clean=False))
