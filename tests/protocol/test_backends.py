@@ -20,6 +20,7 @@ import anyio
 import httpx
 import pytest
 from kvtether.protocol.wire import LOCAL_RETAIN_PARAMS
+from kvtether.sim.virtual import VirtualLoop
 
 from tests.support.vllm_fixtures import (
     DECODE_TTL_S,
@@ -70,6 +71,16 @@ async def _sim_backend() -> AsyncIterator[Backend]:
             model=str(model),
             token_range=(16, max(17, min(vocab, 4000))),
         )
+
+
+@pytest.fixture
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    """The simulator's runs on virtual time (sim/virtual.py), so its waits for a TTL take no wall time; the real
+    pair's on a plain loop (real sockets, real seconds)."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "sim":
+        return "asyncio", {"loop_factory": VirtualLoop}
+    return "asyncio"
 
 
 @pytest.fixture(params=["sim", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.timeout(900)])])
