@@ -79,7 +79,7 @@ import httpx
 from kvtether.cli import simstack
 from kvtether.cli.gen.generate import parse_mix
 from kvtether.cli.simstack import StackSpec, StackTimes, sim_stack
-from kvtether.cli.streaming import StreamFailure, stream_answer
+from kvtether.cli.streaming import StreamFailure, loop_clock_ns, now_ns, stream_answer
 from kvtether.gateway.config import load_config
 from kvtether.gateway.policy import PolicyKnobs
 from kvtether.gateway.policy.retention import RELEASE_REASONS, RetentionKnobs
@@ -87,6 +87,7 @@ from kvtether.gateway.telemetry import HANDLE_OUTCOMES, RELEASE_FAILURES
 from kvtether.protocol.contract import FINAL_HEADER
 from kvtether.sim.cluster import SimCluster
 from kvtether.sim.presets import get_preset
+from kvtether.sim.virtual import run_virtual
 from placement_policies import (  # benchmarks/ is on sys.path when run as a script
     MODEL,
     SIM_SECONDS_KNOBS,
@@ -226,7 +227,7 @@ def hold_demand(plans: list[SessionPlan], args: argparse.Namespace) -> tuple[flo
 # ---- a turn ---------------------------------------------------------------------------------------------
 
 async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
-                speed: float) -> tuple[dict[str, Any], float, float | None, int, int, str]:
+                speed: float, virtual: bool) -> tuple[dict[str, Any], float, float | None, int, int, str]:
     """One streamed turn: (answer, TTFT, TPOT (simulated s), prompt tokens, reused tokens, reuse source).
 
     TTFT and TPOT are the CLI's streaming client's (kvtether.cli.streaming): the first token of any kind, and
@@ -234,7 +235,8 @@ async def _chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], heade
     KV (the gateway's x-kvtether-reuse-tokens, P's own cached_tokens); on a decode-local turn D's prefix-cache
     hit (its usage's cached_tokens), measured by the engine, not the gateway's estimate."""
     try:
-        got = await stream_answer(client, f"{url}/v1/chat/completions", body, headers)
+        got = await stream_answer(client, f"{url}/v1/chat/completions", body, headers,
+                                  clock_ns=loop_clock_ns() if virtual else now_ns)
     except StreamFailure as e:
         raise RuntimeError(e.message) from e
     r = got.reader
@@ -260,7 +262,8 @@ async def _session(client: httpx.AsyncClient, gw: str, s: int, plan: SessionPlan
                 "max_tokens": args.output, "min_tokens": args.output, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         try:
-            answer, ttft, tpot, prompt, reused, source = await _chat(client, gw, body, headers, args.speed)
+            answer, ttft, tpot, prompt, reused, source = await _chat(client, gw, body, headers, args.speed,
+                                                                     args.virtual)
         except (RuntimeError, httpx.HTTPError) as exc:
             result.errors += 1
             print(f"  {result.run} session {s} turn {t}: {exc!r}", file=sys.stderr)
@@ -342,7 +345,7 @@ async def _sample(cluster: SimCluster, app: Any, args: argparse.Namespace, resul
     """D's memory every --sample-s simulated seconds, read off the engines (in process) and the gateway."""
     gw_nodes = {n.url: n for n in app.state.gateway.cluster.role("decode")}
     while True:
-        at = (time.perf_counter() - start) * args.speed
+        at = (asyncio.get_running_loop().time() - start) * args.speed
         for i, url in enumerate(cluster.decode_urls):
             e = cluster.node(url).engine
             held = {id(b) for h in e.holds.all("retained") for b in h.blocks}
@@ -391,7 +394,7 @@ async def run_one(name: str, plans: list[SessionPlan], system: str, args: argpar
         result.decode_tokens = d0.pool.num_blocks * get_preset(args.preset).block_size
         limits = httpx.Limits(max_connections=args.sessions + 50, keepalive_expiry=2.0)
         async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
-            start = time.perf_counter()
+            start = asyncio.get_running_loop().time()  # virtual time on a virtual loop
             sampler = asyncio.ensure_future(_sample(cluster, app, args, result, start))
             try:
                 await asyncio.gather(*(_session(client, gw, s, p, system, args, result) for s, p in enumerate(plans)))
@@ -565,13 +568,16 @@ def header(args: argparse.Namespace, plans: list[SessionPlan]) -> str:
         f"{both(args.ttl_s - SESSION_TTL_MARGIN_S)}, engine_kv_ttl_s {both(args.ttl_s)}, retention_interval_s "
         f"{both(RETENTION_INTERVAL_S)}, the expected first gap {both(FIRST_GAP_S)}, sweep_interval_s "
         f"{both(SWEEP_S)}; compute is not scaled (the preset's GPU times). "
-        f"The simulator runs at speed {sp:g} (simulated s per real s): the gateway gets each of those times as "
-        f"simulated / {sp:g} real s, its estimator seeds and TPOT budget likewise; its /metrics poll every "
-        f"{METRICS_POLL_REAL_S:g} real s. Every reported time is SIMULATED (client real × {sp:g}).\n"
-        f"no-pull: nodes without bidirectional_kv_xfer (classic P/D). Reuse rate: prompt tokens of turns ≥ 1 whose "
-        f"KV came from D's held history (pulled by P, or D's prefix cache on a decode-local turn; "
-        f"engine-reported) over those turns' prompt tokens. Pulls / turns with a handle: the gateway's "
-        f"kvtether_handle_outcomes_total attached + truncated over all its outcomes."
+        + (f"The run is in virtual time (--virtual): the clients, the gateway and the simulated nodes share one "
+           f"simulated clock, exact and repeatable; the gateway's /metrics poll every {METRICS_POLL_REAL_S:g} s of "
+           f"it. Every reported time is SIMULATED.\n" if args.virtual else
+           f"The simulator runs at speed {sp:g} (simulated s per real s): the gateway gets each of those times as "
+           f"simulated / {sp:g} real s, its estimator seeds and TPOT budget likewise; its /metrics poll every "
+           f"{METRICS_POLL_REAL_S:g} real s. Every reported time is SIMULATED (client real × {sp:g}).\n")
+        + "no-pull: nodes without bidirectional_kv_xfer (classic P/D). Reuse rate: prompt tokens of turns ≥ 1 whose "
+        "KV came from D's held history (pulled by P, or D's prefix cache on a decode-local turn; "
+        "engine-reported) over those turns' prompt tokens. Pulls / turns with a handle: the gateway's "
+        "kvtether_handle_outcomes_total attached + truncated over all its outcomes."
     )
 
 
@@ -609,6 +615,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="divide every workload and retention time (arrivals, think times, the engine's TTL, the "
                          "gateway's session TTL, review interval) by this; compute is not scaled")
     ap.add_argument("--speed", type=float, default=1.0, help="simulated seconds per real second")
+    ap.add_argument("--virtual", action="store_true",
+                    help="run in virtual time (docs/simulator.md): exact and repeatable, the gateway's CPU modelled, "
+                         "taking the CPU the run needs rather than its simulated seconds; the speed is then 1")
     ap.add_argument("--sample-s", type=float, default=1.0, help="D's memory is sampled every this many simulated s")
     ap.add_argument("--late-turn", type=int, default=5, help="late turns: this index on (0-based)")
     ap.add_argument("--seed", type=int, default=0)
@@ -616,9 +625,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (< 60 s)")
     args = ap.parse_args(argv)
+    if args.virtual and args.speed != ap.get_default("speed"):
+        ap.error("--speed is for runs on the wall clock: virtual time is exact at speed 1")
     if args.quick:
         for k, v in QUICK.items():
-            if getattr(args, k) == ap.get_default(k):
+            if getattr(args, k) == ap.get_default(k) and not (k == "speed" and args.virtual):
                 setattr(args, k, v)
     if not 0.0 <= args.final_share <= 1.0:
         ap.error("--final-share must be in [0, 1]")
@@ -648,7 +659,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     logging.getLogger("kvtether.sim").setLevel(logging.ERROR)
     plans = make_plans(args)
     print(header(args, plans) + "\n", flush=True)
-    results = asyncio.run(run_all(args, plans))
+    results = run_virtual(run_all, args, plans) if args.virtual else asyncio.run(run_all(args, plans))
     s = {name: summary(r, args.late_turn) for name, r in results.items()}
     print(table(s, args.late_turn))
     v = verdict(s)

@@ -1,9 +1,9 @@
 """`benchmarks/retention.py`: decode memory under many agent sessions, on the simulator.
 
-The benchmark's figures are not checked here (speed depends on the machine); what is: the workload it generates
-(who ends with a signal, time scaling), and that a `--quick` run prints its table for every run with figures
-that can be true at all: the reference proxy releases nothing, auto releases, no held-KV share above 1, classic
-P/D holds nothing, and no run loses a turn.
+The benchmark's figures are not checked here; what is: the workload it generates (who ends with a signal, time
+scaling), and that a `--quick` run (in virtual time) prints its table for every run with figures that can be true
+at all: the reference proxy releases nothing, auto releases, no held-KV share above 1, classic P/D holds nothing,
+and no run loses a turn.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_an_unknown_run_is_refused_before_anything_runs() -> None:
 
 def test_quick_run_prints_every_run_with_sane_figures(capsys: pytest.CaptureFixture[str]) -> None:
     bench = _bench()
-    bench.main(["--quick", "--json"])
+    bench.main(["--quick", "--json", "--virtual"])
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert "| metric | " + " | ".join(RUNS) + " |" in lines
