@@ -311,6 +311,29 @@ async def test_a_tenant_naming_another_tenants_session_is_answered_cold_never_wi
         assert "key-tenant" not in json.dumps(admin.json())
 
 
+
+@pytest.mark.parametrize("max_connections", [1, None])
+async def test_turns_that_wait_for_an_upstream_connection_are_counted(max_connections: int | None) -> None:
+    """Three sessions' first turns at once through a gateway process with one upstream connection: the turns
+    queue for it in the gateway, before any node sees them, and only the gateway can say so. With the default
+    bound none waits."""
+    async with rig(prefill=1, decode=2, **({"max_connections": max_connections} if max_connections else {})) as r:
+        async def turn(session: int) -> None:
+            await chat(r.client, r.url, request_body(first_messages(session), stream=True),
+                       {"x-session-id": f"wait-{session}"})
+
+        async with anyio.create_task_group() as tg:
+            for session in (1, 2, 3):
+                tg.start_soon(turn, session)
+        waits = await metric(r.client, r.url, "kvtether_upstream_connection_waits_total")
+        seconds = await metric(r.client, r.url, "kvtether_upstream_connection_wait_seconds_total")
+        assert await metric(r.client, r.url, "kvtether_requests_total", route="chat", status="2xx") == 3
+    if max_connections:
+        # Each turn's two legs take the one connection in turn: at least the two turns behind the first waited.
+        assert waits >= 2 and seconds > 0, (waits, seconds)
+    else:
+        assert waits == 0 and seconds == 0
+
 async def test_a_full_upstream_pool_is_the_gateways_503_and_never_counts_against_a_node() -> None:
     """One upstream connection and a pool timeout shorter than an answer: of three turns at once, those that
     find the connection taken for that long get a 503 that says the gateway is busy, with Retry-After; no node

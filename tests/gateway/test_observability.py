@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 from kvtether.cli.simstack import sim_stack
@@ -273,28 +272,3 @@ def test_sampler_comes_from_the_standard_variables(monkeypatch: pytest.MonkeyPat
     provider = T.make_provider([])
     assert provider.sampler.get_description() == "AlwaysOffSampler"  # type: ignore[attr-defined]
 
-
-@pytest.mark.parametrize("max_connections", [1, None])
-async def test_turns_that_wait_for_an_upstream_connection_are_counted(max_connections: int | None) -> None:
-    """Three sessions' first turns at once through a gateway process with one upstream connection: the turns
-    queue for it in the gateway, before any node sees them, and only the gateway can say so. With the default
-    bound none waits."""
-    gateway = {"max_connections": max_connections} if max_connections else {}
-    async with sim_stack(stack_spec(decode=2, speed=SPEED, **RIG_SIM), "pull", gateway=gateway,
-                         calibrated=False) as stack, httpx.AsyncClient(timeout=60) as client:
-        async def turn(session: int) -> None:
-            await chat(client, stack.url, request_body(first_messages(session), stream=True),
-                       {"x-session-id": f"wait-{session}"})
-
-        async with anyio.create_task_group() as tg:
-            for session in (1, 2, 3):
-                tg.start_soon(turn, session)
-        m = _samples((await client.get(f"{stack.url}/metrics")).text)
-    waits = m["kvtether_upstream_connection_waits_total{}"]
-    seconds = m["kvtether_upstream_connection_wait_seconds_total{}"]
-    assert m["kvtether_requests_total{route=chat,status=2xx}"] == 3
-    if max_connections:
-        # Each turn's two legs take the one connection in turn: at least the two turns behind the first waited.
-        assert waits >= 2 and seconds > 0, (waits, seconds)
-    else:
-        assert waits == 0 and seconds == 0
