@@ -1,6 +1,7 @@
 """The gateway under faults and hostile clients, against the simulator: bad requests never take a node out,
 nodes come back on their own, stuck or unreachable nodes are routed around, a 5xx storm opens the breaker
-with clean 503s, clients that leave leak nothing, and tenants never share a session."""
+with clean 503s, a full upstream pool is the gateway's own 503 (counted, never a node's failure), clients that
+leave leak nothing, and tenants never share a session."""
 
 from __future__ import annotations
 
