@@ -60,6 +60,7 @@ async def prefill_with_recovery(sv: Services, ctx: TurnContext, progress: Progre
     or failed pull errors the prefill), a failed P is replaced by another (`replan`) while one is left. Returns
     what P did and the placement it did it in (the re-placement, after a failed P); a failed P joins the nodes
     the turn's `progress` avoids."""
+    holder = ctx.state.decode if ctx.state is not None else None  # the decode node that holds the handle, if any
     for _ in range(1 + len(sv.cluster.role("prefill"))):
         try:
             return await prefill(sv, ctx, progress, placed, kv), placed
@@ -67,7 +68,7 @@ async def prefill_with_recovery(sv: Services, ctx: TurnContext, progress: Progre
             if kv is not None:
                 # Refused before P saw it (the gateway's connections all taken): the handle was taken from the
                 # store for this leg alone, so D would hold its blocks for nothing until its TTL.
-                sv.release(kv, ctx.state.decode if ctx.state is not None else None, ReleaseReason.UNUSED)
+                sv.release(kv, holder, ReleaseReason.UNUSED)
             raise
         except UpstreamFailure as failure:
             sv.count_error(failure)
@@ -76,7 +77,7 @@ async def prefill_with_recovery(sv: Services, ctx: TurnContext, progress: Progre
                 ctx.span.set_attribute(T.ATTR_RETRIED, True)
                 # P may or may not have told D it is done with the handle: a release makes sure (a notify
                 # for a hold already freed is only a log line on D).
-                sv.release(kv, ctx.state.decode if ctx.state is not None else None, ReleaseReason.UNUSED)
+                sv.release(kv, holder, ReleaseReason.UNUSED)
                 kv = None
                 continue
             if not failure.node_fault:

@@ -271,4 +271,3 @@ def test_sampler_comes_from_the_standard_variables(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
     provider = T.make_provider([])
     assert provider.sampler.get_description() == "AlwaysOffSampler"  # type: ignore[attr-defined]
-
