@@ -86,6 +86,9 @@ class Settings:
     # Gateway processes, each modelled in virtual time as a server of measured per-turn cost
     # (cli/simstack/gateway_cost.py): at high load one process's CPU, not the GPUs, is the knee.
     gateway_workers: int = 1
+    # [gateway.tuning] overrides for the options kvtether places (not colocated serving), e.g. a rule under
+    # evaluation switched on: (key, value) pairs, as --tuning KEY=VALUE gave them.
+    tuning: tuple[tuple[str, Any], ...] = ()
 
 
 def _with_arrivals(sessions: list[Any], mean_gap_ms: float, seed: int) -> list[Any]:
@@ -175,7 +178,7 @@ async def run_one(option: str, sessions: list[Any], shape: Any, rate: float, st:
     t0, cpu0 = time.perf_counter(), time.process_time()
     speed = 1.0 if st.virtual else st.speed
     async with option_gateway(option, shape, speed, False, decode_times, st.tpot_ms, st.ttft_ms,
-                              gateway_workers=st.gateway_workers) as stack:
+                              gateway_workers=st.gateway_workers, tuning=dict(st.tuning)) as stack:
         opts = ReplayOptions(arrivals="trace", rate=rate, time_scale=speed, model=stack.model, history="live",
                              timeout_s=300.0, session_suffix="" if st.virtual else new_session_suffix(),
                              open_loop_cap=None if st.virtual else OPEN_LOOP_CAP)
@@ -231,7 +234,21 @@ def settings_of(args: argparse.Namespace) -> Settings:
                     sessions=args.sessions, seed=args.seed, virtual=not getattr(args, "realtime", False),
                     trace=str(getattr(args, "trace", Settings.trace)),
                     prefill=getattr(args, "prefill", Settings.prefill), decode=getattr(args, "decode", Settings.decode),
-                    gateway_workers=getattr(args, "gateway_workers", Settings.gateway_workers))
+                    gateway_workers=getattr(args, "gateway_workers", Settings.gateway_workers),
+                    tuning=tuple(getattr(args, "tuning", None) or ()))
+
+
+def tuning_pair(text: str) -> tuple[str, Any]:
+    """--tuning KEY=VALUE: true/false for a rule's switch, else a number."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    try:
+        return key, int(value) if value.lstrip("-").isdigit() else float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{key}: expected true, false or a number, got {value!r}") from None
 
 
 def run_job(job: tuple[str, str, float, Settings]) -> dict[str, Any]:
@@ -337,6 +354,10 @@ def _share(x: float | None) -> str:
 
 def render(out: dict[str, Any]) -> str:
     lines = []
+    tuning = (out.get("settings") or {}).get("tuning") or ()
+    if tuning:  # a table of runs with a rule switched on says so
+        lines.append("[gateway.tuning] for every option but colocated: "
+                     + ", ".join(f"{k} = {str(v).lower()}" for k, v in tuning))
     for w, res in out["workloads"].items():
         loads = sorted({r["rate"] for r in res["runs"]})  # a workload's own loads (runs may differ per workload)
         lines.append(f"\n## {w} ({res['sessions']} sessions, {res['turns']} turns at ×1; ×k: k times the users)\n")
@@ -406,6 +427,9 @@ def main() -> int:
     ap.add_argument("--trace", type=Path, default=Path(Settings.trace),
                     help="the trace workload's file, mooncake_trace format (default: the synthetic sample; the "
                          "table in docs/pool.md used the whole published conversation trace)")
+    ap.add_argument("--tuning", type=tuning_pair, action="append", metavar="KEY=VALUE",
+                    help="a [gateway.tuning] override for every option but colocated serving (repeatable), e.g. "
+                         "release_lost_answers=true: a rule under evaluation (docs/placement.md)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
                     help="pool the goodput.json of runs with different --seed into one table and plot")
@@ -423,6 +447,13 @@ def main() -> int:
         ap.error(f"unknown options {sorted(unknown)}; known: {', '.join(OPTIONS)}")
     if not args.realtime and args.speed != Settings.speed:
         ap.error("--speed is for --realtime runs: virtual time is exact at speed 1")
+    if args.tuning:  # a misspelt constant fails now, not in the first run's gateway
+        from kvtether.gateway.config import ConfigError, load_config
+
+        try:
+            load_config(None, nodes=["http://n:1"], tuning=dict(args.tuning))
+        except ConfigError as exc:
+            ap.error(f"--tuning: {exc}")
     out = main_sync(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "goodput.json").write_text(json.dumps(out, indent=1))

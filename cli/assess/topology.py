@@ -26,9 +26,10 @@ client, which the client's clock multiplies by ``speed``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from kvtether.cli.assess.analysis import TurnTiming
@@ -98,19 +99,21 @@ def option_stack_spec(shape: ClusterShape, speed: float) -> StackSpec:
 async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_estimates: bool = True,
                          decode_times: DecodeTimes | None = None,
                          tpot_objective_ms: float | None = None,
-                         ttft_objective_ms: float | None = None, gateway_workers: int = 1) -> AsyncIterator[SimStack]:
+                         ttft_objective_ms: float | None = None, gateway_workers: int = 1,
+                         tuning: Mapping[str, Any] | None = None) -> AsyncIterator[SimStack]:
     """A fresh simulated stack of `shape` for `option` (simstack), yielded: its URL, model name and modelled
     gateway. The gateway keeps the shape's held-KV budget and polls its nodes every 0.5 s; `learn_estimates` off
     keeps the calibrated seeds.
     `decode_times`, when given, watches the nodes that decode (decode and aggregated). `tpot_objective_ms`: the
     TPOT objective (simulated ms) the auto policy holds decode-local turns to (its tpot_budget_s);
     `ttft_objective_ms`: the TTFT objective its look-ahead never trades a turn past (its ttft_objective_s).
-    `gateway_workers`: in virtual time, the gateway processes modelled (cli/simstack/gateway_cost.py)."""
+    `gateway_workers`: in virtual time, the gateway processes modelled (cli/simstack/gateway_cost.py).
+    `tuning`: [gateway.tuning] overrides (a rule under evaluation, say) for every option but colocated serving."""
     # Connections to the nodes: as many as the cluster runs requests (every node's max_num_seqs), twice over for
     # P/D's two legs, as an operator sizes them; the gateway's default (512) would cap the load where the nodes
     # do not (chat at ×64 and more keeps hundreds of answers streaming on three nodes).
     connections = max(512, 2 * (shape.prefill + shape.decode) * shape.preset.max_num_seqs)
-    settings: dict[str, float | bool] = {
+    settings: dict[str, Any] = {
         "held_kv_budget": shape.held_kv_budget if shape.held_kv_budget is not None else 1.0,
         "metrics_poll_interval_s": 0.5, "learn_estimates": learn_estimates,
         "max_connections": connections}
@@ -119,6 +122,8 @@ async def option_gateway(option: str, shape: ClusterShape, speed: float, learn_e
         settings["tpot_budget_s"] = tpot_objective_ms / 1000.0 / speed
     if ttft_objective_ms and option != COLOCATED:
         settings["ttft_objective_s"] = ttft_objective_ms / 1000.0 / speed
+    if tuning and option != COLOCATED:
+        settings["tuning"] = dict(tuning)
     cost = default_cost(aggregated=option == COLOCATED, workers=gateway_workers)
     async with sim_stack(option_stack_spec(shape, speed), option, gateway=settings, gateway_cost=cost) as stack:
         if decode_times is not None and stack.cluster is not None:

@@ -173,3 +173,30 @@ def test_a_run_reports_its_modelled_gateway_and_more_workers_share_its_load() ->
     assert two["gateway_peak_utilisation"] == pytest.approx(one["gateway_peak_utilisation"] / 2, rel=0.05)
     assert one["gateway_peak_utilisation"] > one["gateway_utilisation"]  # ramps up and down in a 33 s run
     assert one["gateway_queue_ms"] == two["gateway_queue_ms"] == {"p50": 0.0, "p99": 0.0, "max": 0.0}
+
+
+def test_a_tuning_override_reaches_the_gateway_of_every_option_but_colocated_serving() -> None:
+    """--tuning KEY=VALUE switches a rule under evaluation on for the runs: true/false for a switch, else a number;
+    colocated serving has no policy to tune."""
+    from kvtether.cli.assess.cluster import build_shape
+    from kvtether.cli.assess.topology import option_gateway
+    from kvtether.gateway.turn.place import policy_knobs
+    from kvtether.sim.virtual import run_virtual
+
+    g = _bench()
+    assert g.tuning_pair("release_lost_answers=true") == ("release_lost_answers", True)
+    assert g.tuning_pair("defer_min_clear_rate=0.3") == ("defer_min_clear_rate", 0.3)
+    assert g.tuning_pair("defer_probe_every=4") == ("defer_probe_every", 4)
+    for bad in ("release_lost_answers", "x=maybe", "=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            g.tuning_pair(bad)
+    shape = build_shape("qwen3-32b-h200-tp8", prefill=1, decode=2)
+
+    async def knob(option: str) -> object:
+        async with option_gateway(option, shape, 1.0, tuning={"release_lost_answers": True}) as stack:
+            return policy_knobs(stack.app.state.gateway.config).release_lost_answers
+
+    assert [run_virtual(knob, o) for o in ("colocated", "auto", "hybrid")] == [False, True, True]
+    # The table of such runs says so (the settings as goodput.json keeps them).
+    out = {"settings": {"tuning": [["release_lost_answers", True]]}, "loads": [1.0], "workloads": {}}
+    assert g.render(out).startswith("[gateway.tuning] for every option but colocated: release_lost_answers = true")
