@@ -41,14 +41,17 @@ constant in gateway/policy/retention.py that orders releases, set on the running
 (10). Compute is not scaled: the
 preset's GPU times stay, so the sessions offer F times the load per simulated second they would unscaled (200
 sessions over 200 s instead of 600 s); at F = 3 the one prefill node is ~45 % busy on average under no-pull
-(~60 % while all sessions are in), at F = 4 it saturated. ``--speed`` S (default 1) is then the simulator's
-clock: the gateway gets every simulated time as simulated / S real seconds (the above, tpot_budget_s and the
-estimator seeds); its /metrics poll stays at 1 real s, its fail-safe timeouts (pull_timeout_s,
-prefill_timeout_s) as configured. Every reported time is *simulated* (client real × S). Why not simply S = 6
-and F = 1: this one Python process runs the engines, the gateway and 200 clients, and its CPU time per streamed
-token weighs S times more against a simulated GPU step of ~6 ms; at S = 6 TPOT came out ~6× the preset's, at
-S = 1 it is the preset's. At the defaults the four runs take ~25 minutes on a 2-core machine: ~5 each, the
-reference run ~9 (its sessions wait for D's memory); the process uses ~30 % of a core. ``--runs`` runs fewer.
+(~60 % while all sessions are in), at F = 4 it saturated.
+
+Clock: by default the run is in virtual time (docs/simulator.md): the clients, the gateway and the simulated
+nodes share one simulated clock, the gateway's CPU is modelled, and every figure is exact and the same on every
+machine; the four runs take about two minutes of CPU. ``--realtime`` runs on the wall clock instead, with
+``--speed`` S (default 1) as the simulator's clock: the gateway gets every simulated time as simulated / S real
+seconds (the above, tpot_budget_s and the estimator seeds); its /metrics poll stays at 1 real s, its fail-safe
+timeouts (pull_timeout_s, prefill_timeout_s) as configured, and every reported time is *simulated* (client real
+× S). There one Python process runs the engines, the gateway and 200 clients, its CPU time per streamed token
+weighs S times more against a simulated GPU step of ~6 ms (at S = 6 TPOT came out ~6× the preset's), and the
+four runs take ~25 minutes on a 2-core machine.
 
 Per run: D's held KV (every ``--sample-s`` simulated s: the distinct blocks of D's retained holds over D's
 blocks, from the engine itself, so a system prompt shared by many holds counts once; and the gateway's own
@@ -57,8 +60,8 @@ on D, D's queue time per P/D decode leg (arrival → its KV read starts), late-t
 ``--late-turn``, client-measured), decode TPOT p95, the reuse rate, handle outcomes and releases by reason.
 
     .venv/bin/python benchmarks/retention.py [--sessions 200] [--decode 2] [--decode-kv-tokens N] [--time-scale 3]
-        [--speed 1] [--final-share 0.5] [--runs no-pull,reference,auto,auto-unlimited] [--json]
-    .venv/bin/python benchmarks/retention.py --quick      # a few sessions, < 60 s
+        [--final-share 0.5] [--runs no-pull,reference,auto,auto-unlimited] [--json] [--realtime [--speed 1]]
+    .venv/bin/python benchmarks/retention.py --quick      # a few sessions, a few seconds
 """
 
 from __future__ import annotations
@@ -568,7 +571,7 @@ def header(args: argparse.Namespace, plans: list[SessionPlan]) -> str:
         f"{both(args.ttl_s - SESSION_TTL_MARGIN_S)}, engine_kv_ttl_s {both(args.ttl_s)}, retention_interval_s "
         f"{both(RETENTION_INTERVAL_S)}, the expected first gap {both(FIRST_GAP_S)}, sweep_interval_s "
         f"{both(SWEEP_S)}; compute is not scaled (the preset's GPU times). "
-        + (f"The run is in virtual time (--virtual): the clients, the gateway and the simulated nodes share one "
+        + (f"The run is in virtual time: the clients, the gateway and the simulated nodes share one "
            f"simulated clock, exact and repeatable; the gateway's /metrics poll every {METRICS_POLL_REAL_S:g} s of "
            f"it. Every reported time is SIMULATED.\n" if args.virtual else
            f"The simulator runs at speed {sp:g} (simulated s per real s): the gateway gets each of those times as "
@@ -614,10 +617,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--time-scale", type=float, default=3.0,
                     help="divide every workload and retention time (arrivals, think times, the engine's TTL, the "
                          "gateway's session TTL, review interval) by this; compute is not scaled")
-    ap.add_argument("--speed", type=float, default=1.0, help="simulated seconds per real second")
-    ap.add_argument("--virtual", action="store_true",
-                    help="run in virtual time (docs/simulator.md): exact and repeatable, the gateway's CPU modelled, "
-                         "taking the CPU the run needs rather than its simulated seconds; the speed is then 1")
+    ap.add_argument("--speed", type=float, default=1.0, help="--realtime: simulated seconds per real second")
+    ap.add_argument("--realtime", action="store_true",
+                    help="run on the wall clock at --speed (default: virtual time, docs/simulator.md: exact and "
+                         "repeatable, the gateway's CPU modelled, taking the CPU the run needs rather than its "
+                         "simulated seconds)")
     ap.add_argument("--sample-s", type=float, default=1.0, help="D's memory is sampled every this many simulated s")
     ap.add_argument("--late-turn", type=int, default=5, help="late turns: this index on (0-based)")
     ap.add_argument("--seed", type=int, default=0)
@@ -625,6 +629,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()) + " (< 60 s)")
     args = ap.parse_args(argv)
+    args.virtual = not args.realtime
     if args.virtual and args.speed != ap.get_default("speed"):
         ap.error("--speed is for runs on the wall clock: virtual time is exact at speed 1")
     if args.quick:

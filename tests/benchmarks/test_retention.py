@@ -40,7 +40,7 @@ def test_sessions_signal_their_end_by_the_flag_and_times_scale_down() -> None:
     assert [p.think_s for p in scaled] == [[t / 4 for t in p.think_s] for p in plans]
     assert scaled[-1].arrive_s == pytest.approx(plans[-1].arrive_s / 4)
     # The gateway gets the retention times ÷ time scale ÷ speed, in its real seconds.
-    settings = bench.gateway_settings("auto", bench.parse_args(["--time-scale", "4", "--speed", "2"]),
+    settings = bench.gateway_settings("auto", bench.parse_args(["--time-scale", "4", "--realtime", "--speed", "2"]),
                                       "qwen3-32b-h200-tp8")
     assert settings["engine_kv_ttl_s"] == pytest.approx(480 / 8)
     assert settings["session_ttl_s"] == pytest.approx(450 / 8)
@@ -57,7 +57,7 @@ def test_an_unknown_run_is_refused_before_anything_runs() -> None:
 
 def test_quick_run_prints_every_run_with_sane_figures(capsys: pytest.CaptureFixture[str]) -> None:
     bench = _bench()
-    bench.main(["--quick", "--json", "--virtual"])
+    bench.main(["--quick", "--json"])
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert "| metric | " + " | ".join(RUNS) + " |" in lines
