@@ -152,8 +152,12 @@ def _tool_call_parts(message: Mapping[str, Any]) -> list[tuple[str, str]]:
         fn = call.get("function", call)
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             raise TemplateError("a tool call needs function.name")
-        args = fn.get("arguments", "{}")
-        if not isinstance(args, str):
+        args = fn.get("arguments")
+        if not args:
+            # vLLM renders missing, null or empty arguments as {} (chat_utils: "if arguments is None or empty
+            # string, set to {}"): a streamed call cut off after its name comes back so, and is resent.
+            args = "{}"
+        elif not isinstance(args, str):
             # Some clients send the arguments as an object; render it the way the parser would return it.
             args = json.dumps(args, ensure_ascii=False)
         parts.append((fn["name"], args))

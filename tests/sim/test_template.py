@@ -210,6 +210,21 @@ def test_glm47_arguments_must_be_a_json_object() -> None:
         render_chat(msgs)  # hermes inserts the text verbatim, whatever it is
 
 
+def test_missing_or_empty_arguments_render_as_an_empty_object_in_both_formats() -> None:
+    """vLLM sets a history call's arguments that are missing, null or "" to {} before the template: a streamed
+    call cut off after its name is resent so, and must not fail the session's next turn."""
+    def with_args(fmt: str, **fn: object) -> str:
+        msgs = [{"role": "user", "content": "u"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", **fn}}]}]
+        return render_chat(msgs, tool_format=fmt)
+
+    for fmt in TOOL_FORMATS:
+        empty = with_args(fmt, arguments="{}")
+        assert (with_args(fmt, arguments="") == with_args(fmt, arguments=None) == with_args(fmt)
+                == with_args(fmt, arguments={}) == empty)
+        assert render_tool_call("f", "{}", fmt) in empty
+
+
 def _first_delta_token(tok: Tokenizer, ids: list[int], fmt: str) -> int:
     parser = ChatOutputParser(tok, tool_format=fmt)
     return next(i for i, t in enumerate(ids) if not parser.push(t).empty())
